@@ -1,0 +1,33 @@
+"""EngineConfig: everything one engine process needs, passed as JSON by its starter."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+WeightCacheMode = Literal["client", "daemon", "off"]
+
+
+class EngineConfig(BaseModel):
+    """One engine (all of its TP ranks). The supervisor fills it; the engine never guesses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,32}$")
+    model_path: str
+    tp_size: int = Field(default=1, ge=1, le=64)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    gpu_ids: list[int] = Field(default_factory=list, description="rank i runs on cuda:gpu_ids[i]")
+    host: str = "127.0.0.1"
+    port: int = Field(ge=0, le=65535)
+    weight_cache_mode: WeightCacheMode = "off"
+    runtime_dir: str
+    control_endpoint: str | None = None
+    incarnation: int = 0
+    kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 16)
+    max_num_seqs: int = Field(default=16, ge=1)
+    max_model_len: int = Field(default=512, ge=16)
+    cuda_graphs: bool = True
+    heartbeat_interval_s: float = Field(default=0.5, gt=0)
+    dist_port: int = Field(default=0, ge=0, le=65535)

@@ -1,0 +1,230 @@
+"""One compact decoder for Llama, Qwen2 and Mistral checkpoints, tensor parallel, KV-cache aware.
+
+Module and parameter names match the HF checkpoints, so a checkpoint key *is* a parameter name.
+
+Forward API (`CausalLM.forward(input_ids, positions, step)`), tokens flattened to one dimension:
+- `Prefill(slot, start)`: one sequence, `T` tokens at positions `start..start+T-1`; its keys and
+  values are written to KV slot `slot` (or nowhere when `slot is None`). Returns the last token's
+  logits `[1, vocab]`, or every token's with `all_logits=True`.
+- `Decode(slot_ids)`: one new token for each of `B` sequences, `positions[i]` the token's position
+  in sequence `slot_ids[i]`. Returns `[B, vocab]`. Shape-static, so it can be captured in a CUDA graph.
+The KV cache is one tensor `[layers, 2, slots, kv_heads_local, max_len, head_dim]` set by
+`allocate_kv_cache`; it is not part of the state dict (it never goes to the weight arena).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .parallel import ShardedLinear, VocabShardedEmbedding, all_gather_last_dim
+from .rope import apply_rope, cos_sin_table
+
+
+@dataclass
+class Prefill:
+    """Prefill one sequence into KV slot `slot` (None: no cache), starting at position `start`."""
+
+    slot: int | None
+    start: int = 0
+
+
+@dataclass
+class Decode:
+    """One decode token per sequence; `slot_ids[i]` is the KV slot of sequence i."""
+
+    slot_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a checkpoint tensor goes: the parameter, and the dimension split across TP ranks."""
+
+    param: str
+    shard_dim: int | None
+    full_shape: tuple[int, ...]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        if args.num_key_value_heads % tp:
+            raise ValueError(f"num_key_value_heads {args.num_key_value_heads} is not divisible by tp_size {tp}")
+        self.heads, self.kv_heads, self.head_dim = (args.num_attention_heads // tp,
+                                                    args.num_key_value_heads // tp, args.head_dim)
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = ShardedLinear(h, args.num_attention_heads * d, args.qkv_bias, 0, tp, dtype, device)
+        self.k_proj = ShardedLinear(h, args.num_key_value_heads * d, args.qkv_bias, 0, tp, dtype, device)
+        self.v_proj = ShardedLinear(h, args.num_key_value_heads * d, args.qkv_bias, 0, tp, dtype, device)
+        self.o_proj = ShardedLinear(args.num_attention_heads * d, h, False, 1, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Prefill | Decode,
+                positions: torch.Tensor, mask: torch.Tensor | None, kv: torch.Tensor | None) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if isinstance(step, Decode):
+            k_cache, v_cache = kv[0], kv[1]
+            k_cache[step.slot_ids, :, positions] = k
+            v_cache[step.slot_ids, :, positions] = v
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k_cache[step.slot_ids], v_cache[step.slot_ids],
+                                                 attn_mask=mask, enable_gqa=True)
+        else:
+            if kv is not None:
+                kv[0, step.slot, :, step.start:step.start + t] = k.transpose(0, 1)
+                kv[1, step.slot, :, step.start:step.start + t] = v.transpose(0, 1)
+            if step.start == 0:
+                keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            else:
+                keys = kv[0, step.slot:step.slot + 1, :, :step.start + t]
+                values = kv[1, step.slot:step.slot + 1, :, :step.start + t]
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
+                                                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            out = out[0].transpose(0, 1)
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = ShardedLinear(h, i, b, 0, tp, dtype, device)
+        self.up_proj = ShardedLinear(h, i, b, 0, tp, dtype, device)
+        self.down_proj = ShardedLinear(i, h, b, 1, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, tp, dtype, device)
+        self.mlp = MLP(args, tp, dtype, device)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+
+    def forward(self, x, cos, sin, step, positions, mask, kv):  # noqa: ANN001, ANN201 (hot path)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, positions, mask, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in HF naming: embeddings, layers, final norm, and the rotary tables (buffers)."""
+
+    def __init__(self, args: ModelArgs, tp_rank: int, tp: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabShardedEmbedding(args.vocab_size, args.hidden_size, tp_rank, tp, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(args, tp, dtype, device) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        half = args.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half, device=device),
+                             persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half, device=device),
+                             persistent=False)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM holding rank `tp_rank` of `tp_size` shards."""
+
+    def __init__(self, args: ModelArgs, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "meta") -> None:
+        super().__init__()
+        self.args, self.tp_rank, self.tp_size, self.dtype = args, tp_rank, tp_size, dtype
+        self.model = DecoderStack(args, tp_rank, tp_size, dtype, device)
+        self.lm_head = ShardedLinear(args.hidden_size, args.vocab_size, False, 0, tp_size, dtype, device)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kv_cache: torch.Tensor | None = None
+
+    # ---- weights -------------------------------------------------------------------------
+    def checkpoint_targets(self) -> dict[str, ShardSpec]:
+        """Checkpoint key -> ShardSpec for every parameter this rank loads (tied ones once)."""
+        targets: dict[str, ShardSpec] = {}
+        for module_name, module in self.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{pname}" if module_name else pname
+                if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                    continue
+                dim = _shard_dim(module, pname)
+                full = list(param.shape)
+                if dim is not None:
+                    full[dim] *= self.tp_size
+                targets[name] = ShardSpec(name, dim, tuple(full))
+        return targets
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Fill the non-persistent buffers (rotary tables) in place, wherever they live."""
+        cos, sin = cos_sin_table(self.args)
+        self.model.rope_cos.copy_(cos)
+        self.model.rope_sin.copy_(sin)
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters one forward pass reads on this rank (tied weights once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    # ---- KV cache ------------------------------------------------------------------------
+    def kv_bytes_per_slot(self, max_len: int, dtype: torch.dtype | None = None) -> int:
+        attn = self.model.layers[0].self_attn
+        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return len(self.model.layers) * 2 * attn.kv_heads * max_len * attn.head_dim * elem
+
+    def allocate_kv_cache(self, num_slots: int, max_len: int, device: torch.device | str,
+                          dtype: torch.dtype | None = None) -> None:
+        attn = self.model.layers[0].self_attn
+        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_slots, attn.kv_heads, max_len,
+                                    attn.head_dim, dtype=dtype or self.dtype, device=device)
+
+    # ---- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: Prefill | Decode,
+                all_logits: bool = False) -> torch.Tensor:
+        stack = self.model
+        x = stack.embed_tokens(input_ids)
+        cos, sin = stack.rope_cos[positions], stack.rope_sin[positions]
+        mask = self._mask(positions, step)
+        use_cache = isinstance(step, Decode) or step.slot is not None
+        for i, layer in enumerate(stack.layers):
+            kv = self.kv_cache[i] if use_cache else None
+            x = layer(x, cos, sin, step, positions, mask, kv)
+        x = stack.norm(x)
+        if isinstance(step, Prefill) and not all_logits:
+            x = x[-1:]
+        return all_gather_last_dim(self.lm_head(x), self.tp_size)
+
+    def _mask(self, positions: torch.Tensor, step: Prefill | Decode) -> torch.Tensor | None:
+        """Boolean attention mask (True = attend), or None where causal SDPA suffices."""
+        if isinstance(step, Decode):
+            max_len = self.kv_cache.shape[4]
+            keys = torch.arange(max_len, device=positions.device)
+            return (keys.unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+        if step.start == 0:
+            return None
+        keys = torch.arange(step.start + positions.shape[0], device=positions.device)
+        return (keys.unsqueeze(0) <= positions.unsqueeze(1))[None, None]
+
+
+def _shard_dim(module: nn.Module, pname: str) -> int | None:
+    if isinstance(module, ShardedLinear):
+        return module.shard_dim if pname == "weight" or module.shard_dim == 0 else None
+    if isinstance(module, VocabShardedEmbedding):
+        return 0
+    return None
