@@ -16,9 +16,10 @@ def load_ours(model_dir: Path):
     """tp=1, float32, CPU: materialise and copy the checkpoint tensors in (test-only loader)."""
     model = build_model(read_model_args(model_dir), device="meta").to_empty(device="cpu")
     params = dict(model.named_parameters())
+    targets = model.checkpoint_targets()
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
-        if name in params:
-            params[name].data.copy_(tensor)
+        spec = targets[name]
+        params[spec.param].data.narrow(0, spec.dst_offset, tensor.shape[0]).copy_(tensor)
     model.init_buffers()
     return model
 

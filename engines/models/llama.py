@@ -21,7 +21,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .parallel import ShardedLinear, VocabShardedEmbedding, all_gather_last_dim
-from .rope import apply_rope, cos_sin_table
+from .rope import apply_rope, cos_sin_table, rope_factors
 
 
 @dataclass
@@ -41,11 +41,25 @@ class Decode:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Where a checkpoint tensor goes: the parameter, and the dimension split across TP ranks."""
+    """Where a checkpoint tensor goes.
+
+    Rank r takes the r-th of tp_size equal slices of the checkpoint tensor along `shard_dim`
+    (None: the whole tensor) and writes it into parameter `param` at rows
+    `dst_offset .. dst_offset + slice.shape[0]` of dim 0. Offsets are non-zero for fused
+    parameters: q/k/v go into one `qkv_proj`, gate/up into one `gate_up_proj`.
+    """
 
     param: str
     shard_dim: int | None
     full_shape: tuple[int, ...]
+    dst_offset: int = 0
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        """Shape of this rank's slice of the checkpoint tensor."""
+        shape = list(self.full_shape)
+        if self.shard_dim is not None:
+            shape[self.shard_dim] //= tp_size
+        return tuple(shape)
 
 
 class RMSNorm(nn.Module):
@@ -55,9 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # As HF: normalise in float32, cast back, then scale (F.rms_norm is one fused kernel).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -68,17 +81,18 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = (args.num_attention_heads // tp,
                                                     args.num_key_value_heads // tp, args.head_dim)
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = ShardedLinear(h, args.num_attention_heads * d, args.qkv_bias, 0, tp, dtype, device)
-        self.k_proj = ShardedLinear(h, args.num_key_value_heads * d, args.qkv_bias, 0, tp, dtype, device)
-        self.v_proj = ShardedLinear(h, args.num_key_value_heads * d, args.qkv_bias, 0, tp, dtype, device)
+        self.q_size, self.kv_size = self.heads * d, self.kv_heads * d
+        qkv_out = (args.num_attention_heads + 2 * args.num_key_value_heads) * d
+        self.qkv_proj = ShardedLinear(h, qkv_out, args.qkv_bias, 0, tp, dtype, device)
         self.o_proj = ShardedLinear(args.num_attention_heads * d, h, False, 1, tp, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Prefill | Decode,
                 positions: torch.Tensor, mask: torch.Tensor | None, kv: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(t, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.kv_heads, self.head_dim)
         if isinstance(step, Decode):
             k_cache, v_cache = kv[0], kv[1]
             k_cache[step.slot_ids, :, positions] = k
@@ -104,12 +118,12 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = ShardedLinear(h, i, b, 0, tp, dtype, device)
-        self.up_proj = ShardedLinear(h, i, b, 0, tp, dtype, device)
+        self.gate_up_proj = ShardedLinear(h, 2 * i, b, 0, tp, dtype, device)
         self.down_proj = ShardedLinear(i, h, b, 1, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -156,19 +170,35 @@ class CausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
     def checkpoint_targets(self) -> dict[str, ShardSpec]:
-        """Checkpoint key -> ShardSpec for every parameter this rank loads (tied ones once)."""
+        """Checkpoint key -> ShardSpec for every tensor this rank loads (tied ones once)."""
         targets: dict[str, ShardSpec] = {}
         for module_name, module in self.named_modules():
+            parent, _, leaf = module_name.rpartition(".")
+            parts = self._fused_parts(leaf)
             for pname, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{pname}" if module_name else pname
                 if name == "lm_head.weight" and self.args.tie_word_embeddings:
                     continue
                 dim = _shard_dim(module, pname)
-                full = list(param.shape)
-                if dim is not None:
-                    full[dim] *= self.tp_size
-                targets[name] = ShardSpec(name, dim, tuple(full))
+                if parts is None:
+                    targets[name] = ShardSpec(name, dim, _full_shape(param.shape, dim, self.tp_size))
+                    continue
+                unit, offset = param.shape[0] // sum(parts.values()), 0
+                for part, units in parts.items():
+                    local = (units * unit, *param.shape[1:])
+                    targets[f"{parent}.{part}.{pname}"] = ShardSpec(
+                        name, dim, _full_shape(local, dim, self.tp_size), offset)
+                    offset += local[0]
         return targets
+
+    def _fused_parts(self, leaf: str) -> dict[str, int] | None:
+        """For a fused module, its checkpoint modules in row order with their relative sizes."""
+        if leaf == "qkv_proj":
+            kv = self.args.num_key_value_heads
+            return {"q_proj": self.args.num_attention_heads, "k_proj": kv, "v_proj": kv}
+        if leaf == "gate_up_proj":
+            return {"gate_proj": 1, "up_proj": 1}
+        return None
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -199,7 +229,7 @@ class CausalLM(nn.Module):
                 all_logits: bool = False) -> torch.Tensor:
         stack = self.model
         x = stack.embed_tokens(input_ids)
-        cos, sin = stack.rope_cos[positions], stack.rope_sin[positions]
+        cos, sin = rope_factors(stack.rope_cos[positions], stack.rope_sin[positions], x.dtype)
         mask = self._mask(positions, step)
         use_cache = isinstance(step, Decode) or step.slot is not None
         for i, layer in enumerate(stack.layers):
@@ -220,6 +250,13 @@ class CausalLM(nn.Module):
             return None
         keys = torch.arange(step.start + positions.shape[0], device=positions.device)
         return (keys.unsqueeze(0) <= positions.unsqueeze(1))[None, None]
+
+
+def _full_shape(local: tuple[int, ...] | torch.Size, dim: int | None, tp_size: int) -> tuple[int, ...]:
+    full = list(local)
+    if dim is not None:
+        full[dim] *= tp_size
+    return tuple(full)
 
 
 def _shard_dim(module: nn.Module, pname: str) -> int | None:

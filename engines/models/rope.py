@@ -36,10 +36,16 @@ def cos_sin_table(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand table rows [tokens, head_dim // 2] to the [tokens, 1, head_dim] factors apply_rope takes.
+
+    Done once per forward pass and shared by every layer (fewer kernels in the decode graph)."""
+    return (torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype),
+            torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] by cos/sin [tokens, head_dim // 2] (HF's rotate_half)."""
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(x.dtype)
+    """Rotate x [tokens, heads, head_dim] by rope_factors' cos/sin (HF's rotate_half)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
