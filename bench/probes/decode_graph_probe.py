@@ -57,3 +57,18 @@ print(json.dumps(dict(weight_GB=wbytes / 1e9, copy_GBps=bw / 1e9, max_len=max_le
 print(f"{'batch':>5} {'eager_ms':>9} {'graph_ms':>9} {'tok/s':>8} {'floor_ms':>8} {'frac':>6} ok")
 for r in rows:
     print(f"{r['batch']:>5} {r['eager_ms']:>9} {r['graph_ms']:>9} {r['tok_s']:>8} {r['floor_ms']:>8} {r['frac_of_floor']:>6} {r['graph_matches_eager']}")
+
+# Where does batch-1 decode time go? Kernel count and summed kernel time from the profiler.
+from torch.profiler import profile, ProfilerActivity
+ids = torch.randint(0, 32000, (1,), device=dev); pos = torch.full((1,), 16, device=dev)
+step = Decode(slot_ids=torch.arange(1, device=dev))
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    model(ids, pos, step); torch.cuda.synchronize()
+evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+tot = sum(e.device_time for e in evs)
+print(f"kernels per decode step: {len(evs)}, summed kernel time {tot/1e3:.3f} ms")
+by = {}
+for e in evs:
+    k = e.name[:60]; c, t = by.get(k, (0, 0)); by[k] = (c + 1, t + e.device_time)
+for k, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:18]:
+    print(f"{c:5d} {t/1e3:8.3f} ms  {k}")
