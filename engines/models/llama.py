@@ -8,7 +8,7 @@ Forward API (`CausalLM.forward(input_ids, positions, step)`), tokens flattened t
   logits `[1, vocab]`, or every token's with `all_logits=True`.
 - `Decode(slot_ids)`: one new token for each of `B` sequences, `positions[i]` the token's position
   in sequence `slot_ids[i]`. Returns `[B, vocab]`. Shape-static, so it can be captured in a CUDA graph.
-The KV cache is one tensor `[layers, 2, slots, kv_heads_local, max_len, head_dim]` set by
+The KV cache is one tensor `[layers, 2, slots, max_len, kv_heads_local, head_dim]` set by
 `allocate_kv_cache`; it is not part of the state dict (it never goes to the weight arena).
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in float32, cast back, then scale (F.rms_norm is one fused kernel).
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # One fused kernel; it accumulates in float32 as HF does (HF also rounds before scaling).
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -81,7 +81,6 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = (args.num_attention_heads // tp,
                                                     args.num_key_value_heads // tp, args.head_dim)
         h, d = args.hidden_size, args.head_dim
-        self.q_size, self.kv_size = self.heads * d, self.kv_heads * d
         qkv_out = (args.num_attention_heads + 2 * args.num_key_value_heads) * d
         self.qkv_proj = ShardedLinear(h, qkv_out, args.qkv_bias, 0, tp, dtype, device)
         self.o_proj = ShardedLinear(args.num_attention_heads * d, h, False, 1, tp, dtype, device)
@@ -89,25 +88,26 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Prefill | Decode,
                 positions: torch.Tensor, mask: torch.Tensor | None, kv: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(t, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+        q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)
+        v = qkv[:, self.heads + self.kv_heads:]
         if isinstance(step, Decode):
-            k_cache, v_cache = kv[0], kv[1]
-            k_cache[step.slot_ids, :, positions] = k
-            v_cache[step.slot_ids, :, positions] = v
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), k_cache[step.slot_ids], v_cache[step.slot_ids],
-                                                 attn_mask=mask, enable_gqa=True)
+            slots, max_len = kv.shape[1], kv.shape[2]
+            rows = step.slot_ids * max_len + positions  # one row per (slot, position)
+            kv[0].view(slots * max_len, self.kv_heads, self.head_dim).index_copy_(0, rows, k)
+            kv[1].view(slots * max_len, self.kv_heads, self.head_dim).index_copy_(0, rows, v)
+            keys = kv[0].index_select(0, step.slot_ids).transpose(1, 2)
+            values = kv[1].index_select(0, step.slot_ids).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
         else:
             if kv is not None:
-                kv[0, step.slot, :, step.start:step.start + t] = k.transpose(0, 1)
-                kv[1, step.slot, :, step.start:step.start + t] = v.transpose(0, 1)
+                kv[0, step.slot, step.start:step.start + t] = k
+                kv[1, step.slot, step.start:step.start + t] = v
             if step.start == 0:
                 keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             else:
-                keys = kv[0, step.slot:step.slot + 1, :, :step.start + t]
-                values = kv[1, step.slot:step.slot + 1, :, :step.start + t]
+                keys = kv[0, step.slot:step.slot + 1, :step.start + t].transpose(1, 2)
+                values = kv[1, step.slot:step.slot + 1, :step.start + t].transpose(1, 2)
             out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
                                                  attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             out = out[0].transpose(0, 1)
@@ -220,7 +220,7 @@ class CausalLM(nn.Module):
     def allocate_kv_cache(self, num_slots: int, max_len: int, device: torch.device | str,
                           dtype: torch.dtype | None = None) -> None:
         attn = self.model.layers[0].self_attn
-        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_slots, attn.kv_heads, max_len,
+        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_slots, max_len, attn.kv_heads,
                                     attn.head_dim, dtype=dtype or self.dtype, device=device)
 
     # ---- forward -------------------------------------------------------------------------
@@ -243,7 +243,7 @@ class CausalLM(nn.Module):
     def _mask(self, positions: torch.Tensor, step: Prefill | Decode) -> torch.Tensor | None:
         """Boolean attention mask (True = attend), or None where causal SDPA suffices."""
         if isinstance(step, Decode):
-            max_len = self.kv_cache.shape[4]
+            max_len = self.kv_cache.shape[3]
             keys = torch.arange(max_len, device=positions.device)
             return (keys.unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
         if step.start == 0:
