@@ -31,3 +31,5 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     dist_port: int = Field(default=0, ge=0, le=65535)
+    served_model_name: str | None = Field(
+        default=None, description="the `model` name clients use; default: the model folder's basename")

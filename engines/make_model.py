@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .models import build_model, read_model_args, torch_dtype
 
@@ -41,7 +41,11 @@ CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE trained on the shipped corpus; deterministic for a given vocab size."""
+    """A byte-level BPE trained on the shipped corpus, padded to `vocab_size` with reserved tokens.
+
+    The corpus yields fewer merges than a large vocabulary has rows; the reserved tokens
+    (`<|reserved_N|>`, plain text when decoded) make every id the model can emit printable.
+    Deterministic for a given vocab size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -50,6 +54,8 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     lines = CORPUS.read_text().splitlines()
     tok.train_from_iterator(lines, trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    tok.add_tokens([AddedToken(f"<|reserved_{i}|>", special=False, normalized=False) for i in range(missing)])
     return tok
 
 
@@ -128,7 +134,7 @@ def make_model(model_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     model_dir.mkdir(parents=True, exist_ok=True)
     for old in model_dir.glob("*.safetensors"):
         old.unlink()
-    tok = train_tokenizer(min(PRESETS[preset]["vocab_size"], 2048))
+    tok = train_tokenizer(PRESETS[preset]["vocab_size"])
     tok.save(str(model_dir / "tokenizer.json"))
     cfg = hf_config(preset, arch, tok)
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

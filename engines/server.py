@@ -1,0 +1,280 @@
+"""OpenAI-compatible HTTP API over an LLMEngine (FastAPI): completions, chat completions, models.
+
+Every bad request gets an OpenAI-style error body `{"error": {"message", "type", "param", "code"}}`
+naming the field; a client that goes away mid-request has its sequences aborted, nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .engine import LLMEngine
+from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta,
+                       ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
+from .sampling import SamplingParams
+from .sequence import Output
+from .tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("engines.server")
+
+
+class APIError(Exception):
+    """A request we refuse; becomes an OpenAI error body with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+class OpenAIServer:
+    """Binds the HTTP routes to one engine, its tokenizer and the served model name(s)."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
+                 vocab_size: int, startup_summary: Callable[[], dict]):
+        self.engine, self.tokenizer, self.max_model_len = engine, tokenizer, max_model_len
+        self.vocab_size = vocab_size  # the model's (embedding rows): every id fed to it must be below
+        self.model_names = model_names
+        self.startup_summary = startup_summary
+        self.created = int(time.time())
+        self.accepting = True
+
+    # ---- request -> sequences --------------------------------------------------------------
+    def _accept(self, name: str) -> None:
+        """Refuse while draining (503) or for a model we do not serve (404)."""
+        if not self.accepting:
+            raise APIError(503, "engine is draining and takes no new requests", type_="service_unavailable",
+                           code="draining")
+        if name not in self.model_names:
+            raise APIError(404, f"model {name!r} does not exist; this engine serves {self.model_names[0]!r}",
+                           "model", code="model_not_found")
+
+    def _prompt_ids(self, prompt) -> list[list[int]]:
+        """Normalise the four OpenAI prompt shapes to token id lists."""
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if prompt and isinstance(prompt[0], int):
+            return [list(prompt)]
+        if prompt and isinstance(prompt[0], str):
+            return [self.tokenizer.encode(p) for p in prompt]
+        return [list(p) for p in prompt]
+
+    def _params(self, req, prompt_len: int, param: str) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty (0 tokens)", param)
+        if room < 1:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {self.max_model_len} "
+                                f"tokens, leaving no room to generate", param, code="context_length_exceeded")
+        max_tokens = room if req.max_tokens is None else req.max_tokens
+        if max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                                f"context of {self.max_model_len} tokens (at most {room} here)", "max_tokens",
+                           code="context_length_exceeded")
+        vocab = self.vocab_size
+        for t in req.stop_token_ids or []:
+            if not 0 <= t < vocab:
+                raise APIError(400, f"stop_token_ids holds {t}, outside the vocabulary 0..{vocab - 1}",
+                               "stop_token_ids")
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                              top_k=req.top_k, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
+                              ignore_eos=req.ignore_eos)
+
+    def _check_ids(self, prompts: list[list[int]], param: str) -> None:
+        vocab = self.vocab_size
+        for p in prompts:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param)
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, index: int,
+                queue: asyncio.Queue) -> int:
+        loop = asyncio.get_running_loop()
+
+        def emit(out: Output) -> None:  # called on the scheduler thread
+            loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+        return self.engine.submit(prompt_ids, params, emit)
+
+    async def _run(self, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, Output]]:
+        """Submit every (prompt, params) job; yield (choice index, Output) until all finish; abort on exit."""
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = [self._submit(p, sp, i, queue) for i, (p, sp) in enumerate(jobs)]
+        live = set(range(len(jobs)))
+        try:
+            while live:
+                index, out = await queue.get()
+                if out.finish_reason is not None:
+                    live.discard(index)
+                yield index, out
+        finally:
+            for i in live:  # the client went away (or we failed): free its slots
+                self.engine.abort(ids[i])
+
+    # ---- endpoints -------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest):
+        self._accept(req.model)
+        prompts = self._prompt_ids(req.prompt)
+        self._check_ids(prompts, "prompt")
+        jobs = [(p, _nth_seed(self._params(req, len(p), "prompt"), j)) for p in prompts for j in range(req.n)]
+        prompt_tokens = sum(len(p) for p in prompts)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(self._completion_chunks(jobs, req.model, rid, created, prompt_tokens, include_usage))
+        texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+        async for i, out in self._run(jobs):
+            texts[i] += out.delta
+            reasons[i], completion[i] = out.finish_reason, out.completion_tokens
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i]) for i in range(len(jobs))]
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
+                      total_tokens=prompt_tokens + sum(completion))
+        return CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+
+    async def _completion_chunks(self, jobs, model: str, rid: str, created: int, prompt_tokens: int,
+                                 include_usage: bool) -> AsyncIterator[str]:
+        completion = [0] * len(jobs)
+        async for i, out in self._run(jobs):
+            completion[i] = out.completion_tokens
+            if out.delta or out.finish_reason:
+                chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
+                    CompletionChoice(index=i, text=out.delta, finish_reason=out.finish_reason)])
+                yield chunk.model_dump_json(exclude=set() if include_usage else {"usage"})
+        if include_usage:
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
+                          total_tokens=prompt_tokens + sum(completion))
+            yield CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump_json()
+
+    async def chat_completions(self, req: ChatCompletionRequest):
+        self._accept(req.model)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        try:
+            prompt = self.tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+        self._check_ids([prompt], "messages")
+        params = self._params(req, len(prompt), "messages")
+        jobs = [(prompt, _nth_seed(params, j)) for j in range(req.n)]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(self._chat_chunks(jobs, req.model, rid, created, len(prompt), include_usage))
+        texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+        async for i, out in self._run(jobs):
+            texts[i] += out.delta
+            reasons[i], completion[i] = out.finish_reason, out.completion_tokens
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=reasons[i])
+                   for i in range(len(jobs))]
+        usage = Usage(prompt_tokens=len(prompt), completion_tokens=sum(completion),
+                      total_tokens=len(prompt) + sum(completion))
+        return ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+
+    async def _chat_chunks(self, jobs, model: str, rid: str, created: int, prompt_tokens: int,
+                           include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices, usage=None) -> str:
+            c = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+            return c.model_dump_json(exclude=set() if include_usage else {"usage"})
+        for i in range(len(jobs)):
+            yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        completion = [0] * len(jobs)
+        async for i, out in self._run(jobs):
+            completion[i] = out.completion_tokens
+            if out.delta or out.finish_reason:
+                delta = Delta(content=out.delta) if out.delta else Delta()
+                yield chunk([ChatChunkChoice(index=i, delta=delta, finish_reason=out.finish_reason)])
+        if include_usage:
+            yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
+                                  total_tokens=prompt_tokens + sum(completion)))
+
+    def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            async for data in chunks:
+                yield f"data: {data}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_names[0], created=self.created,
+                                         max_model_len=self.max_model_len)])
+
+
+def build_app(srv: OpenAIServer) -> FastAPI:
+    """The FastAPI app: routes plus error handlers that speak OpenAI's error format."""
+    app = FastAPI(title="understudy engine", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error')} "
+                                       f"(at character {loc[-1] if loc else '?'})", None, code="invalid_json")
+        where = ".".join(loc) or "body"
+        return error_response(400, f"{where}: {err.get('msg')} (got {_short(err.get('input'))})",
+                              loc[0] if loc else None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.type, exc.code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request to %s failed", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await srv.completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return await srv.chat_completions(req)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return srv.models()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = srv.engine.alive()
+        body = {"status": "ok" if ok else "scheduler loop stalled", **srv.engine.stats(),
+                "draining": not srv.accepting}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/startup")
+    async def startup() -> dict:
+        return srv.startup_summary()
+
+    return app
+
+
+def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of a seeded request uses seed+j: n choices differ, yet each is reproducible."""
+    if params.seed is None or j == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + j)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,32 @@
+"""Weights for one rank through daemon/'s attach: `client`, `daemon` or `off` (DESIGN.md §2)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .models import CausalLM, ModelArgs, build_model, torch_dtype
+
+
+@dataclass
+class RankWeights:
+    """The materialised model of one rank, where its weights came from, and what keeps them mapped."""
+
+    model: CausalLM
+    source: str  # "cache_hit" | "disk:<miss reason>" | "disk:off"
+    timings: dict
+    keepalive: object
+
+
+def load_rank_weights(cfg: EngineConfig, args: ModelArgs, rank: int, device: torch.device) -> RankWeights:
+    """Build this rank's model on meta and fill it from the daemon's arena or from disk."""
+    from daemon.client import attach_or_load
+    from daemon.fingerprint import make_cache_config
+
+    dtype = torch_dtype(cfg.dtype)
+    model = build_model(args, tp_rank=rank, tp_size=cfg.tp_size, dtype=dtype, device="meta")
+    cache_config = make_cache_config(cfg.model_path, tp_rank=rank, tp_size=cfg.tp_size, dtype=cfg.dtype,
+                                     device=str(device))
+    result = attach_or_load(model, cache_config, cfg.weight_cache_mode, cfg.runtime_dir, rank, str(device))
+    return RankWeights(model, result.source, dict(result.timings), result.keepalive)

@@ -1,0 +1,195 @@
+"""A real engine process (weights `off`) through the official `openai` client and raw HTTP; bad input."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from engines.config import EngineConfig
+from engines.launch import EngineProcess
+from engines.startup import PHASES
+from engines.tokenizer import Tokenizer
+
+MAX_LEN = 512
+EXTRA = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-api")
+    cfg = EngineConfig(name="api", model_path=str(tiny_model), port=0, runtime_dir=str(tmp / "rt"),
+                       weight_cache_mode="off", max_model_len=MAX_LEN, max_num_seqs=8)
+    proc = EngineProcess(cfg, tmp / "engine.log")
+    proc.wait_ready(60)
+    yield proc
+    assert proc.stop() == 0, "SIGTERM must drain and exit 0"
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> openai.OpenAI:
+    return openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_model) -> str:
+    return tiny_model.name
+
+
+def greedy(client, model_name, prompt: str, n: int = 24, **kw) -> openai.types.Completion:
+    return client.completions.create(model=model_name, prompt=prompt, max_tokens=n, temperature=0,
+                                     extra_body=EXTRA, **kw)
+
+
+def test_completion_non_streaming(client, model_name, tiny_model) -> None:
+    r = greedy(client, model_name, "The quick brown fox")
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    prompt_tokens = len(Tokenizer(tiny_model).encode("The quick brown fox"))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+           (prompt_tokens, 24, prompt_tokens + 24)
+
+
+def test_completion_streaming_matches_non_streaming(client, model_name) -> None:
+    full = greedy(client, model_name, "Once upon a time").choices[0].text
+    chunks = list(greedy(client, model_name, "Once upon a time", stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+
+
+def test_chat_streaming_and_not(client, model_name) -> None:
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+    r = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=16, temperature=0,
+                                       extra_body=EXTRA)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
+    stream = list(client.chat.completions.create(model=model_name, messages=msgs, max_tokens=16, temperature=0,
+                                                 extra_body=EXTRA, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == r.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_output_streaming_and_not(client, model_name) -> None:
+    full = greedy(client, model_name, "In a hole in the ground", n=40).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[:full.index(stop)]
+    r = greedy(client, model_name, "In a hole in the ground", n=40, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    streamed = list(greedy(client, model_name, "In a hole in the ground", n=40, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_seeded_sampling_reproducible_and_n_choices(client, model_name) -> None:
+    kw = dict(model=model_name, prompt="Hello", max_tokens=12, temperature=1.0, top_p=0.9, seed=11, extra_body=EXTRA)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    r = client.completions.create(model=model_name, prompt="Hello", max_tokens=8, temperature=0, n=3,
+                                  extra_body=EXTRA)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.text for c in r.choices}) == 1 and r.usage.completion_tokens == 24
+
+
+def test_concurrent_streams_are_batched_and_match_sequential(client, model_name, engine) -> None:
+    prompts = [f"Story number {i} begins" for i in range(8)]
+    sequential = [greedy(client, model_name, p, n=32).choices[0].text for p in prompts]
+    steps_before = httpx.get(engine.url + "/health").json()["steps"]
+
+    def stream(p: str) -> str:
+        return "".join(c.choices[0].text for c in greedy(client, model_name, p, n=32, stream=True))
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(stream, prompts))
+    assert concurrent == sequential
+    steps = httpx.get(engine.url + "/health").json()["steps"] - steps_before
+    assert steps < 8 * 32, f"{steps} steps for 8x32 tokens: requests were not batched"
+
+
+def test_models_health_startup(engine, client, model_name) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [model_name] and models[0].max_model_len == MAX_LEN
+    health = httpx.get(engine.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    startup = httpx.get(engine.url + "/startup").json()
+    assert list(startup["phases"]) == list(PHASES)
+    assert startup["weights_source"] == "disk:off"
+    assert startup["total_s"] == pytest.approx(sum(startup["phases"].values()), abs=1e-3)
+
+
+BAD_REQUESTS = [
+    ("completions", "{not json", 400, None, "not valid JSON"),
+    ("completions", {"model": "no-such-model", "prompt": "x"}, 404, "model", "does not exist"),
+    ("completions", {"prompt": "x"}, 400, "model", "Field required"),
+    ("completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"model": "M", "prompt": "x", "max_tokens": MAX_LEN}, 400, "max_tokens", "exceeds the context"),
+    ("completions", {"model": "M", "prompt": [5] * (MAX_LEN + 10)}, 400, "prompt", "leaving no room"),
+    ("completions", {"model": "M", "prompt": [99999]}, 400, "prompt", "outside the vocabulary"),
+    ("completions", {"model": "M", "prompt": "x", "n": 17}, 400, "n", "less than or equal to 16"),
+    ("completions", {"model": "M", "prompt": "x", "best_of": 99}, 400, "best_of", "less than or equal to 16"),
+    ("completions", {"model": "M", "prompt": "x", "n": 2, "best_of": 4}, 400, None, "best_of (4) must equal n"),
+    ("completions", {"model": "M", "prompt": "x", "temperature": -0.5}, 400, "temperature", "greater than"),
+    ("completions", {"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature", "valid number"),
+    ("completions", {"model": "M", "prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ("completions", {"model": "M", "prompt": "x", "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
+    ("completions", {"model": "M", "prompt": "x", "top_k": -3}, 400, "top_k", "greater than or equal to -1"),
+    ("completions", {"model": "M", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ("completions", {"model": "M", "prompt": "x", "stop_token_ids": [70000]}, 400, "stop_token_ids", "outside"),
+    ("completions", [1, 2, 3], 400, None, "valid dictionary"),
+    ("chat/completions", {"model": "M", "messages": []}, 400, "messages", "at least 1 item"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "role"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages", "only text parts"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_LEN},
+     400, "max_tokens", "exceeds the context"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,message", BAD_REQUESTS,
+                         ids=[f"{i}-{b[0]}-{b[3]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_openai_error_and_engine_keeps_serving(engine, client, model_name, path, body, status, param,
+                                                               message) -> None:
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": model_name}
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{engine.url}/v1/{path}", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == param and err["type"]
+    assert greedy(client, model_name, "still there?", n=2).choices[0].finish_reason == "length"
+
+
+def test_client_disconnect_mid_stream_aborts_only_that_sequence(engine, client, model_name) -> None:
+    before = httpx.get(engine.url + "/health").json()
+    body = {"model": model_name, "prompt": "Go on forever", "max_tokens": MAX_LEN - 16, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", engine.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: {") for line in got)
+    deadline = time.monotonic() + 10
+    while (h := httpx.get(engine.url + "/health").json())["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert h["running"] == 0 and h["waiting"] == 0
+    assert h["served"] == before["served"], "the sequence ran to completion instead of being aborted"
+    assert greedy(client, model_name, "next one", n=3).usage.completion_tokens == 3
+
+
+def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:
+    cases = {
+        "no-model": ({"model_path": str(tmp_path / "missing")}, "missing: checkpoint folder does not exist"),
+        "tiny-kv": ({"kv_cache_bytes": 1 << 16}, "kv_cache_bytes=65536 cannot hold one sequence"),
+    }
+    procs = {}
+    for name, (override, _) in cases.items():
+        fields = {"name": name, "model_path": str(tiny_model), "port": 0, "runtime_dir": str(tmp_path / "rt")}
+        cfg = EngineConfig(**{**fields, **override})
+        procs[name] = EngineProcess(cfg, tmp_path / f"{name}.log")
+    for name, (_, message) in cases.items():
+        assert procs[name].proc.wait(60) == 3
+        log = (tmp_path / f"{name}.log").read_text()
+        assert f"engine {name}: failed to start:" in log and message in log, log

@@ -1,0 +1,152 @@
+"""In-process engine parts on the tiny checkpoint: tokenizer, sampler, stop rules, continuous batching."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from daemon.loader import load_checkpoint_into
+from engines.engine import LLMEngine
+from engines.models import build_model, read_model_args
+from engines.runner import KVBudgetError, ModelRunner
+from engines.sampling import Sampler, SamplingParams, make_generator
+from engines.sequence import Sequence
+from engines.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+
+PROMPTS = ["The quick brown fox", "Hello", "In a hole in the ground there lived", "a b c d e f g", "Once upon"]
+
+
+def make_engine(model_dir, max_num_seqs: int = 8, max_len: int = 128) -> LLMEngine:
+    args = read_model_args(model_dir)
+    model = build_model(args, device="meta")
+    model.to_empty(device="cpu")
+    load_checkpoint_into(model, model_dir)
+    runner = ModelRunner(model, torch.device("cpu"))
+    runner.allocate_kv_cache(1 << 30, max_len, max_num_seqs, reserve_pad_slot=False)
+    return LLMEngine(runner, Tokenizer(model_dir), max_len, max_num_seqs)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model) -> Tokenizer:
+    return Tokenizer(tiny_model)
+
+
+# ---- tokenizer ------------------------------------------------------------------------------
+def test_bos_added_once_as_the_checkpoint_says(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello world")
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert tok.encode(tok.bos_token + "Hello world").count(tok.bos_token_id) == 1
+    assert tok.decode(ids) == "Hello world"
+    assert tok.eos_token_ids == {tok.tok.token_to_id("<|end_of_text|>"), tok.tok.token_to_id("<|im_end|>")}
+
+
+def test_chat_template_renders_roles_and_generation_prompt(tok: Tokenizer) -> None:
+    text = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert text == "<|begin_of_text|><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+
+
+def test_chat_template_errors_are_chat_template_errors(tiny_model, tmp_path) -> None:
+    import json
+    import shutil
+    for f in ("tokenizer.json", "config.json"):
+        shutil.copy(tiny_model / f, tmp_path / f)
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    t = Tokenizer(tmp_path)
+    with pytest.raises(ChatTemplateError, match="first must be user"):
+        t.apply_chat_template([{"role": "assistant", "content": "x"}])
+
+
+def test_incremental_detokenizer_waits_for_whole_characters(tok: Tokenizer) -> None:
+    text = "naïve café 日本語 ✓ done"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [tok.bos_token_id])
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+# ---- sampler --------------------------------------------------------------------------------
+def test_sampler_greedy_topk1_and_tiny_topp_all_pick_argmax() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=1.5, top_p=1e-6), SamplingParams(temperature=0.7, top_k=1, top_p=0.5)]
+    gens = [make_generator(i, "cpu") for i in range(4)]
+    assert Sampler()(logits, params, gens) == logits.argmax(-1).tolist()
+
+
+def test_sampler_seed_reproducible_and_topk_respected() -> None:
+    logits = torch.zeros(1, 100)
+    logits[0, :5] = torch.tensor([5.0, 4.9, 4.8, 4.7, 4.6])
+    p = SamplingParams(temperature=1.0, top_k=3)
+    draws = [Sampler()(logits, [p], [make_generator(7, "cpu")])[0] for _ in range(3)]
+    assert len(set(draws)) == 1, "same seed must give the same token"
+    g = make_generator(123, "cpu")
+    many = {Sampler()(logits, [p], [g])[0] for _ in range(200)}
+    assert many <= {0, 1, 2} and len(many) > 1
+
+
+# ---- sequences and batching -----------------------------------------------------------------
+def test_stop_string_cut_and_held_back(tok: Tokenizer) -> None:
+    outs = []
+    seq = Sequence([tok.bos_token_id], SamplingParams(max_tokens=50, stop=["brown f"]), tok, set(), 1000, outs.append)
+    for t in tok.encode("the quick brown fox jumps", add_special_tokens=False):
+        seq.append(t)
+        if seq.finish_reason:
+            break
+    assert seq.finish_reason == "stop"
+    assert "".join(o.delta for o in outs) == "the quick "
+    assert outs[-1].finish_reason == "stop" and all(o.finish_reason is None for o in outs[:-1])
+
+
+def test_stop_token_ids_and_max_tokens(tok: Tokenizer) -> None:
+    outs = []
+    seq = Sequence([0], SamplingParams(max_tokens=3, stop_token_ids=[42]), tok, set(), 1000, outs.append)
+    seq.append(7)
+    seq.append(42)
+    assert seq.finish_reason == "stop" and outs[-1].completion_tokens == 2
+    seq2 = Sequence([0], SamplingParams(max_tokens=2), tok, set(), 1000, lambda o: None)
+    seq2.append(7)
+    seq2.append(8)
+    assert seq2.finish_reason == "length"
+
+
+def test_batched_and_unbatched_greedy_tokens_match(tiny_model) -> None:
+    engine = make_engine(tiny_model, max_num_seqs=8)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    together = engine.generate(prompts, params)
+    assert together == alone
+    assert all(len(t) == 24 for t in together)
+
+
+def test_requests_join_and_leave_between_steps_and_reuse_slots(tiny_model) -> None:
+    """Two slots, five staggered requests of different lengths: same tokens as one at a time."""
+    engine = make_engine(tiny_model, max_num_seqs=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    lengths = [5, 17, 9, 12, 3]
+    alone = [engine.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+             for p, n in zip(prompts, lengths)]
+    seqs = []
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        seq = Sequence(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), engine.tokenizer, set(),
+                       engine.max_model_len, lambda o: None)
+        engine.scheduler.add(seq)
+        seqs.append(seq)
+        for _ in range(i + 1):  # the next request arrives while earlier ones are mid-decode
+            engine.step()
+        assert len(engine.scheduler.running) <= 2
+    while engine.scheduler.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == alone
+    assert sorted(engine.scheduler.free_slots) == [0, 1]
+
+
+def test_kv_budget_too_small_is_a_clear_error(tiny_model) -> None:
+    args = read_model_args(tiny_model)
+    runner = ModelRunner(build_model(args, device="meta"), torch.device("cpu"))
+    with pytest.raises(KVBudgetError, match="kv_cache_bytes=65536 cannot hold one sequence of max_model_len=1024"):
+        runner.allocate_kv_cache(65536, 1024, 4, reserve_pad_slot=False)

@@ -1,0 +1,96 @@
+"""Weight modes `client` (hit and miss) and `daemon`, TP=1 and TP=2, with real daemons and engines."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from daemon.runtime_dir import ensure_private_dir
+from engines.config import EngineConfig
+from engines.launch import EngineProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The weights came from"
+
+
+def start_daemon(model: Path, rank: int, tp: int, runtime_dir: Path, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        return subprocess.Popen([sys.executable, "-m", "daemon", "--model", str(model), "--rank", str(rank),
+                                 "--tp-size", str(tp), "--device", "cpu", "--runtime-dir", str(runtime_dir)],
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+
+def daemons_of(runtime_dir: Path) -> list[psutil.Process]:
+    """Daemon processes serving `runtime_dir` (started by an engine in `daemon` mode)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "daemon" in cmd and str(runtime_dir) in cmd:
+            found.append(p)
+    return found
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-modes")
+    rt = {k: ensure_private_dir(tmp / f"rt-{k}") for k in ("hit", "miss", "own", "tp2")}
+    daemons = [start_daemon(tiny_model, 0, 1, rt["hit"], tmp / "daemon-hit.log")]
+    daemons += [start_daemon(tiny_model, r, 2, rt["tp2"], tmp / f"daemon-tp2-{r}.log") for r in (0, 1)]
+    specs = {"hit": ("client", 1), "miss": ("client", 1), "own": ("daemon", 1), "tp2": ("client", 2)}
+    procs = {}
+    try:
+        for key, (mode, tp) in specs.items():
+            cfg = EngineConfig(name=f"m-{key}", model_path=str(tiny_model), port=0, runtime_dir=str(rt[key]),
+                               weight_cache_mode=mode, tp_size=tp, max_model_len=256, max_num_seqs=4)
+            procs[key] = EngineProcess(cfg, tmp / f"engine-{key}.log")
+        for p in procs.values():
+            p.wait_ready(120)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.signal_group(signal.SIGTERM)
+        for d in daemons:
+            d.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.stop(10)
+        for d in daemons:
+            d.wait(10)
+        for d in daemons_of(rt["own"]):
+            os.killpg(d.pid, signal.SIGTERM)
+            d.wait(10)
+
+
+def generate(proc: EngineProcess, model: str) -> tuple[str, str]:
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model=model, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    return text, streamed
+
+
+@pytest.mark.parametrize("key,source", [("hit", "cache_hit"), ("miss", "disk:no_daemon"), ("own", "cache_hit"),
+                                        ("tp2", "cache_hit")])
+def test_weight_source_and_openai_client(engines, tiny_model, key, source) -> None:
+    proc = engines[key]
+    assert proc.ready["weights_source"] == source
+    startup = httpx.get(proc.url + "/startup").json()
+    assert startup["weights_source"] == source and startup["phases"]["weights"] > 0
+    text, streamed = generate(proc, tiny_model.name)
+    assert text and streamed == text
+    # every mode serves the same model: the disk-loaded engine is the reference
+    assert text == generate(engines["miss"], tiny_model.name)[0]
+    if proc.cfg.tp_size == 2:  # rank 1 mapped its own daemon's arena too
+        assert "rank 1 weights: cache_hit" in proc.log_path.read_text()
+
+
+def test_daemon_mode_starts_a_detached_daemon(engines) -> None:
+    own = daemons_of(Path(engines["own"].cfg.runtime_dir))
+    assert len(own) == 1
+    assert os.getpgid(own[0].pid) != os.getpgid(engines["own"].pid), "the daemon must not die with the engine"
