@@ -1,0 +1,1 @@
+"""`understudy chaos`: load, faults, events and an SLO report against a running supervisor."""

@@ -1,0 +1,6 @@
+"""`python -m supervisor.chaos ...` = `understudy chaos ...`."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

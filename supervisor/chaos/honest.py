@@ -1,0 +1,95 @@
+"""Compare the supervisor's /metrics deltas over the run with what the client observed."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .events import Event, FailoverEvent
+from .metrics_text import Histogram, MetricsSnapshot
+from .schema import ChaosReport, MetricComparison
+from .stats import percentile, relative_difference
+
+P = "understudy_"
+
+
+def compare(name: str, supervisor: float | None, client: float | None, tol: float, note: str = "",
+            comparable: bool = True) -> MetricComparison:
+    """One comparison; agree is None when either side is missing."""
+    if supervisor is None or client is None:
+        return MetricComparison(name=name, supervisor=supervisor, client=client, comparable=comparable,
+                                note=note or "one side missing")
+    diff = relative_difference(supervisor, client)
+    return MetricComparison(name=name, supervisor=supervisor, client=client, relative_diff=diff,
+                            agree=diff <= tol, comparable=comparable, note=note)
+
+
+def honest_metrics(before: MetricsSnapshot | None, after: MetricsSnapshot | None, report: ChaosReport,
+                   events: Sequence[Event], tol: float) -> list[MetricComparison]:
+    """Failover, recovery, cache and router figures from both sides (deltas over the run)."""
+    if before is None or after is None:
+        return [MetricComparison(name="metrics", supervisor=None, client=None,
+                                 note="/metrics was not scraped at both ends of the run")]
+
+    def delta(sample: str, **labels: str) -> float | None:
+        return after.increase_since(before, sample, **labels)
+
+    out = [compare("failovers (count)", delta(f"{P}failovers_total"), float(report.failovers_observed), tol,
+                   "client: primary changes it was served across (distinct epoch headers - 1); "
+                   "back-to-back failovers with no request between them are seen as one")]
+    fo = [o.failover_s for o in report.faults if o.failover_s is not None]
+    out += _histogram("failover_seconds", before, after, fo, tol,
+                      "not the same span: the supervisor times detection -> new primary serving; the "
+                      "client times the fault -> first response from the new primary (adds detection "
+                      "and one request)", comparable=False)
+    ev_secs = [e.seconds for e in events if isinstance(e, FailoverEvent) and e.seconds is not None
+               and report.started_at <= e.ts <= report.ended_at]
+    if ev_secs:
+        out.append(compare("failover_seconds (mean) vs failover events", _hist(before, after, "failover_seconds").mean,
+                           sum(ev_secs) / len(ev_secs), tol, "the supervisor's histogram vs its own events"))
+    engine = [o for o in report.faults if o.kind not in ("promote", "rollout")
+              and o.target_role in ("primary", "standby") and o.recovery_s is not None]
+    out.append(compare("recoveries (count)", delta(f"{P}recovery_seconds_count"), float(len(engine)), tol,
+                       "client: engine kills/stops followed by a READY replacement"))
+    gaps = [o.detection_s for o in engine if o.detection_s is not None]
+    gap = sum(gaps) / len(gaps) if gaps else None
+    hung = [o for o in engine if o.kind.startswith("stop")]
+    note = ("supervisor times failure detected -> replacement READY; the client times the fault -> READY "
+            f"event; mean detection {'unknown' if gap is None else f'{gap * 1000:.1f} ms'}")
+    if hung:
+        note += f"; {len(hung)} SIGSTOP fault(s) are detected by heartbeat timeout, so the spans differ"
+    out += _histogram("recovery_seconds", before, after, [o.recovery_s for o in engine], tol, note,  # type: ignore[misc]
+                      comparable=not hung)
+    out.append(compare("weight cache hits", delta(f"{P}weight_cache_requests_total", result="hit"),
+                       float(report.cache.hits), tol, "client: engine starts seen in /status polls with cache_hit"))
+    out.append(compare("weight cache misses", delta(f"{P}weight_cache_requests_total", result="miss"),
+                       float(report.cache.misses), tol, "client: engine starts seen in /status polls with disk:*"))
+    req = report.requests.all
+    out.append(compare("router requests", delta(f"{P}router_requests_total"), float(req.sent), tol,
+                       "client: requests sent (the router also counts other clients' requests)"))
+    out.append(compare("router 200 responses", delta(f"{P}router_requests_total", code="200"), float(req.succeeded),
+                       tol, "a 200 whose stream broke later counts as a client failure"))
+    out.append(compare("router retries", delta(f"{P}router_retries_total"),
+                       None if req.retried is None else float(req.retried), tol,
+                       "client: responses with a retries header > 0" if req.retried is not None
+                       else "the router sets no retries header: the client cannot count retries"))
+    return out
+
+
+def _hist(before: MetricsSnapshot, after: MetricsSnapshot, name: str) -> Histogram:
+    return after.histogram(f"{P}{name}").minus(before.histogram(f"{P}{name}"))
+
+
+def _histogram(name: str, before: MetricsSnapshot, after: MetricsSnapshot, client: list[float], tol: float,
+               note: str, comparable: bool = True) -> list[MetricComparison]:
+    if not after.has(f"{P}{name}_count"):
+        return [compare(f"{name} (mean)", None, None, tol, f"{P}{name} not exported")]
+    h = _hist(before, after, name)
+    cmean = sum(client) / len(client) if client else None
+    p99 = compare(f"{name} (p99)", h.quantile(0.99), percentile(client, 99), tol, comparable=comparable)
+    bucket = h.bucket_of(0.99)
+    if bucket is not None and p99.client is not None:
+        lo, hi = bucket
+        inside = lo * (1 - tol) <= p99.client <= hi * (1 + tol)
+        p99.agree = bool(p99.agree) or inside
+        p99.note = (f"supervisor p99 lies in the bucket ({lo:g}, {hi:g}] s; the client's p99 is "
+                    f"{'inside' if inside else 'OUTSIDE'} it (+-{tol:.0%})")
+    return [compare(f"{name} (mean)", h.mean, cmean, tol, note, comparable=comparable), p99]
