@@ -1,0 +1,62 @@
+"""`python -m daemon` / `understudy daemon`: run one rank's weight cache daemon in the foreground."""
+from __future__ import annotations
+
+import argparse
+import os
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from .runtime_dir import RuntimeDirError, default_runtime_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="understudy daemon",
+                                description="Hold one rank's weights in an arena and share it with engines.")
+    p.add_argument("--model", required=True, help="HF checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank this daemon holds")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--gpu-id", type=int, default=None, help="GPU of this rank (default: the rank)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--runtime-dir", default=str(default_runtime_dir()))
+    p.add_argument("--threads", type=int, default=None, help="reader threads for the cold load")
+    p.add_argument("--max-load-mbps", type=float, default=None,
+                   help="cap the cold-load read rate (MB/s), to rehearse slow disks")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the daemon until SIGTERM, then exit the process: 0 after SIGTERM, 1 if loading failed,
+    2 on bad arguments or a live daemon on the same rank (returns 2 only for bad arguments)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s daemon[rank{args.rank}] %(levelname)s %(message)s")
+    from .server import DaemonAlreadyRunning, DaemonConfig, WeightDaemon
+
+    try:
+        cfg = DaemonConfig(model_path=args.model, rank=args.rank, tp_size=args.tp_size, device=args.device,
+                           gpu_id=args.gpu_id, dtype=args.dtype, runtime_dir=args.runtime_dir,
+                           threads=args.threads, max_load_mbps=args.max_load_mbps)
+        if cfg.rank >= cfg.tp_size:
+            raise ValueError(f"--rank {cfg.rank} is outside 0..{cfg.tp_size - 1} (--tp-size {cfg.tp_size})")
+        daemon = WeightDaemon(cfg)
+    except ValidationError as e:
+        first = e.errors()[0]
+        print(f"understudy daemon: bad argument {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
+        return 2
+    except (RuntimeDirError, ValueError, OSError) as e:
+        print(f"understudy daemon: {e}", file=sys.stderr)
+        return 2
+    try:
+        code = daemon.run()
+    except (DaemonAlreadyRunning, OSError) as e:
+        print(f"understudy daemon: {e}", file=sys.stderr)
+        code = 2
+    # Exit now: reader threads of an interrupted load must not delay a SIGTERM exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

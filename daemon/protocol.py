@@ -1,0 +1,102 @@
+"""Wire messages of the daemon socket (pydantic; sent as JSON frames by daemon/framing.py).
+
+Requests carry `op`; replies carry `type` (`ok`, `mismatch`, `loading`, `error`).
+An `attach` answered `ok` also passes two fds: the arena, and a sealed memfd holding the manifest
+(a manifest of 100k tensors does not fit in one frame).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from .fingerprint import CacheConfig
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Hello(_Msg):
+    op: Literal["hello"] = "hello"
+    protocol: int = PROTOCOL_VERSION
+    client: str = ""
+
+
+class Attach(_Msg):
+    op: Literal["attach"] = "attach"
+    fingerprint: CacheConfig
+
+
+class Status(_Msg):
+    op: Literal["status"] = "status"
+
+
+class Ping(_Msg):
+    op: Literal["ping"] = "ping"
+
+
+Request = Annotated[Union[Hello, Attach, Status, Ping], Field(discriminator="op")]
+REQUEST = TypeAdapter(Request)
+
+
+class Progress(_Msg):
+    """How far the arena has been filled."""
+
+    bytes_done: int = 0
+    bytes_total: int = 0
+    elapsed_s: float = 0.0
+    gbps: float = 0.0
+
+
+class DaemonInfo(_Msg):
+    """What `hello`, `status` and `ping` report about the daemon."""
+
+    pid: int
+    rank: int
+    state: Literal["starting", "loading", "ready", "failed"]
+    transport: Literal["cpu", "cuda"]
+    protocol: int = PROTOCOL_VERSION
+    fingerprint: CacheConfig | None = None
+    resident_bytes: int = 0
+    tensors: int = 0
+    progress: Progress = Progress()
+    load_seconds: float | None = None
+    attaches: int = 0
+    error: str | None = None
+
+
+class ArenaHandle(_Msg):
+    """How to map the arena fd (fds[0]); fds[1] holds the manifest JSON."""
+
+    transport: Literal["cpu", "cuda"]
+    size: int
+    manifest_bytes: int
+
+
+class Ok(_Msg):
+    type: Literal["ok"] = "ok"
+    daemon: DaemonInfo
+    arena: ArenaHandle | None = None
+
+
+class Mismatch(_Msg):
+    type: Literal["mismatch"] = "mismatch"
+    fields: list[str]
+    fingerprint: CacheConfig
+
+
+class Loading(_Msg):
+    type: Literal["loading"] = "loading"
+    progress: Progress
+
+
+class Error(_Msg):
+    type: Literal["error"] = "error"
+    message: str
+
+
+Reply = Annotated[Union[Ok, Mismatch, Loading, Error], Field(discriminator="type")]
+REPLY = TypeAdapter(Reply)
