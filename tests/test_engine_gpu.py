@@ -1,6 +1,7 @@
 """CUDA paths of the engine (H200): decode through CUDA graphs, an engine process on the GPU, spawn + CUDA."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import openai
+import httpx
 import pytest
 import torch
 
@@ -16,6 +17,20 @@ from engines.bench import graphs_match_eager
 from engines.config import EngineConfig
 from engines.launch import EngineProcess, wait_for_ready_line
 from engines.spawn_client import SpawnClient
+
+def complete(base_url: str, stream: bool = False, **body) -> str:
+    """One completion over plain HTTP (the GPU image has no `openai` package; CPU tests use it)."""
+    if not stream:
+        reply = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,10 +48,9 @@ def test_engine_on_cuda_serves_with_graphs_and_spawns_after_fork(tiny_model, tmp
     proc = EngineProcess(cfg, tmp_path / "gpu.log")
     try:
         ready = proc.wait_ready(120)
-        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
-        kw = dict(model=tiny_model.name, prompt="Hello", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-        text = client.completions.create(**kw).choices[0].text
-        assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == text
+        kw = dict(model=tiny_model.name, prompt="Hello", max_tokens=16, temperature=0, ignore_eos=True)
+        text = complete(proc.url, **kw)
+        assert complete(proc.url, stream=True, **kw) == text
         assert "CUDA graphs: [1, 2, 4, 8]" in (tmp_path / "gpu.log").read_text()
         assert ready["weights_source"] == "disk:off"
     finally:
@@ -52,8 +66,7 @@ def test_engine_on_cuda_serves_with_graphs_and_spawns_after_fork(tiny_model, tmp
         with SpawnClient(str(sock)) as spawn:
             pid = spawn.spawn(cfg.model_copy(update={"name": "gpu2"}), str(tmp_path / "gpu2.log"))
             ready = wait_for_ready_line(tmp_path / "gpu2.log", 120, lambda: spawn.wait(pid))
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{ready['port']}/v1", api_key="unused")
-            assert client.completions.create(**kw).choices[0].text == text
+            assert complete(f"http://127.0.0.1:{ready['port']}", **kw) == text
     finally:
         if pid is not None:
             try:
