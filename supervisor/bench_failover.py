@@ -1,0 +1,163 @@
+"""`understudy bench failover`: SIGKILL the primary under steady load, N times; report the time from
+the kill to the first success served by the new primary (p50/p99) and count failed requests.
+
+It starts its own supervisor (the given config, or the embedded default) with a private runtime
+dir and free ports, so it never touches a production instance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+def bench_config(path: str | None, workdir: Path, args: argparse.Namespace) -> str:
+    """The user's config with a private runtime dir, free ports, and no flapping limit."""
+    from supervisor.config_load import load_config
+    cfg = load_config(path).model_dump()
+    cfg["runtime_dir"] = str(workdir / "rt")
+    cfg["router"]["port"] = 0
+    cfg["admin"]["port"] = 0
+    cfg["admin"]["token_file"] = None
+    cfg["failover"]["flap_max"] = max(cfg["failover"]["flap_max"], 4 * args.runs + 10)
+    if args.preset:
+        cfg["model"]["preset"] = args.preset
+    if args.device:
+        cfg["device"] = args.device
+    if args.model:
+        cfg["model"]["path"] = args.model
+    return yaml.safe_dump(cfg)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from supervisor.testing import Harness, Load
+    workdir = Path(tempfile.mkdtemp(prefix="understudy-bench-"))
+    h = Harness(workdir, bench_config(args.config, workdir, args), notify=False)
+    kill_to_success: list[float] = []
+    failover_s: list[float] = []
+    recovery_s: list[float] = []
+    sources: list[str] = []
+    try:
+        h.wait_booted(args.boot_timeout)
+        st = h.wait_all_ready(args.boot_timeout)
+        model = st["model"]["name"]
+        overhead = router_overhead(h, model, args.overhead_requests, args.max_tokens) if args.overhead_requests else {}
+        _log(args, f"ready: {st['model']['path']} on {st['model']['device']}; {args.runs} runs, "
+                   f"{args.concurrency} clients, {args.max_tokens} tokens per request")
+        with Load(h.router_url, model, threads=args.concurrency, max_tokens=args.max_tokens) as load:
+            for i in range(args.runs):
+                h.wait_all_ready(args.boot_timeout)
+                time.sleep(args.settle)
+                old, new = h.primary(), h.standby()
+                mark = len(h.events)
+                t_kill = time.monotonic()
+                got, when = load.watch(new["name"], t_kill)
+                os.killpg(old["pid"], signal.SIGKILL)
+                if not got.wait(60):
+                    raise RuntimeError(f"run {i}: no success from {new['name']} within 60 s")
+                t = when[0]
+                kill_to_success.append(t - t_kill)
+                ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
+                failover_s.append(ev["seconds"])
+                rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"],
+                                   since=mark, timeout_s=args.boot_timeout)
+                recovery_s.append(rec["seconds"])
+                sources.append(rec.get("weights_source") or "")
+                _log(args, f"run {i + 1}/{args.runs}: kill -> first success {1000 * (t - t_kill):.1f} ms "
+                           f"(supervisor failover {1000 * ev['seconds']:.2f} ms, replacement READY in "
+                           f"{rec['seconds']:.2f} s, {rec.get('weights_source')})")
+        requests, failed = len(load.results), len(load.failures)
+        return {
+            "bench": "failover", "runs": args.runs, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+            "device": st["model"]["device"], "model": st["model"]["path"], "dtype": st["model"]["dtype"],
+            "kill_to_first_success_ms": _summary([x * 1000 for x in kill_to_success]),
+            "supervisor_failover_ms": _summary([x * 1000 for x in failover_s]),
+            "replacement_ready_s": _summary(recovery_s),
+            "replacement_cache_hits": sum(s == "cache_hit" for s in sources),
+            "requests": requests, "failed_requests": failed, "router_overhead_ms": overhead,
+            "failures": [str(f[2]) for f in load.failures[:5]],
+        }
+    finally:
+        h.stop()
+
+
+def router_overhead(h, model: str, n: int, max_tokens: int) -> dict[str, float]:
+    """Median latency through the router minus calling the primary directly (interleaved, no load)."""
+    import httpx
+    direct_url = h.primary()["url"]
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0.0}
+    times: dict[str, list[float]] = {"direct": [], "router": []}
+    with httpx.Client(timeout=60) as c:
+        for i in range(n + 10):
+            for name, url in (("direct", direct_url), ("router", h.router_url)):
+                t = time.perf_counter()
+                c.post(url + "/v1/completions", json=body).raise_for_status()
+                if i >= 10:  # warm-up
+                    times[name].append(time.perf_counter() - t)
+    d, r = statistics.median(times["direct"]) * 1000, statistics.median(times["router"]) * 1000
+    return {"direct_median": round(d, 3), "router_median": round(r, 3), "added_median": round(r - d, 3),
+            "requests": n}
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    return {"p50": round(percentile(xs, 50), 3), "p99": round(percentile(xs, 99), 3),
+            "mean": round(statistics.fmean(xs), 3), "max": round(max(xs), 3), "min": round(min(xs), 3)}
+
+
+def _log(args: argparse.Namespace, msg: str) -> None:
+    print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="understudy bench failover", description=__doc__.splitlines()[0])
+    p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
+    p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
+    p.add_argument("--model", help="checkpoint folder (overrides model.path)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--concurrency", type=int, default=2, help="clients sending back-to-back requests")
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--overhead-requests", type=int, default=100,
+                   help="interleaved direct/router requests to measure router overhead (0: skip)")
+    p.add_argument("--settle", type=float, default=0.5, help="seconds of steady load before each kill")
+    p.add_argument("--boot-timeout", type=float, default=900.0)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.concurrency < 1:
+        p.error("--runs and --concurrency must be >= 1")
+    res = run(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        k = res["kill_to_first_success_ms"]
+        print(f"kill -> first success by the new primary: p50 {k['p50']:.1f} ms, p99 {k['p99']:.1f} ms "
+              f"(max {k['max']:.1f}); supervisor failover p50 {res['supervisor_failover_ms']['p50']:.2f} ms; "
+              f"failed requests {res['failed_requests']} of {res['requests']}; "
+              f"replacements from cache {res['replacement_cache_hits']}/{res['runs']}")
+        if res["router_overhead_ms"]:
+            o = res["router_overhead_ms"]
+            print(f"router overhead: median {o['added_median']:.2f} ms added ({o['router_median']:.2f} ms via the "
+                  f"router vs {o['direct_median']:.2f} ms direct)")
+    return 0 if res["failed_requests"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

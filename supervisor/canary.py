@@ -1,0 +1,106 @@
+"""Semantic readiness: a fixed greedy completion through the engine's real HTTP path, compared
+with the golden answer recorded for this fingerprint (the first engine to pass records it)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class CanaryResult:
+    ok: bool
+    text: str | None = None
+    token_ids: list[int] | None = None
+    error: str | None = None
+
+
+async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                     timeout_s: float) -> CanaryResult:
+    """POST /v1/completions (greedy); ok=False with an error on any transport or format problem."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
+    try:
+        r = await client.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return CanaryResult(False, error=f"{type(e).__name__}: {e}".rstrip(": "))
+    if r.status_code != 200:
+        return CanaryResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        choice = r.json()["choices"][0]
+        text = choice["text"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return CanaryResult(False, error=f"unexpected completion body: {r.text[:200]}")
+    ids = choice.get("token_ids")
+    return CanaryResult(True, text=text, token_ids=ids if isinstance(ids, list) else None)
+
+
+async def is_listening(client: httpx.AsyncClient, url: str) -> bool:
+    """Whether the engine's HTTP server answers (/health, else /v1/models)."""
+    for path in ("/health", "/v1/models"):
+        try:
+            r = await client.get(f"{url}{path}", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        if r.status_code == 200:
+            return True
+        if r.status_code != 404:
+            return False
+    return False
+
+
+def model_fingerprint(model_path: str, **fields: Any) -> str:
+    """Key for golden answers: the checkpoint files' identity (name, size, mtime, inode) plus the
+    settings that change the numbers (dtype, tp, device, canary prompt)."""
+    h = hashlib.sha256()
+    root = Path(model_path)
+    if root.is_dir():
+        for f in sorted(root.iterdir()):
+            if f.is_file():
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}\n".encode())
+    h.update(json.dumps({"model_path": str(root.resolve()) if root.exists() else model_path, **fields},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:24]
+
+
+class GoldenStore:
+    """``{runtime_dir}/golden/{fingerprint}.json`` (0600, atomic)."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.dir = runtime_dir / "golden"
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.dir / f"{key}.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def record(self, key: str, result: CanaryResult, engine: str) -> dict[str, Any]:
+        """Record the golden answer unless another engine did first; returns the stored one."""
+        existing = self.get(key)
+        if existing is not None:
+            return existing
+        data = {"text": result.text, "token_ids": result.token_ids, "recorded_by": engine}
+        tmp = self.dir / f".{key}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.dir / f"{key}.json")
+        return data
+
+
+def compare(golden: dict[str, Any], result: CanaryResult) -> str | None:
+    """None if the canary matches the golden answer, else a one-line reason."""
+    if golden.get("token_ids") is not None and result.token_ids is not None:
+        if golden["token_ids"] != result.token_ids:
+            return f"canary mismatch: expected token ids {golden['token_ids']}, got {result.token_ids}"
+        return None
+    if golden.get("text") != result.text:
+        return f"canary mismatch: expected {golden.get('text')!r}, got {result.text!r}"
+    return None

@@ -1,0 +1,88 @@
+"""`understudy`: the console script. Subcommands that belong to other packages are imported lazily,
+so `understudy status` stays fast (no torch import)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+DELEGATED = {
+    "chaos": "supervisor.chaos.cli",
+    "make-model": "engines.make_model",
+    "daemon": "daemon.cli",
+}
+BENCH = {"attach": "daemon.bench", "load": "daemon.bench", "decode": "engines.bench",
+         "restart": "engines.bench", "failover": "supervisor.bench_failover"}
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    try:
+        mod = import_module(module)
+    except ModuleNotFoundError as e:
+        print(f"understudy: {module} is not available ({e})", file=sys.stderr)
+        return 2
+    rc = mod.main(argv)
+    return int(rc or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="understudy", description="Failover layer for LLM inference servers.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    s = sub.add_parser("serve", help="run the supervisor in the foreground (systemd Type=notify)")
+    s.add_argument("-c", "--config", help="YAML config (default: the embedded default)")
+    s.add_argument("--check", action="store_true", help="validate the config and exit")
+    for name, help_ in (("status", "show engines, roles, daemons, failovers"),
+                        ("promote", "planned switchover to the READY standby"),
+                        ("drain", "fail /readyz so the load balancer moves traffic away"),
+                        ("undrain", "undo drain"),
+                        ("rollout", "restart every engine in turn, zero failed requests"),
+                        ("restart", "restart one engine (resets FATAL)")):
+        a = sub.add_parser(name, help=help_)
+        a.add_argument("-c", "--config", help="the config the supervisor runs with (admin URL, token)")
+        a.add_argument("--json", action="store_true", help="print the raw JSON reply")
+        if name == "restart":
+            a.add_argument("engine")
+            a.add_argument("--force", action="store_true", help="restart the primary even without a READY standby")
+    for name, help_ in (("chaos", "fault injection (see `understudy chaos -h`)"),
+                        ("bench", "benchmarks: attach | load | decode | restart | failover"),
+                        ("make-model", "write a random HF checkpoint (DIR --preset tiny|small|1b)"),
+                        ("daemon", "run one rank's weight cache daemon in the foreground")):
+        sub.add_parser(name, help=help_, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return _delegate(DELEGATED[argv[0]], argv[1:])
+    if argv and argv[0] == "bench":
+        if len(argv) < 2 or argv[1] not in BENCH:
+            print(f"usage: understudy bench {{{'|'.join(BENCH)}}} ...", file=sys.stderr)
+            return 2
+        return _delegate(BENCH[argv[1]], argv[1:] if BENCH[argv[1]] != "supervisor.bench_failover" else argv[2:])
+    ns = build_parser().parse_args(argv)
+    if ns.cmd == "serve":
+        if ns.check:
+            from supervisor.config_load import ConfigError, load_config
+            try:
+                load_config(ns.config)
+            except ConfigError as e:
+                print(f"understudy: invalid config: {e}", file=sys.stderr)
+                return 2
+            print("config OK")
+            return 0
+        from supervisor.serve import serve
+        return serve(ns.config)
+    from supervisor.admin_client import run_command
+    if ns.cmd == "status":
+        return run_command(ns.config, "GET", "/status", ns.json)
+    paths = {"promote": "/admin/promote", "drain": "/admin/drain", "undrain": "/admin/undrain",
+             "rollout": "/admin/rollout"}
+    if ns.cmd == "restart":
+        return run_command(ns.config, "POST", f"/admin/engines/{ns.engine}/restart" + ("?force=true" if ns.force else ""),
+                           ns.json)
+    return run_command(ns.config, "POST", paths[ns.cmd], ns.json, timeout_s=3600.0 if ns.cmd == "rollout" else 60.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""UnderstudyConfig: the single source of config truth (DESIGN.md §8, uvicorn style).
+
+Loading and error formatting live in ``supervisor/config_load.py``; this file is only the schema.
+Every section forbids unknown keys, so a typo is an error with its path, not a silent default.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """The checkpoint every engine serves."""
+
+    path: str | None = Field(default=None, description="HF checkpoint folder; null = built-in model made under cache_dir")
+    preset: Literal["tiny", "small", "1b"] = Field(default="tiny", description="preset made when path is null")
+    name: str | None = Field(default=None, description="model id on /v1/models; null = folder name")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tp_size: int = Field(default=1, ge=1, le=64)
+
+
+def template_fields(port: int, model: str, name: str, model_name: str, gpu_ids: list[int]) -> dict[str, str]:
+    """The placeholders an external engine's command and URL templates may use."""
+    return {"port": str(port), "model": model, "name": name, "model_name": model_name,
+            "gpu_ids": ",".join(map(str, gpu_ids))}
+
+
+class ExternalEngine(_Section):
+    """An engine we start by command template and talk to by URL (vLLM, SGLang, ...)."""
+
+    command: str = Field(min_length=1, description="no shell; {port} {model} {name} {model_name} {gpu_ids} are filled")
+    url: str = Field(default="http://127.0.0.1:{port}", description="base URL template")
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("command", "url")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        import shlex
+        fields = template_fields(1, "m", "n", "m", [0])
+        try:
+            for part in shlex.split(v):
+                part.format(**fields)
+        except KeyError as e:
+            raise ValueError(f"unknown placeholder {{{e.args[0]}}} (known: {', '.join(fields)}; "
+                             "write {{ and }} for literal braces)") from None
+        except ValueError as e:
+            raise ValueError(f"not a valid template: {e}") from None
+        return v
+
+
+class EnginesSection(_Section):
+    """The engine slots: one primary, the others standby."""
+
+    count: int = Field(default=2, ge=1, le=16)
+    names: list[str] | None = Field(default=None, description="slot names; default a, b, c, ...")
+    kind: Literal["builtin", "external"] = "builtin"
+    spawn: Literal["server", "direct"] = Field(default="server", description="fork from the spawn server, or exec python -m engines")
+    weight_cache_mode: Literal["client", "daemon", "off"] = "client"
+    kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 16)
+    max_num_seqs: int = Field(default=16, ge=1)
+    max_model_len: int = Field(default=512, ge=16)
+    cuda_graphs: bool = True
+    heartbeat_interval_s: float = Field(default=0.5, gt=0)
+    external: ExternalEngine | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnginesSection":
+        if self.names is not None:
+            if len(self.names) != self.count:
+                raise ValueError(f"names: expected {self.count} names (engines.count), got {len(self.names)}")
+            if len(set(self.names)) != len(self.names):
+                raise ValueError("names: expected unique names")
+        if self.kind == "external" and self.external is None:
+            raise ValueError("external: required when kind is 'external'")
+        return self
+
+    def slot_names(self) -> list[str]:
+        """Slot names, explicit or a, b, c..."""
+        return list(self.names) if self.names else [chr(ord("a") + i) for i in range(self.count)]
+
+
+class DaemonsSection(_Section):
+    """The per-rank weight cache daemons."""
+
+    enabled: bool = True
+    load_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class FailoverSection(_Section):
+    """Detection, hold and restart policy."""
+
+    heartbeat_timeout_s: float = Field(default=5.0, gt=0)
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    probe_interval_s: float = Field(default=5.0, gt=0)
+    probe_timeout_s: float = Field(default=10.0, gt=0)
+    probe_failures: int = Field(default=2, ge=1)
+    hold_timeout_s: float = Field(default=30.0, gt=0)
+    retry_after_s: int = Field(default=5, ge=1)
+    drain_timeout_s: float = Field(default=30.0, gt=0)
+    stop_timeout_s: float = Field(default=10.0, gt=0)
+    backoff_base_s: float = Field(default=0.5, gt=0)
+    backoff_max_s: float = Field(default=30.0, gt=0)
+    flap_window_s: float = Field(default=120.0, gt=0)
+    flap_max: int = Field(default=5, ge=1)
+
+
+class CanarySection(_Section):
+    """The fixed greedy completion that decides readiness."""
+
+    prompt: str = Field(default="The quick brown fox", min_length=1)
+    max_tokens: int = Field(default=4, ge=1, le=64)
+
+
+class ListenSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+
+class RouterSection(ListenSection):
+    """The data plane."""
+
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    max_connections: int = Field(default=1024, ge=1)
+
+
+class AdminSection(ListenSection):
+    """The admin API."""
+
+    port: int = Field(default=8001, ge=0, le=65535)
+    token_file: str | None = Field(default=None, description="null = {runtime_dir}/admin.token")
+
+
+class UnderstudyConfig(_Section):
+    """Everything `understudy serve` needs."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gpu_ids: list[int] = Field(default_factory=list, description="rank i on cuda:gpu_ids[i]; empty = 0..tp-1")
+    runtime_dir: str | None = Field(default=None, description="null = $XDG_RUNTIME_DIR/understudy or /tmp/understudy-$UID")
+    cache_dir: str | None = Field(default=None, description="null = $XDG_CACHE_HOME/understudy or ~/.cache/understudy")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    model: ModelSection = Field(default_factory=ModelSection)
+    engines: EnginesSection = Field(default_factory=EnginesSection)
+    daemons: DaemonsSection = Field(default_factory=DaemonsSection)
+    failover: FailoverSection = Field(default_factory=FailoverSection)
+    canary: CanarySection = Field(default_factory=CanarySection)
+    router: RouterSection = Field(default_factory=RouterSection)
+    admin: AdminSection = Field(default_factory=AdminSection)
+
+    @model_validator(mode="after")
+    def _check(self) -> "UnderstudyConfig":
+        r, a = self.router, self.admin
+        if r.port and r.port == a.port and r.host == a.host:
+            raise ValueError(f"admin.port: expected a port other than router.port, got {a.port}")
+        if self.gpu_ids and len(self.gpu_ids) < self.model.tp_size:
+            raise ValueError(f"gpu_ids: expected at least model.tp_size={self.model.tp_size} ids, got {self.gpu_ids}")
+        return self
+
+    # ---- derived values (never stored back) ----
+    def resolved_runtime_dir(self) -> Path:
+        if self.runtime_dir:
+            return Path(self.runtime_dir).expanduser()
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        return Path(xdg) / "understudy" if xdg else Path(f"/tmp/understudy-{os.getuid()}")
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        return (Path(xdg) if xdg else Path.home() / ".cache") / "understudy"
+
+    def resolved_token_file(self) -> Path:
+        return Path(self.admin.token_file).expanduser() if self.admin.token_file else self.resolved_runtime_dir() / "admin.token"
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except Exception:  # torch missing or broken: CPU is always possible
+            return "cpu"
+
+    def resolved_gpu_ids(self) -> list[int]:
+        return list(self.gpu_ids) if self.gpu_ids else list(range(self.model.tp_size))

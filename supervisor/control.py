@@ -1,0 +1,67 @@
+"""Control channel to engines: a zmq ROUTER the engines' DEALERs connect to (docs/CONTRACTS.md)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+log = logging.getLogger("understudy.control")
+
+
+class EngineMessage(BaseModel):
+    """One message from an engine; extra fields (steps, phases, ...) are kept."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    engine: str
+    incarnation: int
+    pid: int | None = None
+    ts: float | None = None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return (self.model_extra or {}).get(key, default)
+
+
+class ControlChannel:
+    """ROUTER at ``ipc://{runtime_dir}/control.sock``; ``recv`` yields parsed EngineMessages."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, path: str) -> None:
+        self.endpoint = f"ipc://{path}"
+        if os.path.exists(path):
+            os.unlink(path)
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        old = os.umask(0o077)
+        try:
+            self._sock.bind(self.endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+
+    async def recv(self) -> EngineMessage | None:
+        """Next valid message; malformed ones are logged and answered with None."""
+        frames = await self._sock.recv_multipart()
+        try:
+            data = json.loads(frames[-1])
+            return EngineMessage.model_validate(data)
+        except (ValueError, ValidationError) as e:
+            log.warning("malformed control message from %r: %s", frames[0][:64], str(e).splitlines()[0])
+            return None
+
+    async def send(self, name: str, incarnation: int, obj: dict[str, Any]) -> bool:
+        """Send a command to ``name:incarnation``; False if that engine is not connected."""
+        try:
+            await self._sock.send_multipart([f"{name}:{incarnation}".encode(), json.dumps(obj).encode()], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            log.warning("cannot send %s to %s:%d: %s", obj, name, incarnation, e)
+            return False
+
+    def close(self) -> None:
+        self._sock.close(0)

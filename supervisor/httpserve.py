@@ -1,0 +1,47 @@
+"""uvicorn servers inside our loop: sockets bound by us first (clear 'port in use' before any child
+starts; port 0 works), and no uvicorn signal handling (the supervisor owns signals)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+from typing import Iterator
+
+import uvicorn
+
+
+class BindError(Exception):
+    pass
+
+
+def bind_tcp(host: str, port: int, what: str) -> socket.socket:
+    """A listening socket, or BindError naming the address and who it is for."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the proto says
+    # TCP; with proto 0, Nagle + delayed ACK add ~40 ms to every response.
+    s = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+        s.listen(2048)
+    except OSError as e:
+        s.close()
+        why = "port is already in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise BindError(f"{what}: cannot listen on {host}:{port}: {why}") from None
+    s.set_inheritable(False)
+    return s
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn.Server that leaves signal handling to the supervisor loop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_server(app, sock: socket.socket, log_level: str) -> QuietServer:
+    """A server for ``app`` on the pre-bound ``sock``."""
+    cfg = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                         timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    return QuietServer(cfg)

@@ -1,0 +1,159 @@
+"""Starting children: our own processes (daemons, spawn server, direct or external engines) and
+engines forked by the spawn server. Every child gets its own session, so its pid is its group."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from supervisor.pidwatch import try_reap
+
+log = logging.getLogger("understudy.launch")
+
+
+class ProcHandle(Protocol):
+    """A started process group whose leader is ``pid``."""
+
+    pid: int
+
+    async def returncode(self) -> int | None:
+        """Exit status once the process has exited (negative = signal); None if unknown."""
+
+
+def open_log(path: Path) -> int:
+    """Append-mode log fd, 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+
+class PopenHandle:
+    """A child of ours, started with subprocess in a new session."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        fd = open_log(log_path)
+        try:
+            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
+                                          start_new_session=True, env=env, close_fds=True)
+        finally:
+            os.close(fd)
+        self.pid = self.popen.pid
+        self.argv = argv
+
+    async def returncode(self) -> int | None:
+        for _ in range(50):  # the pidfd said it exited; waitpid succeeds at once or very soon
+            rc = self.popen.poll()
+            if rc is not None:
+                return rc
+            await asyncio.sleep(0.01)
+        return None
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with this interpreter (the venv's)."""
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env() -> dict[str, str]:
+    """Our environment, minus systemd's notify variables (only the supervisor talks to systemd),
+    plus the repo on PYTHONPATH so ``-m engines`` works without an install."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class SpawnClient:
+    """Client of the engine spawn server (frames as daemon/framing.py, one connection per call)."""
+
+    def __init__(self, path: Path, timeout_s: float = 30.0) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+
+    def _call_sync(self, obj: dict[str, Any]) -> dict[str, Any]:
+        from daemon.framing import recv_frame, send_frame
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(self.timeout_s)
+            s.connect(str(self.path))
+            send_frame(s, obj)
+            reply, fds = recv_frame(s)
+            for fd in fds:
+                os.close(fd)
+            return reply
+
+    async def call(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self._call_sync, obj)
+
+    async def wait_ready(self, timeout_s: float, alive: "PopenHandle") -> None:
+        """Ping until the server answers; raise RuntimeError if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            if alive.popen.poll() is not None:
+                raise RuntimeError(f"spawn server exited during start ({alive.popen.returncode})")
+            try:
+                if (await self.call({"op": "ping"})).get("ok"):
+                    return
+            except (OSError, ImportError, ValueError) as e:
+                last = str(e)
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"spawn server did not answer within {timeout_s:.0f}s ({last})")
+
+    async def spawn(self, config_json: dict[str, Any], log_path: Path) -> "SpawnedHandle":
+        reply = await self.call({"op": "spawn", "config": config_json, "log_path": str(log_path)})
+        if not reply.get("ok"):
+            raise RuntimeError(f"spawn server refused: {reply.get('error', reply)}")
+        return SpawnedHandle(int(reply["pid"]), self)
+
+
+class SpawnedHandle:
+    """An engine forked by the spawn server (its child, or ours once adopted as subreaper)."""
+
+    def __init__(self, pid: int, client: SpawnClient) -> None:
+        self.pid = pid
+        self.client = client
+
+    async def returncode(self) -> int | None:
+        for _ in range(50):
+            try:
+                reply = await self.client.call({"op": "wait", "pid": self.pid})
+                if reply.get("ok") and reply.get("returncode") is not None:
+                    return int(reply["returncode"])
+            except (OSError, ValueError, ImportError):
+                pass  # spawn server gone: we adopted the orphan
+            rc = try_reap(self.pid)
+            if rc is not None:
+                return rc
+            await asyncio.sleep(0.02)
+        return None
+
+
+def kill_group(pid: int, sig: int = signal.SIGKILL) -> bool:
+    """Signal the process group led by ``pid``; False if it no longer exists."""
+    try:
+        os.killpg(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError as e:
+        log.error("cannot signal group %d: %s", pid, e)
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process still lives in group ``pgid`` (zombies do not count)."""
+    import psutil
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False

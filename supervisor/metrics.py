@@ -1,0 +1,49 @@
+"""Prometheus metrics (DESIGN.md §5 names, prefix ``understudy_``), on a registry of our own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_SLOW = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    """All supervisor metrics; ``render()`` is the /metrics body."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.failovers = Counter("understudy_failovers", "Primary switches, by reason", ["reason"], registry=r)
+        self.failover_seconds = Histogram("understudy_failover_seconds",
+                                          "Failure detected -> new primary serving", buckets=_FAST, registry=r)
+        self.recovery_seconds = Histogram("understudy_recovery_seconds",
+                                          "Failure -> replacement engine READY (recovery SLO)", buckets=_SLOW, registry=r)
+        self.weight_cache = Counter("understudy_weight_cache_requests", "Engine weight attaches by result",
+                                    ["result", "reason"], registry=r)
+        self.startup_phase = Histogram("understudy_engine_startup_phase_seconds", "Engine startup phases",
+                                       ["phase"], buckets=_FAST + (60, 120, 300), registry=r)
+        self.active_engines = Gauge("understudy_active_engines", "Engines serving as primary (alert when != 1)", registry=r)
+        self.standby_ready = Gauge("understudy_standby_ready", "READY standby engines", registry=r)
+        self.router_requests = Counter("understudy_router_requests", "Data-plane responses by status code",
+                                       ["code"], registry=r)
+        self.router_retries = Counter("understudy_router_retries", "Requests retried on another primary", registry=r)
+        self.router_hold = Histogram("understudy_router_hold_seconds", "Time requests waited for a primary",
+                                     buckets=_FAST, registry=r)
+        self.daemon_resident = Gauge("understudy_daemon_resident_bytes", "Bytes held by each rank's daemon",
+                                     ["rank"], registry=r)
+        self.engine_state = Gauge("understudy_engine_state", "1 for the current state of each engine slot",
+                                  ["engine", "state"], registry=r)
+        self.epoch = Gauge("understudy_epoch", "Primary epoch", registry=r)
+
+    def count_weights_source(self, source: str) -> None:
+        """cache_hit -> hit; disk:<reason> -> miss with that reason."""
+        if source == "cache_hit":
+            self.weight_cache.labels(result="hit", reason="").inc()
+        elif source.startswith("disk:"):
+            self.weight_cache.labels(result="miss", reason=source[5:][:120]).inc()
+
+    def set_engine_state(self, engine: str, state: str, all_states: list[str]) -> None:
+        for s in all_states:
+            self.engine_state.labels(engine=engine, state=s).set(1 if s == state else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,81 @@
+"""Child exits as loop events: one pidfd per process, read by the asyncio loop (no SIGCHLD games)."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+from typing import Callable
+
+log = logging.getLogger("understudy.pidwatch")
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def watch_exit(loop: asyncio.AbstractEventLoop, pid: int, on_exit: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``on_exit(pid)`` from the loop once ``pid`` has exited; returns a cancel function.
+
+    Works for any process (not only our children): a pidfd becomes readable when the process
+    terminates. A pid that is already gone is reported on the next loop iteration.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        handle = loop.call_soon(on_exit, pid)
+        return handle.cancel
+
+    def _ready() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        on_exit(pid)
+
+    loop.add_reader(fd, _ready)
+
+    def cancel() -> None:
+        try:
+            loop.remove_reader(fd)
+            os.close(fd)
+        except (OSError, ValueError):
+            pass
+
+    return cancel
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (engines whose spawn server died), so their exit codes stay ours."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+def try_reap(pid: int) -> int | None:
+    """Reap ``pid`` if it is our exited child; its subprocess-style returncode, else None."""
+    from supervisor.exitstatus import returncode_from_wait_status
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return returncode_from_wait_status(status) if got == pid else None
+
+
+def reap_orphans(known: set[int]) -> list[tuple[int, int | None]]:
+    """Reap exited children that nobody else waits for (adopted orphans); returns (pid, rc)."""
+    import psutil
+    out = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return out
+    for child in children:
+        if child.pid in known:
+            continue
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        rc = try_reap(child.pid)
+        out.append((child.pid, rc))
+    return out

@@ -1,0 +1,61 @@
+"""Who gets the traffic: the current primary (URL, name, epoch), the drained flag, and a way for
+requests to wait for a primary instead of failing during a failover."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Upstream:
+    url: str
+    name: str
+    epoch: int
+
+
+class RoutingTable:
+    """Written by the supervisor loop, read by the router; both run in the same loop."""
+
+    def __init__(self) -> None:
+        self.primary: Upstream | None = None
+        self.drained = False
+        self.stopping = False
+        self.not_ready_reason = "starting: no engine READY yet"
+        self._changed = asyncio.Event()
+
+    def set_primary(self, up: Upstream | None, reason: str = "") -> None:
+        """Switch traffic (None = hold requests); wakes every waiting request."""
+        self.primary = up
+        if up is None:
+            self.not_ready_reason = reason or "no primary"
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def stop(self) -> None:
+        """The supervisor is stopping: held requests get their 503 now instead of at the deadline."""
+        self.stopping = True
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_primary(self, deadline: float, not_epoch: int | None = None,
+                           settle_s: float | None = None) -> Upstream | None:
+        """The primary once there is one (with an epoch other than ``not_epoch``, or the same one
+        after ``settle_s``); None at ``deadline`` (monotonic)."""
+        retry_same_at = time.monotonic() + settle_s if settle_s is not None else None
+        while True:
+            if self.stopping:
+                return None
+            p = self.primary
+            now = time.monotonic()
+            if p is not None and (not_epoch is None or p.epoch != not_epoch
+                                  or (retry_same_at is not None and now >= retry_same_at)):
+                return p
+            wake = min(deadline, retry_same_at) if retry_same_at is not None else deadline
+            if now >= deadline:
+                return None
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=max(wake - now, 0.001))
+            except asyncio.TimeoutError:
+                if time.monotonic() >= deadline:
+                    return None

@@ -1,0 +1,47 @@
+"""`understudy serve`: config -> checks -> Supervisor.run(); boot errors exit non-zero with one line."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from supervisor.config_load import ConfigError, load_config
+
+log = logging.getLogger("understudy")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s understudy %(levelname)s %(message)s")
+    for noisy in ("httpx", "httpcore", "uvicorn.error"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def serve(config_path: str | None) -> int:
+    """Run the supervisor in the foreground; the process exit code."""
+    from supervisor.arbiter import BootError, Supervisor
+    from supervisor.httpserve import BindError
+    from supervisor.model_prep import ModelError, resolve_model
+    from supervisor.token import TokenError
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        print(f"understudy: invalid config: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    try:
+        if cfg.engines.kind == "builtin":
+            model_path, device = resolve_model(cfg), cfg.resolved_device()
+        else:  # an external engine resolves its own model (a folder or a hub id), passed as {model}
+            model_path = Path(cfg.model.path or cfg.model.name or "external")
+            device = cfg.device if cfg.device != "auto" else "external"
+        sup = Supervisor(cfg, model_path, device)
+        sup.prepare()
+    except (ModelError, BindError, BootError, TokenError) as e:
+        print(f"understudy: {e}", file=sys.stderr)
+        return 2
+    log.info("runtime dir %s, model %s on %s, %d engines", sup.rd, sup.model_path, sup.device, len(sup.engines))
+    rc = asyncio.run(sup.run())
+    log.debug("event loop closed")
+    return rc

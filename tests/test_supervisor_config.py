@@ -1,0 +1,163 @@
+"""Config: schema, embedded default, and errors that name the path, the expectation and the value."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.config_load import ConfigError, default_config_text, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def err(text: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        parse_config(text, "config.yaml")
+    return str(e.value)
+
+
+def test_embedded_default_is_the_shipped_file():
+    assert default_config_text() == (ROOT / "configs" / "understudy.yaml").read_text()
+    cfg = load_config(None)
+    assert cfg.engines.count == 2 and cfg.router.port == 8000 and cfg.admin.port == 8001
+    assert cfg.model.path is None and cfg.model.preset == "tiny"
+    assert cfg.engines.slot_names() == ["a", "b"]
+
+
+def test_empty_file_means_defaults():
+    assert parse_config("", "x.yaml") == load_config(None)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("engines:\n  count: two\n", "config.yaml: engines.count: expected an integer >= 1 and <= 16, got 'two'"),
+    ("engines:\n  count: 0\n", "config.yaml: engines.count: expected an integer >= 1 and <= 16, got 0"),
+    ("router:\n  port: 70000\n", "config.yaml: router.port: expected an integer >= 0 and <= 65535, got 70000"),
+    ("device: tpu\n", "config.yaml: device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
+    ("failover:\n  hold_timeout_s: -1\n", "config.yaml: failover.hold_timeout_s: expected a number > 0, got -1"),
+    ("gpu_ids: [0, x]\n", "config.yaml: gpu_ids.1: expected an integer, got 'x'"),
+    ("canary:\n  prompt: ''\n", "config.yaml: canary.prompt: expected a non-empty string, got ''"),
+    ("model: 3\n", "config.yaml: model: expected a mapping, got 3"),
+    ("engines:\n  kind: external\n", "config.yaml: engines.external: required when kind is 'external'"),
+    ("engines:\n  names: [x]\n", "config.yaml: engines.names: expected 2 names (engines.count), got 1"),
+    ("engines:\n  kind: external\n  external: {command: 'vllm serve {modle} --port {port}'}\n",
+     "config.yaml: engines.external.command: unknown placeholder {modle} (known: port, model, name, model_name, "
+     "gpu_ids; write {{ and }} for literal braces)"),
+    ("router:\n  port: 9000\nadmin:\n  port: 9000\n",
+     "config.yaml: admin.port: expected a port other than router.port, got 9000"),
+])
+def test_bad_values_name_path_expectation_and_value(text, expected):
+    assert err(text) == expected
+
+
+def test_unknown_key_lists_the_known_ones():
+    msg = err("engines:\n  cont: 2\n")
+    assert msg.startswith("config.yaml: engines.cont: unknown key (expected one of: count, names, kind")
+
+
+def test_several_errors_are_all_reported():
+    msg = err("engines:\n  count: two\nrouter:\n  port: -1\n")
+    assert "engines.count" in msg and "router.port" in msg and len(msg.splitlines()) == 2
+
+
+def test_yaml_syntax_error_has_a_line_number():
+    assert err("engines:\n  count: [1\n").startswith("config.yaml: line ")
+
+
+def test_top_level_must_be_a_mapping():
+    assert err("- 1\n") == "config.yaml: expected a mapping at the top level, got list"
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_serve_rejects_a_bad_config_before_starting_anything(tmp_path):
+    bad = tmp_path / "config.yaml"
+    bad.write_text("engines:\n  count: two\n")
+    r = _cli("serve", "-c", str(bad))
+    assert r.returncode == 2
+    assert f"{bad}: engines.count: expected an integer >= 1 and <= 16, got 'two'" in r.stderr
+    assert _cli("serve", "--check", "-c", str(bad)).returncode == 2
+    good = tmp_path / "good.yaml"
+    good.write_text("engines:\n  count: 3\n")
+    r = _cli("serve", "--check", "-c", str(good))
+    assert r.returncode == 0 and "config OK" in r.stdout
+
+
+def test_serve_reports_a_missing_model_folder(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel:\n  path: {tmp_path}/no-model\n")
+    r = _cli("serve", "-c", str(cfg))
+    assert r.returncode == 2
+    assert f"model.path: {tmp_path}/no-model: no such folder" in r.stderr
+
+
+def test_serve_reports_a_model_folder_without_a_tokenizer(tmp_path, tiny_model):
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    (model / "tokenizer.json").unlink()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel:\n  path: {model}\n")
+    r = _cli("serve", "-c", str(cfg))
+    assert r.returncode == 2
+    assert f"model.path: {model}: expected an HF checkpoint folder, tokenizer.json is missing" in r.stderr
+
+
+def test_serve_reports_a_port_in_use(tmp_path, tiny_model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel:\n  path: {tiny_model}\nrouter:\n  port: {port}\n"
+                       "admin:\n  port: 0\n")
+        r = _cli("serve", "-c", str(cfg))
+    assert r.returncode == 2
+    assert f"router: cannot listen on 127.0.0.1:{port}: port is already in use" in r.stderr
+    assert not list((tmp_path / "rt" / "logs").glob("*.log")), "no child may start when a port is taken"
+
+
+def test_admin_command_without_a_running_supervisor_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nadmin:\n  port: 1\n  token_file: {tmp_path}/tok\n")
+    (tmp_path / "tok").write_text("secret\n")
+    (tmp_path / "tok").chmod(0o600)
+    r = _cli("status", "-c", str(cfg))
+    assert r.returncode == 2 and "cannot reach the admin API at http://127.0.0.1:1" in r.stderr
+    (tmp_path / "tok").chmod(0o644)
+    r = _cli("status", "-c", str(cfg))
+    assert r.returncode == 2 and "must not be readable by group/others" in r.stderr
+
+
+def test_the_builtin_model_is_made_on_first_run_under_the_cache_dir(tmp_path):
+    from supervisor.model_prep import resolve_model
+    cfg = parse_config(f"cache_dir: {tmp_path}/cache\n", "x.yaml")
+    path = resolve_model(cfg)
+    assert path == tmp_path / "cache" / "models" / "tiny"
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    mtime = (path / "config.json").stat().st_mtime_ns
+    assert resolve_model(cfg) == path and (path / "config.json").stat().st_mtime_ns == mtime  # made once
+
+
+def test_systemd_unit_matches_the_design_and_the_default_timeouts():
+    import configparser
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read_string((ROOT / "configs" / "understudy.service").read_text())
+    svc = unit["Service"]
+    assert svc["Type"] == "notify" and svc["KillMode"] == "mixed" and svc["OOMPolicy"] == "continue"
+    assert svc["Restart"] == "on-failure" and "understudy serve" in svc["ExecStart"]
+    f = load_config(None).failover
+    assert int(svc["TimeoutStopSec"]) > f.drain_timeout_s + f.stop_timeout_s  # the drain is never cut short
+    assert int(svc["WatchdogSec"]) >= 2
+    assert svc["RuntimeDirectoryMode"] == "0700"

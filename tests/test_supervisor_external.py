@@ -1,0 +1,212 @@
+"""External engines (command template + URL, no weight sharing) judged ready by the same canary;
+an always-crashing engine goes BACKOFF then FATAL until an admin restart; a mismatching canary is
+never promoted; an engine boot error halts the supervisor instead of looping."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from supervisor.testing import ROOT, Harness, Load
+
+EXT_ENGINE = textwrap.dedent('''
+    """A stand-in for vLLM/SGLang: an OpenAI-style server we did not write the weights path of."""
+    import sys
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    import os
+    port, name, vary = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "vary"
+    sick_flag = sys.argv[4] if len(sys.argv) > 4 else None
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if sick_flag and os.path.exists(f"{sick_flag}-{name}"):  # alive, /health fine, answers wrong
+            return JSONResponse({"error": "internal"}, status_code=500)
+        text = f" ext-{name}" if vary else " ext-ok"
+        return {"choices": [{"text": text, "index": 0}], "model": body.get("model")}
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+''')
+
+BASE = """
+runtime_dir: {rt}
+model: {{name: ext-model}}
+engines:
+  kind: external
+  count: {count}
+  external: {{command: "{command}", url: "http://127.0.0.1:{{port}}"}}
+failover: {{probe_interval_s: 0.3, probe_timeout_s: 2, hold_timeout_s: {hold}, backoff_base_s: 0.05,
+           backoff_max_s: 0.2, flap_max: {flap}, flap_window_s: 60, drain_timeout_s: 5, stop_timeout_s: 3}}
+router: {{port: 0}}
+admin: {{port: 0}}
+"""
+
+
+def harness(tmp, command: str, count: int = 2, flap: int = 50, hold: float = 10) -> Harness:
+    return Harness(tmp, BASE.format(rt=tmp / "rt", command=command, count=count, flap=flap, hold=hold))
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    p = tmp_path_factory.mktemp("ext") / "ext_engine.py"
+    p.write_text(EXT_ENGINE)
+    return p
+
+
+def test_external_engines_serve_and_fail_over(tmp_path, script):
+    h = harness(tmp_path, f"{sys.executable} {script} {{port}} {{name}} same")
+    try:
+        h.wait_booted()
+        st = h.wait_all_ready(60)
+        assert st["daemons"] == [] and all(e["weights_source"] is None for e in st["engines"])
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"})
+        assert r.json()["choices"][0]["text"] == " ext-ok"
+        old, new = h.primary(), h.standby()
+        mark = len(h.events)
+        with Load(h.router_url, "ext-model", threads=2) as load:
+            time.sleep(0.3)
+            os.kill(old["pid"], signal.SIGKILL)
+            ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
+            h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark)
+            time.sleep(0.2)
+        assert ev["to"] == new["name"] and ev["reason"] == "exit"
+        assert load.failures == []
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
+def test_failing_probes_of_a_live_primary_cause_a_failover(tmp_path, script):
+    flag = tmp_path / "sick"
+    h = harness(tmp_path, f"{sys.executable} {script} {{port}} {{name}} same {flag}")
+    try:
+        h.wait_booted()
+        h.wait_all_ready(60)
+        old, new = h.primary(), h.standby()
+        mark = len(h.events)
+        (tmp_path / f"sick-{old['name']}").touch()  # its process and /health stay fine
+        ev = h.wait_event(lambda e: e["type"] == "failover", since=mark, timeout_s=30)
+        assert ev["reason"] == "probe" and ev["from"] == old["name"] and ev["to"] == new["name"]
+        (tmp_path / f"sick-{old['name']}").unlink()
+        h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark)
+        st = h.wait_all_ready(30)
+        back = {e["name"]: e for e in st["engines"]}[old["name"]]
+        assert back["role"] == "standby" and back["last_exit"] == "killed by SIGKILL"
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"})
+        assert r.status_code == 200 and r.headers["x-understudy-engine"] == new["name"]
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
+def test_always_crashing_engine_backs_off_then_goes_fatal_until_admin_restart(tmp_path):
+    crash = f"{sys.executable} -c 'import sys; sys.exit(5)'"
+    h = harness(tmp_path, crash, count=1, flap=3, hold=0.5)
+    try:
+        h.wait_booted()
+        ev = h.wait_event(lambda e: e.get("to") == "FATAL", timeout_s=30)
+        kinds = [(e["from"], e["to"]) for e in h.events if e["type"] == "transition"]
+        assert ("EXITED", "BACKOFF") in kinds and kinds.index(("EXITED", "BACKOFF")) < len(kinds) - 1
+        assert "flapping: 3 failures" in ev["reason"]
+        st = h.status()
+        (eng,) = st["engines"]
+        assert eng["state"] == "FATAL" and eng["last_exit"] == "exit code 5" and st["primary"] is None
+        assert 'understudy_engine_state{engine="a",state="FATAL"} 1.0' in h.metrics()
+        assert httpx.get(h.router_url + "/healthz").status_code == 200
+        rz = httpx.get(h.router_url + "/readyz")
+        assert rz.status_code == 503 and rz.json()["ready"] is False
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        time.sleep(0.5)
+        assert h.status()["engines"][0]["state"] == "FATAL", "FATAL stays FATAL"
+        mark = len(h.events)
+        assert h.admin("POST", "/admin/engines/a/restart").status_code == 200
+        h.wait_event(lambda e: e.get("to") == "STARTING", since=mark)
+        h.wait_event(lambda e: e.get("to") == "FATAL", since=mark, timeout_s=30)
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
+def test_canary_mismatch_is_never_promoted(tmp_path, script):
+    h = harness(tmp_path, f"{sys.executable} {script} {{port}} {{name}} vary", flap=3)
+    try:
+        h.wait_booted()
+        ev = h.wait_event(lambda e: e["type"] == "canary_mismatch", timeout_s=60)
+        st = h.wait_for(lambda s: s["primary"] is not None, 30)
+        bad = ev["engine"]
+        assert st["primary"] != bad
+        assert "canary mismatch: expected ' ext-" in ev["reason"]
+        h.wait_event(lambda e: e.get("engine") == bad and e.get("to") == "FATAL", timeout_s=30)
+        assert not any(e["type"] in ("failover", "promoted") and e.get("to", e.get("engine")) == bad
+                       for e in h.events)
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
+def test_engine_boot_error_halts_instead_of_looping(tmp_path, tiny_model):
+    """A KV cache budget too small for one sequence: the engine exits 3 (boot error)."""
+    model = tiny_model
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n"
+                   "daemons: {enabled: false}\n"
+                   "engines: {spawn: direct, weight_cache_mode: 'off', kv_cache_bytes: 65536, max_model_len: 512}\n")
+    r = subprocess.run([sys.executable, "-m", "supervisor", "serve", "-c", str(cfg)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "boot failed: no engine could start (a, b, boot error exit code 3): engine a: failed to start" \
+        in r.stderr and "kv_cache_bytes" in r.stderr
+    assert r.stderr.count("STARTING: incarnation") == 2, "each slot started once, never looped"
+
+
+def test_daemon_boot_error_halts_with_the_daemon_reason(tmp_path, tiny_model):
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    st = model / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])  # truncated checkpoint
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
+    r = subprocess.run([sys.executable, "-m", "supervisor", "serve", "-c", str(cfg)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("understudy: boot failed:"))
+    assert "daemon-rank0 stopped while loading the model (exit code" in line and "model.safetensors" in line
+    assert "STARTING: incarnation" not in r.stderr.split("daemon-rank0: STOPPED -> STARTING")[1].split("boot failed")[0] \
+        .replace("daemon-rank0", ""), "no engine starts after a daemon boot error"
+
+
+def test_a_sigkilled_supervisor_leaves_no_orphans_after_the_next_start(tmp_path, tiny_model):
+    import psutil
+    text = (f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {tiny_model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n"
+            "engines: {count: 1}\n")
+    first = Harness(tmp_path, text, notify=False)
+    try:
+        first.wait_booted()
+        st = first.wait_all_ready(90)
+        children = [st["engines"][0]["pid"], st["daemons"][0]["pid"], st["spawn_server"]["pid"]]
+        first.proc.kill()  # the supervisor itself dies: its children are orphans now
+        first.proc.wait()
+        assert all(psutil.pid_exists(p) for p in children)
+        (tmp_path / "again").mkdir()
+        second = Harness(tmp_path / "again", text, notify=False)  # same runtime dir, new work dir
+        try:
+            second.wait_booted()
+            second.wait_all_ready(90)
+            for p in children:
+                assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+            assert "killed 3 processes left by a previous supervisor" in second.tail(200)
+        finally:
+            assert second.stop() == 0
+    finally:
+        first.stop()

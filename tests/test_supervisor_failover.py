@@ -1,0 +1,321 @@
+"""The whole flow with real processes (one supervisor for the module, CPU, tiny model): daemons,
+primary + standby engines, failover on crash and hang, daemon restart, admin operations under load,
+auth, systemd notify, graceful stop. Tests run in file order and each leaves the node healthy."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from supervisor.testing import ROOT, Harness, Load
+
+CONFIG = """
+runtime_dir: {rt}
+model: {{path: {model}}}
+engines: {{heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 8, max_model_len: 128}}
+failover: {{heartbeat_timeout_s: 1.5, probe_interval_s: 0.5, probe_timeout_s: 5, hold_timeout_s: 20,
+           backoff_base_s: 0.1, backoff_max_s: 1, flap_max: 50, drain_timeout_s: 10, stop_timeout_s: 5}}
+router: {{port: 0}}
+admin: {{port: 0}}
+"""
+
+
+@pytest.fixture(scope="module")
+def sup(tmp_path_factory, tiny_model):
+    work = tmp_path_factory.mktemp("sup")
+    model = work / "model"
+    shutil.copytree(tiny_model, model)  # a private copy: one test rewrites it
+    h = Harness(work, CONFIG.format(rt=work / "rt", model=model), env={"WATCHDOG_USEC": "400000"})
+    h.model_dir = model
+    try:
+        h.wait_booted()
+        h.wait_all_ready(120)
+        yield h
+    finally:
+        rc = h.stop()
+        h.exit_code = rc
+
+
+def test_boot_two_engines_share_the_daemon_and_systemd_is_told(sup):
+    st = sup.wait_all_ready()
+    roles = sorted(e["role"] for e in st["engines"])
+    assert roles == ["primary", "standby"] and st["epoch"] >= 1
+    for e in st["engines"]:
+        assert e["weights_source"] == "cache_hit", e
+        assert e["pid"] and psutil.pid_exists(e["pid"]) and os.getpgid(e["pid"]) == e["pid"]
+        assert set(e["startup_phases"]) >= {"weights", "server_ready"}
+    (d,) = st["daemons"]
+    assert d["state"] == "READY" and d["resident_bytes"] > 0 and d["fingerprint"]["content_digest"]
+    ready = [m for m in sup.notify_msgs if "READY=1" in m.split("\n")]
+    assert len(ready) == 1 and "STATUS=epoch 1: " in ready[0]
+    n = sup.notify_msgs.count("WATCHDOG=1")
+    time.sleep(0.5)
+    assert sup.notify_msgs.count("WATCHDOG=1") >= n + 1  # every WATCHDOG_USEC / 2 from the main loop
+    status = [m for m in sup.notify_msgs if m.startswith("STATUS=")]
+    assert status and "primary/READY" in status[-1] and "standby/READY" in status[-1]
+    m = sup.metrics()
+    assert 'understudy_weight_cache_requests_total{reason="",result="hit"} 2.0' in m
+    assert "understudy_active_engines 1.0" in m and "understudy_standby_ready 1.0" in m
+    assert 'understudy_daemon_resident_bytes{rank="0"}' in m
+    assert f"understudy: ready: serving model on {sup.router_url}/v1" in sup.log.read_text()  # where to send
+    rt = sup.rd
+    assert rt.stat().st_mode & 0o777 == 0o700
+    for name in ("admin.token", "state.json", "daemon-rank0.sock", "events.sock", "control.sock"):
+        assert (rt / name).stat().st_mode & 0o077 == 0, name
+
+
+def test_admin_needs_the_token_and_reports_bad_requests(sup):
+    for path in ("/status", "/metrics"):
+        r = sup.admin("GET", path, token=None)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert sup.admin("POST", "/admin/promote", token="wrong").status_code == 401
+    r = sup.admin("POST", "/admin/engines/zzz/restart")
+    assert r.status_code == 404 and "unknown engine 'zzz'" in r.json()["error"]
+
+
+def test_a_second_supervisor_on_the_same_runtime_dir_is_refused(sup):
+    r = subprocess.run([sys.executable, "-m", "supervisor", "serve", "-c", str(sup.config)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert f"runtime_dir {sup.rd} is in use by a running supervisor (pid {sup.proc.pid})" in r.stderr
+    assert sup.status()["primary"]  # the running one is untouched
+
+
+def test_data_plane_passes_streams_and_engine_errors(sup):
+    url = sup.router_url
+    assert httpx.get(url + "/healthz").status_code == 200
+    assert httpx.get(url + "/readyz").json()["ready"] is True
+    bad = httpx.post(url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert 400 <= bad.status_code < 500
+    r = httpx.post(url + "/v1/completions", json={"model": "model", "prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={"model": "model", "prompt": "hi", "max_tokens": 5, "stream": True}) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        body = "".join(s.iter_text())
+    assert body.rstrip().endswith("data: [DONE]") and body.count("data:") >= 2
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "model"
+
+
+def _kill_and_wait_failover(sup, sig: int, reason: str):
+    st = sup.wait_all_ready()
+    old, new = sup.primary(), sup.standby()
+    mark = len(sup.events)
+    with Load(sup.router_url, "model", threads=2) as load:
+        time.sleep(0.5)
+        t_kill = time.monotonic()
+        os.kill(old["pid"], sig)
+        ev = sup.wait_event(lambda e: e["type"] == "failover", since=mark, timeout_s=30)
+        deadline = time.monotonic() + 30
+        while load.first_success_from(new["name"], t_kill) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    assert ev["reason"] == reason and ev["from"] == old["name"] and ev["to"] == new["name"]
+    assert ev["epoch"] == st["epoch"] + 1
+    assert load.failures == [], load.failures[:5]
+    assert load.first_success_from(new["name"], t_kill) is not None
+    return old, new, mark
+
+
+def test_kill_9_primary_standby_promoted_and_dead_one_returns_as_standby_with_cache_hit(sup):
+    old, new, mark = _kill_and_wait_failover(sup, signal.SIGKILL, "exit")
+    rec = sup.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark, timeout_s=60)
+    assert rec["weights_source"] == "cache_hit"
+    st = sup.wait_all_ready()
+    eng = {e["name"]: e for e in st["engines"]}
+    assert eng[new["name"]]["role"] == "primary"
+    back = eng[old["name"]]
+    assert back["role"] == "standby" and back["incarnation"] == old["incarnation"] + 1
+    assert back["weights_source"] == "cache_hit" and back["last_exit"] == "killed by SIGKILL"
+    assert st["recent_failovers"][-1]["to"] == new["name"]
+    m = sup.metrics()
+    assert 'understudy_failovers_total{reason="exit"} 1.0' in m
+    assert "understudy_failover_seconds_count 1.0" in m and "understudy_recovery_seconds_count 1.0" in m
+
+
+def test_kill_standby_is_replaced_and_primary_traffic_untouched(sup):
+    st = sup.wait_all_ready()
+    prim, sb = sup.primary(), sup.standby()
+    mark = len(sup.events)
+    with Load(sup.router_url, "model", threads=2) as load:
+        time.sleep(0.3)
+        os.kill(sb["pid"], signal.SIGKILL)
+        sup.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == sb["name"], since=mark, timeout_s=60)
+    assert load.failures == []
+    assert {r[3] for r in load.results} == {prim["name"]}
+    st2 = sup.wait_all_ready()
+    assert st2["epoch"] == st["epoch"] and st2["primary"] == prim["name"]
+    assert not any(e["type"] == "failover" for e in sup.events[mark:])
+
+
+def test_both_engines_killed_requests_wait_for_the_first_replacement(sup):
+    st = sup.wait_all_ready()
+    pids = [e["pid"] for e in st["engines"]]
+    mark = len(sup.events)
+    with Load(sup.router_url, "model", threads=2) as load:
+        time.sleep(0.3)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        # (if one exit is seen before the other kill lands, the other is promoted first and dies next)
+        ev = sup.wait_event(lambda e: e["type"] == "failover" and e["seconds"] > 0.05, since=mark, timeout_s=60)
+        time.sleep(0.3)
+    assert load.failures == [], load.failures[:5]  # held, then served by the first engine back
+    assert ev["epoch"] > st["epoch"]
+    assert "understudy_router_hold_seconds_count" in sup.metrics()
+    sup.wait_all_ready()
+
+
+def test_kill_daemon_engines_keep_serving_and_daemon_returns(sup):
+    st = sup.wait_all_ready()
+    d = st["daemons"][0]
+    mark = len(sup.events)
+    with Load(sup.router_url, "model", threads=2) as load:
+        time.sleep(0.3)
+        os.kill(d["pid"], signal.SIGKILL)
+        sup.wait_event(lambda e: e["engine"] == "daemon-rank0" and e["to"] == "READY", since=mark, timeout_s=60)
+        time.sleep(0.3)
+    assert load.failures == [] and len(load.results) > 2
+    st2 = sup.wait_all_ready()
+    assert st2["daemons"][0]["pid"] != d["pid"] and st2["daemons"][0]["resident_bytes"] == d["resident_bytes"]
+    assert st2["epoch"] == st["epoch"]
+    assert [e["pid"] for e in st2["engines"]] == [e["pid"] for e in st["engines"]]
+
+
+def test_spawn_server_death_is_survived_and_it_is_replaced(sup):
+    st = sup.wait_all_ready()
+    old_spawn = st["spawn_server"]["pid"]
+    os.kill(old_spawn, signal.SIGKILL)
+    st = sup.wait_for(lambda s: s["spawn_server"] and s["spawn_server"]["pid"] != old_spawn, 60, "new spawn server")
+    assert all(e["state"] == "READY" for e in st["engines"])  # engines it forked live on
+    sb = sup.standby()
+    mark = len(sup.events)
+    os.kill(sb["pid"], signal.SIGKILL)  # the replacement comes from the new spawn server
+    sup.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == sb["name"], since=mark, timeout_s=60)
+    st = sup.wait_all_ready()
+    assert {e["name"]: e for e in st["engines"]}[sb["name"]]["last_exit"] == "killed by SIGKILL"
+
+
+def test_sigstop_daemon_is_detected_and_replaced_while_engines_serve(sup):
+    st = sup.wait_all_ready()
+    d = st["daemons"][0]
+    mark = len(sup.events)
+    with Load(sup.router_url, "model", threads=1) as load:
+        os.kill(d["pid"], signal.SIGSTOP)
+        ev = sup.wait_event(lambda e: e["engine"] == "daemon-rank0" and e["to"] == "FAILED", since=mark, timeout_s=30)
+        sup.wait_event(lambda e: e["engine"] == "daemon-rank0" and e["to"] == "READY", since=mark, timeout_s=60)
+    assert ev["reason"].startswith("hang: 3 status requests unanswered")
+    assert load.failures == [] and len(load.results) > 2
+    st2 = sup.wait_all_ready()
+    assert st2["daemons"][0]["pid"] != d["pid"] and st2["epoch"] == st["epoch"]
+
+
+def test_sigstop_primary_is_detected_by_heartbeat_and_failed_over(sup):
+    old, new, mark = _kill_and_wait_failover(sup, signal.SIGSTOP, "hang")
+    st = sup.wait_all_ready()
+    back = {e["name"]: e for e in st["engines"]}[old["name"]]
+    assert back["role"] == "standby" and back["weights_source"] == "cache_hit"
+    assert not psutil.pid_exists(old["pid"]) or psutil.Process(old["pid"]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_admin_operations_under_load_fail_no_request(sup):
+    sup.wait_all_ready()
+    streams = Load(sup.router_url, "model", threads=1, stream=True, max_tokens=8)
+    with Load(sup.router_url, "model", threads=2) as load, streams:
+        # promote: planned switchover
+        before = sup.status()
+        r = sup.admin("POST", "/admin/promote")
+        assert r.status_code == 200, r.text
+        assert r.json()["primary"] != before["primary"] and r.json()["epoch"] == before["epoch"] + 1
+        # the old primary drains and comes back as standby; meanwhile there is no READY standby
+        r2 = sup.admin("POST", "/admin/promote")
+        assert r2.status_code == 409 and "no READY standby" in r2.json()["error"]
+        sup.wait_all_ready()
+        # drain / undrain
+        assert sup.admin("POST", "/admin/drain").json() == {"drained": True}
+        rz = httpx.get(sup.router_url + "/readyz")
+        assert rz.status_code == 503 and rz.json()["reason"] == "node is drained"
+        assert sup.admin("POST", "/admin/undrain").json() == {"drained": False}
+        assert httpx.get(sup.router_url + "/readyz").status_code == 200
+        # restart the standby, then the primary (switchover first)
+        sb = sup.standby()
+        assert sup.admin("POST", f"/admin/engines/{sb['name']}/restart").status_code == 200
+        st = sup.wait_all_ready()
+        assert {e["name"]: e for e in st["engines"]}[sb["name"]]["incarnation"] == sb["incarnation"] + 1
+        prim = sup.primary()
+        r = sup.admin("POST", f"/admin/engines/{prim['name']}/restart")
+        assert r.status_code == 200 and r.json()["primary"] != prim["name"]
+        sup.wait_all_ready()
+        # rollout: every engine restarted in turn
+        incs = {e["name"]: e["incarnation"] for e in sup.status()["engines"]}
+        r = sup.admin("POST", "/admin/rollout", timeout=300)
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["restarted"]) == sorted(incs)
+        st = sup.wait_all_ready()
+        assert all(e["incarnation"] > incs[e["name"]] for e in st["engines"])
+        time.sleep(0.3)
+    assert load.failures == [], load.failures[:5]
+    assert streams.failures == [], streams.failures[:5]  # planned operations never cut a stream
+    assert len({r[3] for r in load.results}) == 2 and len(streams.results) > 5
+
+
+def test_cli_talks_to_the_admin_api(sup):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "supervisor", *args, "-c", str(sup.config)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    r = cli("status", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["primary"] in ("a", "b")
+    r = cli("status")
+    assert r.returncode == 0 and "ENGINE" in r.stdout and "daemon-rank0" in r.stdout
+    r = cli("restart", "nope")
+    assert r.returncode == 1 and "HTTP 404" in r.stderr and "unknown engine 'nope'" in r.stderr
+    assert cli("drain").returncode == 0 and sup.status()["drained"]
+    assert cli("undrain").returncode == 0 and not sup.status()["drained"]
+
+
+def test_changed_checkpoint_is_a_miss_with_reason_and_never_promoted(sup, make_tiny):
+    sup.wait_all_ready()
+    prim, sb = sup.primary(), sup.standby()
+    other = make_tiny(seed=7)
+    saved = sup.model_dir.with_name("saved-model")
+    shutil.copytree(sup.model_dir, saved)
+    shutil.copy(other / "model.safetensors", sup.model_dir / "model.safetensors")
+    mark = len(sup.events)
+    try:
+        assert sup.admin("POST", f"/admin/engines/{sb['name']}/restart").status_code == 200
+        ev = sup.wait_event(lambda e: e["type"] == "canary_mismatch", since=mark, timeout_s=60)
+        assert ev["engine"] == sb["name"] and ev["weights_source"] == "disk:mismatch"
+        assert ev["reason"].startswith("canary mismatch: expected ")
+        st = sup.status()
+        eng = {e["name"]: e for e in st["engines"]}
+        assert eng[sb["name"]]["role"] == "standby" and st["primary"] == prim["name"]
+        m = sup.metrics()
+        miss = [ln for ln in m.splitlines() if ln.startswith("understudy_weight_cache_requests_total")
+                and 'result="miss"' in ln]
+        assert miss == ['understudy_weight_cache_requests_total{reason="mismatch",result="miss"} 1.0'], miss
+        assert httpx.post(sup.router_url + "/v1/completions", timeout=30,
+                          json={"model": "model", "prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        shutil.copy(saved / "model.safetensors", sup.model_dir / "model.safetensors")
+    sup.admin("POST", f"/admin/engines/{sb['name']}/restart")
+    st = sup.wait_all_ready(60)
+    assert {e["name"]: e for e in st["engines"]}[sb["name"]]["weights_source"] == "cache_hit"
+
+
+def test_sigterm_drains_and_stops_everything(sup):
+    st = sup.wait_all_ready()
+    pids = [e["pid"] for e in st["engines"]] + [d["pid"] for d in st["daemons"]]
+    rc = sup.stop()
+    assert rc == 0, sup.tail()
+    assert any(m.startswith("STOPPING=1") for m in sup.notify_msgs)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert "stopped" in sup.tail()

@@ -1,0 +1,211 @@
+"""Router against a real upstream (a small FastAPI app in a subprocess): pass-through, streaming,
+holding during a failover, retry on a new primary, 503 + Retry-After, /healthz and /readyz."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from supervisor.metrics import Metrics
+from supervisor.router import build_router
+from supervisor.routing import RoutingTable, Upstream
+
+UPSTREAM = textwrap.dedent('''
+    import asyncio, json, sys
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    import uvicorn
+    app = FastAPI()
+    NAME = sys.argv[2]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return JSONResponse({"error": {"message": "body is not JSON"}}, status_code=400)
+        if body.get("stream"):
+            async def gen():
+                for i in range(3):
+                    yield f"data: {json.dumps({'i': i, 'from': NAME})}\\n\\n"
+                    await asyncio.sleep(0.01)
+                yield "data: [DONE]\\n\\n"
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        await asyncio.sleep(float(body.get("sleep", 0)))
+        return {"choices": [{"text": "ok"}], "from": NAME, "echo": body.get("prompt")}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return {"data": [{"id": "m"}], "query": str(request.url.query)}
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_upstream(tmp_path, name: str) -> tuple[subprocess.Popen, str]:
+    script = tmp_path / "upstream.py"
+    script.write_text(UPSTREAM)
+    port = free_port()
+    p = subprocess.Popen([sys.executable, str(script), str(port), name])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return p, url
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    p.kill()
+    raise RuntimeError("upstream did not start")
+
+
+@pytest.fixture(scope="module")
+def upstreams(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("up")
+    procs = [start_upstream(tmp, n) for n in ("u1", "u2")]
+    yield [url for _, url in procs]
+    for p, _ in procs:
+        p.kill()
+        p.wait()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def make(hold_s: float = 2.0):
+    table = RoutingTable()
+    metrics = Metrics()
+    app = build_router(table, metrics, hold_timeout_s=hold_s, retry_after_s=7, upstream_timeout_s=10)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=20)
+    return table, metrics, client
+
+
+def test_forwards_to_the_primary_and_passes_errors_through(upstreams):
+    async def go():
+        table, metrics, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+        r = await c.post("/v1/completions", json={"prompt": "hello"})
+        assert r.status_code == 200 and r.json()["from"] == "u1" and r.json()["echo"] == "hello"
+        assert r.headers["x-understudy-engine"] == "a" and r.headers["x-understudy-epoch"] == "1"
+        bad = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and "not JSON" in bad.text
+        q = await c.get("/v1/models?limit=3")
+        assert q.json()["query"] == "limit=3"
+        text = metrics.render().decode()
+        assert 'understudy_router_requests_total{code="200"} 2.0' in text
+        assert 'understudy_router_requests_total{code="400"} 1.0' in text
+    run(go())
+
+
+def test_streams_are_passed_through(upstreams):
+    async def go():
+        table, _, c = make()
+        table.set_primary(Upstream(upstreams[1], "b", 4))
+        async with c.stream("POST", "/v1/completions", json={"stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            body = b"".join([chunk async for chunk in r.aiter_raw()]).decode()
+        events = [ln for ln in body.splitlines() if ln.startswith("data:")]
+        assert len(events) == 4 and '"from": "u2"' in events[0] and events[-1] == "data: [DONE]"
+    run(go())
+
+
+def test_no_primary_holds_then_503_with_retry_after(upstreams):
+    async def go():
+        table, metrics, c = make(hold_s=0.3)
+        table.set_primary(None, "failover in progress")
+        t = time.monotonic()
+        r = await c.post("/v1/completions", json={})
+        assert 0.29 <= time.monotonic() - t < 2
+        assert r.status_code == 503 and r.headers["retry-after"] == "7"
+        assert "failover in progress" in r.json()["error"]["message"]
+        assert "understudy_router_hold_seconds_count 1.0" in metrics.render().decode()
+    run(go())
+
+
+def test_requests_during_a_failover_wait_for_the_new_primary(upstreams):
+    async def go():
+        table, _, c = make()
+        table.set_primary(None, "failover")
+
+        async def switch():
+            await asyncio.sleep(0.2)
+            table.set_primary(Upstream(upstreams[1], "b", 2))
+        asyncio.create_task(switch())
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 200 and r.json()["from"] == "u2" and r.headers["x-understudy-epoch"] == "2"
+    run(go())
+
+
+def test_failed_upstream_before_first_byte_is_retried_on_the_new_primary(upstreams):
+    async def go():
+        table, metrics, c = make()
+        table.set_primary(Upstream(f"http://127.0.0.1:{free_port()}", "dead", 1))  # nothing listens
+
+        async def switch():
+            await asyncio.sleep(0.1)
+            table.set_primary(Upstream(upstreams[0], "a", 2))
+        asyncio.create_task(switch())
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 200 and r.json()["from"] == "u1"
+        assert "understudy_router_retries_total 1.0" in metrics.render().decode()
+    run(go())
+
+
+def test_dead_primary_and_no_replacement_gives_503_naming_the_failure():
+    async def go():
+        table, _, c = make(hold_s=0.5)
+        table.set_primary(Upstream(f"http://127.0.0.1:{free_port()}", "dead", 1))
+        r = await c.post("/v1/completions", json={})
+        assert r.status_code == 503 and "dead: ConnectError" in r.json()["error"]["message"]
+    run(go())
+
+
+def test_held_requests_get_503_at_once_when_the_supervisor_stops():
+    async def go():
+        table, _, c = make(hold_s=30)
+        table.set_primary(None, "failover")
+
+        async def stop():
+            await asyncio.sleep(0.2)
+            table.stop()
+        asyncio.create_task(stop())
+        t = time.monotonic()
+        r = await c.post("/v1/completions", json={})
+        assert time.monotonic() - t < 5
+        assert r.status_code == 503 and "stopping" in r.json()["error"]["message"]
+        assert (await c.get("/readyz")).json()["reason"] == "supervisor is stopping"
+    run(go())
+
+
+def test_healthz_and_readyz():
+    async def go():
+        table, _, c = make()
+        assert (await c.get("/healthz")).status_code == 200
+        table.set_primary(None, "starting: no engine READY yet")
+        r = await c.get("/readyz")
+        assert r.status_code == 503 and r.json()["reason"] == "starting: no engine READY yet"
+        table.set_primary(Upstream("http://127.0.0.1:1", "a", 3))
+        r = await c.get("/readyz")
+        assert r.status_code == 200 and r.json() == {"ready": True, "primary": "a", "epoch": 3}
+        table.drained = True
+        r = await c.get("/readyz")
+        assert r.status_code == 503 and r.json()["reason"] == "node is drained"
+        assert (await c.get("/healthz")).status_code == 200
+    run(go())

@@ -1,0 +1,151 @@
+"""States, restart policy, exit decoding, sd_notify (on a real socket), golden canaries."""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import pytest
+
+from supervisor.backoff import RestartPolicy
+from supervisor.canary import CanaryResult, GoldenStore, compare, model_fingerprint
+from supervisor.exitstatus import describe_returncode
+from supervisor.metrics import Metrics
+from supervisor.sdnotify import Notifier
+from supervisor.states import ALLOWED, State, TransitionError, check_transition
+
+
+def test_every_state_has_a_row():
+    assert set(ALLOWED) == set(State)
+
+
+@pytest.mark.parametrize("src, dst", [
+    (State.STOPPED, State.STARTING), (State.STARTING, State.ATTACHING), (State.ATTACHING, State.WARMING),
+    (State.WARMING, State.READY), (State.READY, State.DRAINING), (State.DRAINING, State.STOPPED),
+    (State.READY, State.EXITED), (State.READY, State.FAILED), (State.EXITED, State.BACKOFF),
+    (State.BACKOFF, State.STARTING), (State.EXITED, State.FATAL), (State.FATAL, State.STARTING),
+])
+def test_allowed_transitions(src, dst):
+    check_transition(src, dst)
+
+
+@pytest.mark.parametrize("src, dst", [
+    (State.STOPPED, State.READY), (State.STARTING, State.STOPPED), (State.READY, State.STARTING),
+    (State.FATAL, State.READY), (State.BACKOFF, State.READY), (State.EXITED, State.READY),
+])
+def test_refused_transitions(src, dst):
+    with pytest.raises(TransitionError, match=f"{src.value} -> {dst.value} is not allowed"):
+        check_transition(src, dst)
+
+
+def test_backoff_grows_then_flapping_is_fatal():
+    p = RestartPolicy(base_s=0.5, max_s=3.0, window_s=60.0, max_failures=5)
+    delays = [p.record_failure(now=float(i)) for i in range(4)]
+    assert delays == [0.5, 1.0, 2.0, 3.0]
+    assert p.record_failure(now=4.0) is None  # 5 failures within 60 s
+    p.reset()
+    assert p.record_failure(now=5.0) == 0.5
+
+
+def test_failures_outside_the_window_are_forgotten_and_success_resets_the_delay():
+    p = RestartPolicy(base_s=1.0, max_s=100.0, window_s=10.0, max_failures=3)
+    assert p.record_failure(now=0.0) == 1.0
+    assert p.record_failure(now=1.0) == 2.0
+    p.record_success()
+    assert p.record_failure(now=20.0) == 1.0  # the two old ones left the window
+    assert len(p.failures) == 1
+
+
+def test_exit_statuses_are_decoded():
+    assert describe_returncode(-9) == "killed by SIGKILL"
+    assert describe_returncode(-15) == "killed by SIGTERM"
+    assert describe_returncode(3) == "exit code 3"
+    assert describe_returncode(0) == "exit code 0"
+    assert describe_returncode(None) == "exit status unknown"
+
+
+def _dgram(addr: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(addr)
+    s.settimeout(2)
+    return s
+
+
+def test_sd_notify_on_a_path_socket(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    with _dgram(path) as s:
+        n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000"})
+        assert n.enabled and n.watchdog_interval_s == 2.0
+        assert n.ready("a=primary/READY")
+        msg = s.recv(4096).decode().split("\n")
+        assert msg[0] == "READY=1" and "STATUS=a=primary/READY" in msg and f"MAINPID={os.getpid()}" in msg
+        n.watchdog()
+        assert s.recv(4096) == b"WATCHDOG=1"
+        n.stopping("bye")
+        assert s.recv(4096) == b"STOPPING=1\nSTATUS=bye"
+
+
+def test_sd_notify_on_an_abstract_socket():
+    name = f"understudy-test-{uuid.uuid4().hex}"
+    with _dgram("\0" + name) as s:
+        n = Notifier({"NOTIFY_SOCKET": "@" + name})
+        assert n.status("hello")
+        assert s.recv(4096) == b"STATUS=hello"
+
+
+def test_sd_notify_never_blocks_when_nobody_reads(tmp_path):
+    import time
+    path = str(tmp_path / "notify.sock")
+    with _dgram(path):
+        n = Notifier({"NOTIFY_SOCKET": path})
+        t = time.monotonic()
+        sent = [n.status(f"message {i}") for i in range(2000)]
+        assert time.monotonic() - t < 2.0
+        assert sent[0] is True and sent[-1] is False  # queue full: dropped, not blocked
+
+
+def test_sd_notify_outside_systemd_is_a_no_op():
+    n = Notifier({})
+    assert not n.enabled and n.watchdog_interval_s is None and n.ready("x") is False
+    assert Notifier({"NOTIFY_SOCKET": "/nonexistent/sock"}).ready("x") is False  # logged, never raised
+    assert Notifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_interval_s is None
+
+
+def test_golden_store_records_first_and_compares(tmp_path):
+    g = GoldenStore(tmp_path)
+    assert (tmp_path / "golden").stat().st_mode & 0o777 == 0o700
+    first = g.record("k", CanaryResult(True, text=" jumps over"), "a")
+    assert first["recorded_by"] == "a" and (tmp_path / "golden" / "k.json").stat().st_mode & 0o777 == 0o600
+    assert g.record("k", CanaryResult(True, text="other"), "b")["text"] == " jumps over"
+    assert compare(first, CanaryResult(True, text=" jumps over")) is None
+    assert compare(first, CanaryResult(True, text="nope")) == "canary mismatch: expected ' jumps over', got 'nope'"
+    ids = {"text": "x", "token_ids": [1, 2]}
+    assert "token ids" in compare(ids, CanaryResult(True, text="x", token_ids=[1, 3]))
+
+
+def test_fingerprint_changes_with_the_checkpoint_bytes_on_disk(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 10)
+    k1 = model_fingerprint(str(tmp_path), dtype="float32")
+    assert k1 == model_fingerprint(str(tmp_path), dtype="float32")
+    assert k1 != model_fingerprint(str(tmp_path), dtype="bfloat16")
+    (tmp_path / "model.safetensors").write_bytes(b"b" * 11)
+    assert k1 != model_fingerprint(str(tmp_path), dtype="float32")
+
+
+def test_metric_names_match_the_design():
+    m = Metrics()
+    m.count_weights_source("cache_hit")
+    m.count_weights_source("disk:mismatch content_digest")
+    m.failovers.labels(reason="exit").inc()
+    m.router_requests.labels(code="200").inc()
+    m.daemon_resident.labels(rank="0").set(5)
+    m.startup_phase.labels(phase="weights").observe(0.1)
+    text = m.render().decode()
+    for name in ("understudy_failovers_total{reason=\"exit\"}", "understudy_failover_seconds_bucket",
+                 "understudy_recovery_seconds_bucket", "understudy_weight_cache_requests_total{reason=\"\",result=\"hit\"}",
+                 "understudy_weight_cache_requests_total{reason=\"mismatch content_digest\",result=\"miss\"}",
+                 "understudy_engine_startup_phase_seconds_bucket", "understudy_active_engines",
+                 "understudy_standby_ready", "understudy_router_requests_total{code=\"200\"}",
+                 "understudy_router_retries_total", "understudy_router_hold_seconds_bucket",
+                 "understudy_daemon_resident_bytes{rank=\"0\"}"):
+        assert name in text, name
