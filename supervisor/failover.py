@@ -48,7 +48,7 @@ class FailoverOps:
                  f", {secs * 1000:.1f} ms after detection" if reason != "boot" else "")
         if reason != "boot":
             self.metrics.failovers.labels(reason=reason).inc()
-            self.metrics.failover_seconds.observe(secs)
+            self.table.start_failover_clock(self.epoch, t_detect)  # the router observes failover_seconds
             ev = {"type": "failover", "reason": reason, "from": old, "to": slot.name, "epoch": self.epoch,
                   "seconds": secs, "ts": time.time()}
             self.failovers.append(ev)

@@ -92,6 +92,8 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
                 continue
             if held:
                 metrics.router_hold.observe(time.monotonic() - start)
+            if upstream.status_code < 500 and (secs := table.first_success(up.epoch)) is not None:
+                metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             out_headers["x-understudy-engine"] = up.name
             out_headers["x-understudy-epoch"] = str(up.epoch)

@@ -23,6 +23,19 @@ class RoutingTable:
         self.stopping = False
         self.not_ready_reason = "starting: no engine READY yet"
         self._changed = asyncio.Event()
+        self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
+
+    def start_failover_clock(self, epoch: int, detected_at: float) -> None:
+        """A failover promoted epoch `epoch`; its clock stops at that epoch's first success."""
+        self._failover_clock = (epoch, detected_at)
+
+    def first_success(self, epoch: int) -> float | None:
+        """Seconds from failure detection to this success, if it is the new primary's first."""
+        clock = self._failover_clock
+        if clock is None or clock[0] != epoch:
+            return None
+        self._failover_clock = None
+        return time.monotonic() - clock[1]
 
     def set_primary(self, up: Upstream | None, reason: str = "") -> None:
         """Switch traffic (None = hold requests); wakes every waiting request."""
