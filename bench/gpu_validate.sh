@@ -20,6 +20,29 @@ weights)
   timeout 190 python3 -m engines.bench validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -30
   ;;
 serve)
-  timeout 300 python3 -m supervisor.cli bench failover --model $M --device cuda --runs 20 --json 2>&1 | tee "$OUT/failover.log" | tail -30
+  # 1. kill -> first success on the new primary, 20 SIGKILLs under load, and router overhead
+  timeout 200 python3 -m supervisor.cli bench failover -c configs/h200-1b.yaml --model $M --runs 20 --json \
+    > "$OUT/failover.json" 2> "$OUT/failover.log"; tail -22 "$OUT/failover.log"
+  # 2. one supervisor for memory figures and a chaos run (short flap window: chaos kills on purpose)
+  cat > /tmp/chaos.yaml <<YAML
+device: cuda
+gpu_ids: [0]
+model: {path: $M, dtype: bfloat16}
+engines: {count: 2, kv_cache_bytes: 4294967296, max_num_seqs: 32, max_model_len: 2048}
+failover: {flap_window_s: 10, startup_timeout_s: 300}
+YAML
+  python3 -m supervisor.cli serve -c /tmp/chaos.yaml > "$OUT/serve.log" 2>&1 &
+  sup=$!
+  for _ in $(seq 240); do curl -sf localhost:8000/readyz >/dev/null && break; sleep 0.5; done
+  sleep 5
+  { echo "# nvidia-smi with daemon + primary + standby READY"; nvidia-smi --query-gpu=memory.used,memory.total --format=csv;
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv;
+    echo "# understudy status --json"; python3 -m supervisor.cli status --json -c /tmp/chaos.yaml; } > "$OUT/memory.txt" 2>&1
+  head -8 "$OUT/memory.txt"
+  timeout "${CHAOS_S:-330}" python3 -m supervisor.cli chaos -c /tmp/chaos.yaml --faults "${FAULTS:-kill-primary:50,kill-daemon:8}" \
+    --interval 1.5 --warmup 5 --rate 20 --concurrency 32 --duration "$(( ${CHAOS_S:-330} - 20 ))" --settle 10 \
+    --ready-timeout 120 --slo-failover-p99 0.15 --slo-recovery-p99 3 --out "$OUT/chaos" 2>&1 | tail -40
+  rm -f "$OUT/chaos/raw.jsonl"
+  kill -TERM $sup; wait $sup; echo "serve exit code $?"
   ;;
 esac
