@@ -36,7 +36,7 @@ from supervisor.events import EventBus
 from supervisor.httpserve import bind_tcp, make_server
 from supervisor.launch import kill_group
 from supervisor.metrics import Metrics
-from supervisor.pidwatch import become_subreaper, reap_orphans
+from supervisor.pidwatch import become_subreaper, is_exiting, reap_orphans
 from supervisor.router import build_router
 from supervisor.routing import RoutingTable
 from supervisor.sdnotify import Notifier
@@ -142,6 +142,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self._spawn(self._control_loop(), "control")
         self._spawn(self._signal_loop(), "signals")
         self._spawn(self._tick_loop(), "tick")
+        if self.cfg.failover.exit_poll_ms > 0:
+            self._spawn(self._primary_exit_loop(self.cfg.failover.exit_poll_ms / 1000), "primary-exit")
         self.boot_task = self._spawn(self._boot(), "boot")
         self.write_state()
         await self._stopped.wait()
@@ -211,6 +213,15 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         while True:
             await asyncio.sleep(TICK_S)
             self.tick(time.monotonic())
+
+    async def _primary_exit_loop(self, period_s: float) -> None:
+        """Fail over as soon as the primary starts to exit, not when its pidfd fires after teardown."""
+        while True:
+            await asyncio.sleep(period_s)
+            up = self.table.primary
+            slot = self.engines.get(up.name) if up is not None else None
+            if slot is not None and slot.pid and not self.stopping and is_exiting(slot.pid):
+                self.on_engine_exit(slot, slot.incarnation, slot.pid)
 
     def tick(self, now: float) -> None:
         """Timeouts, probes, watchdog, orphan reaping."""

@@ -97,6 +97,8 @@ class FailoverSection(_Section):
     """Detection, hold and restart policy."""
 
     heartbeat_timeout_s: float = Field(default=5.0, gt=0)
+    exit_poll_ms: float = Field(default=5.0, ge=0, description="how often the primary is checked for a "
+                                "started exit (0 = only the pidfd, which fires after GPU teardown)")
     startup_timeout_s: float = Field(default=300.0, gt=0)
     probe_interval_s: float = Field(default=5.0, gt=0)
     probe_timeout_s: float = Field(default=10.0, gt=0)

@@ -10,6 +10,7 @@ from typing import Callable
 log = logging.getLogger("understudy.pidwatch")
 
 PR_SET_CHILD_SUBREAPER = 36
+PF_EXITING = 0x00000004  # include/linux/sched.h: the task has begun do_exit()
 
 
 def watch_exit(loop: asyncio.AbstractEventLoop, pid: int, on_exit: Callable[[int], None]) -> Callable[[], None]:
@@ -39,6 +40,22 @@ def watch_exit(loop: asyncio.AbstractEventLoop, pid: int, on_exit: Callable[[int
             pass
 
     return cancel
+
+
+def is_exiting(pid: int) -> bool:
+    """True once ``pid`` has begun to exit (or is gone), before its pidfd turns readable.
+
+    A process that held a GPU spends ~100 ms in the kernel tearing its CUDA context down
+    before the exit is reported; it runs no user code after SIGKILL, so it is already dead
+    for the purpose of failover. Reads PF_EXITING from /proc/<pid>/stat (field 9).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
 
 
 def become_subreaper() -> bool:

@@ -92,12 +92,11 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
                 continue
             if held:
                 metrics.router_hold.observe(time.monotonic() - start)
-            if upstream.status_code < 500 and (secs := table.first_success(up.epoch)) is not None:
-                metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             out_headers["x-understudy-engine"] = up.name
             out_headers["x-understudy-epoch"] = str(up.epoch)
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                served(up.epoch, upstream.status_code)
                 return StreamingResponse(_relay(upstream), status_code=upstream.status_code, headers=out_headers)
             try:  # whole body first: a failure before we answer can still be retried
                 content = b"".join([c async for c in upstream.aiter_raw()])
@@ -106,7 +105,13 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
                 continue
             finally:
                 await upstream.aclose()
+            served(up.epoch, upstream.status_code)
             return Response(content, status_code=upstream.status_code, headers=out_headers)
+
+    def served(epoch: int, status: int) -> None:
+        """A response is on its way: the first success of a new primary ends its failover clock."""
+        if status < 500 and (secs := table.first_success(epoch)) is not None:
+            metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
 
     def _unavailable(message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "unavailable", "code": 503}},

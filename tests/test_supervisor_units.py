@@ -149,3 +149,25 @@ def test_metric_names_match_the_design():
                  "understudy_router_retries_total", "understudy_router_hold_seconds_bucket",
                  "understudy_daemon_resident_bytes{rank=\"0\"}"):
         assert name in text, name
+
+
+def test_is_exiting_sees_a_killed_process_before_it_is_reaped():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from supervisor.pidwatch import is_exiting
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not is_exiting(child.pid) and not is_exiting(os.getpid())
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not is_exiting(child.pid):  # exiting, then a zombie until we reap it
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    finally:
+        child.kill()
+        child.wait()
+    assert is_exiting(child.pid)  # reaped: gone
