@@ -22,6 +22,8 @@ class FailoverOps:
 
     def failover(self, dead: EngineSlot, reason: str, t_detect: float) -> None:
         """The primary is gone (already fenced): promote a READY standby or hold requests."""
+        if self.table.primary is not None and self.table.primary.name == dead.name:
+            self.table.mark_lost(self.table.primary.epoch)
         standby = self.ready_standby()
         if standby is not None:
             self.promote(standby, reason, t_detect, dead.name)

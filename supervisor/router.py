@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from supervisor.metrics import Metrics
-from supervisor.routing import RoutingTable
+from supervisor.routing import PrimaryLost, RoutingTable
 
 log = logging.getLogger("understudy.router")
 
@@ -82,8 +82,8 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
             url = up.url + path + (f"?{query}" if query else "")
             req = client.build_request(request.method, url, headers=headers, content=body)
             try:
-                upstream = await client.send(req, stream=True)
-            except httpx.HTTPError as e:  # nothing was sent to our client yet: retry
+                upstream = await table.unless_lost(up.epoch, client.send(req, stream=True))
+            except (httpx.HTTPError, PrimaryLost) as e:  # nothing was sent to our client yet: retry
                 failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__}"
                 continue
             if upstream.status_code in RETRY_STATUSES and time.monotonic() < deadline:
@@ -99,8 +99,8 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
                 served(up.epoch, upstream.status_code)
                 return StreamingResponse(_relay(upstream), status_code=upstream.status_code, headers=out_headers)
             try:  # whole body first: a failure before we answer can still be retried
-                content = b"".join([c async for c in upstream.aiter_raw()])
-            except httpx.HTTPError as e:
+                content = await table.unless_lost(up.epoch, _read_all(upstream))
+            except (httpx.HTTPError, PrimaryLost) as e:
                 failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} while reading"
                 continue
             finally:
@@ -112,6 +112,9 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
         """A response is on its way: the first success of a new primary ends its failover clock."""
         if status < 500 and (secs := table.first_success(epoch)) is not None:
             metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
+
+    async def _read_all(upstream: httpx.Response) -> bytes:
+        return b"".join([c async for c in upstream.aiter_raw()])
 
     def _unavailable(message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "unavailable", "code": 503}},

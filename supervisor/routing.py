@@ -7,6 +7,10 @@ import time
 from dataclasses import dataclass
 
 
+class PrimaryLost(Exception):
+    """The primary a request was sent to was fenced before it answered."""
+
+
 @dataclass(frozen=True)
 class Upstream:
     url: str
@@ -24,6 +28,29 @@ class RoutingTable:
         self.not_ready_reason = "starting: no engine READY yet"
         self._changed = asyncio.Event()
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
+        self._lost: dict[int, asyncio.Event] = {}  # epoch -> set once that primary is fenced
+
+    def mark_lost(self, epoch: int) -> None:
+        """The primary of `epoch` was fenced: requests still waiting on it are retried elsewhere
+        now, instead of when its sockets close (after the kernel has torn its GPU context down)."""
+        self._lost.setdefault(epoch, asyncio.Event()).set()
+        for old in [e for e in self._lost if e < epoch - 4]:
+            del self._lost[old]
+
+    async def unless_lost(self, epoch: int, coro):
+        """Await `coro` (a call to the primary of `epoch`); raise PrimaryLost if it is fenced first."""
+        task = asyncio.ensure_future(coro)
+        lost = self._lost.setdefault(epoch, asyncio.Event())
+        if not lost.is_set():
+            waiter = asyncio.ensure_future(lost.wait())
+            try:
+                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise PrimaryLost(f"epoch {epoch} primary fenced")
 
     def start_failover_clock(self, epoch: int, detected_at: float) -> None:
         """A failover promoted epoch `epoch`; its clock stops at that epoch's first success."""
