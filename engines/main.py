@@ -40,10 +40,15 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
+def bind_rank_device(cfg: EngineConfig, rank: int) -> torch.device:
+    """This rank's device, made current. On CUDA, attention avoids cuDNN's SDPA: it builds an
+    execution plan per new prompt length (hundreds of ms on first sight of a shape)."""
     if cfg.device == "cpu":
         return torch.device("cpu")
-    return torch.device("cuda", cfg.gpu_ids[rank] if cfg.gpu_ids else rank)
+    device = torch.device("cuda", cfg.gpu_ids[rank] if cfg.gpu_ids else rank)
+    torch.cuda.set_device(device)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return device
 
 
 def max_model_len(cfg: EngineConfig, max_positions: int) -> int:
@@ -109,9 +114,7 @@ def _run_worker(cfg: EngineConfig, rank: int, dist_port: int) -> int:
         signal.signal(sig, signal.SIG_IGN)
     _set_threads(cfg)
     args = read_model_args(cfg.model_path)
-    device = rank_device(cfg, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = bind_rank_device(cfg, rank)
     group = init_distributed(rank, cfg.tp_size, device, dist_port)
     weights = load_rank_weights(cfg, args, rank, device)
     log.info("rank %d weights: %s", rank, weights.source)
@@ -170,9 +173,7 @@ def run_engine(cfg: EngineConfig) -> int:
             workers = _fork_workers(cfg, port)
             _watch_workers(workers, shutting_down)
             _set_threads(cfg)
-            device = rank_device(cfg, 0)
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            device = bind_rank_device(cfg, 0)
             group = init_distributed(0, cfg.tp_size, device, port)
         control = ControlChannel(cfg.control_endpoint, cfg.name, cfg.incarnation)
         for name, secs in timer.phases.items():  # the phases that ran before the channel existed

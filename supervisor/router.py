@@ -96,8 +96,8 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
             out_headers["x-understudy-engine"] = up.name
             out_headers["x-understudy-epoch"] = str(up.epoch)
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                served(up.epoch, upstream.status_code)
-                return StreamingResponse(_relay(upstream), status_code=upstream.status_code, headers=out_headers)
+                return StreamingResponse(_relay(upstream, up.epoch), status_code=upstream.status_code,
+                                         headers=out_headers)
             try:  # whole body first: a failure before we answer can still be retried
                 content = await table.unless_lost(up.epoch, _read_all(upstream))
             except (httpx.HTTPError, PrimaryLost) as e:
@@ -120,10 +120,11 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
         return JSONResponse({"error": {"message": message, "type": "unavailable", "code": 503}},
                             status_code=503, headers={"Retry-After": str(retry_after_s)})
 
-    async def _relay(upstream: httpx.Response):
+    async def _relay(upstream: httpx.Response, epoch: int):
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
+            served(epoch, upstream.status_code)  # a stream succeeds when it ends whole
         except httpx.HTTPError as e:  # bytes already sent: we can only end the stream
             log.warning("upstream stream broke after the first byte: %s", type(e).__name__)
         finally:
