@@ -16,7 +16,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ from daemon.client import WeightCacheError
 from .config import EngineConfig
 from .control import ControlChannel
 from .engine import LLMEngine
+from .forked import fork_into
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
 from .server import OpenAIServer, build_app
@@ -89,18 +89,7 @@ def _fork_workers(cfg: EngineConfig, dist_port: int) -> dict[int, int]:
     """Fork ranks 1..N-1 (before CUDA or threads exist); returns {pid: rank}."""
     pids = {}
     for rank in range(1, cfg.tp_size):
-        pid = os.fork()
-        if pid == 0:
-            rc = 1
-            try:
-                rc = _run_worker(cfg, rank, dist_port)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc)
-        pids[pid] = rank
+        pids[fork_into(lambda rank=rank: _run_worker(cfg, rank, dist_port))] = rank
     return pids
 
 

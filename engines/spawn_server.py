@@ -17,7 +17,6 @@ import selectors
 import signal
 import socket
 import sys
-import traceback
 
 import tokenizers  # noqa: F401  (imported for the children)
 import torch  # noqa: F401
@@ -28,6 +27,7 @@ from daemon.framing import FrameError, PeerClosed, recv_frame, send_frame
 from . import main as _engine_main  # noqa: F401  (the whole engine stack, imported once)
 from .__main__ import run as run_engine
 from .config import EngineConfig
+from .forked import fork_into
 
 log = logging.getLogger("engines.spawn_server")
 
@@ -137,13 +137,7 @@ class SpawnServer:
         return {"ok": False, "error": f"unknown op {op!r}; expected spawn, wait or ping"}
 
     def _fork(self, cfg: EngineConfig, log_fd: int) -> int:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid:
-            return pid
-        rc = 1
-        try:  # the child: a new session, our sockets closed, output to the log
+        def child() -> int:  # a new session, our sockets closed, output to the log
             os.setsid()
             for key in list(self.sel.get_map().values()):
                 key.fileobj.close()  # type: ignore[union-attr]
@@ -155,15 +149,8 @@ class SpawnServer:
             os.close(log_fd)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
-            rc = run_engine(cfg)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(rc)
+            return run_engine(cfg)
+        return fork_into(child)
 
     def _reap(self) -> None:
         while True:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 import zmq
 import zmq.asyncio
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from supervisor.zmq_ipc import bind_private_ipc
 
 log = logging.getLogger("understudy.control")
 
@@ -32,17 +33,7 @@ class ControlChannel:
 
     def __init__(self, ctx: zmq.asyncio.Context, path: str) -> None:
         self.endpoint = f"ipc://{path}"
-        if os.path.exists(path):
-            os.unlink(path)
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        old = os.umask(0o077)
-        try:
-            self._sock.bind(self.endpoint)
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
+        self._sock = bind_private_ipc(ctx, zmq.ROUTER, path, ROUTER_MANDATORY=1)
 
     async def recv(self) -> EngineMessage | None:
         """Next valid message; malformed ones are logged and answered with None."""

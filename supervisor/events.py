@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Any
 
 import zmq
+
+from supervisor.zmq_ipc import bind_private_ipc
 
 log = logging.getLogger("understudy.events")
 
@@ -17,17 +18,7 @@ class EventBus:
 
     def __init__(self, ctx: zmq.Context, path: str) -> None:
         self.endpoint = f"ipc://{path}"
-        if os.path.exists(path):
-            os.unlink(path)
-        self._sock = ctx.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 10000)
-        old = os.umask(0o077)
-        try:
-            self._sock.bind(self.endpoint)
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
+        self._sock = bind_private_ipc(ctx, zmq.PUB, path, SNDHWM=10000)
         self.recent: list[dict[str, Any]] = []
 
     def publish(self, event: dict[str, Any]) -> None:
