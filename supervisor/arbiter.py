@@ -206,8 +206,13 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
     async def _control_loop(self) -> None:
         while True:
             msg = await self.control.recv()
-            if msg is not None:
+            if msg is None:
+                continue
+            try:
                 self.on_engine_message(msg)
+            except Exception:  # one bad message must not stop the node
+                log.exception("control message from %s:%s dropped: %s", msg.engine, msg.incarnation,
+                              str(msg.model_dump())[:200])
 
     async def _tick_loop(self) -> None:
         while True:

@@ -77,5 +77,8 @@ class HealthOps:
         self.transition(slot, State.FAILED, reason)
         if slot.pid:
             kill_group(slot.pid)
+            up = self.table.primary
+            if up is not None and up.name == slot.name and not self.stopping:
+                self.failover(slot, reason.split(":")[0], slot.down_since)  # fenced: switch now
         else:
             self.schedule_restart(slot)

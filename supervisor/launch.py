@@ -47,12 +47,17 @@ class PopenHandle:
         self.argv = argv
 
     async def returncode(self) -> int | None:
-        for _ in range(50):  # the pidfd said it exited; waitpid succeeds at once or very soon
+        """The exit status; waits out a teardown still in progress (a GPU process: ~100 ms+)."""
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+        while time.monotonic() < deadline:
             rc = self.popen.poll()
             if rc is not None:
                 return rc
             await asyncio.sleep(0.01)
         return None
+
+
+EXIT_STATUS_WAIT_S = 10.0  # the exit may be seen early (PF_EXITING), before the kernel tore the process down
 
 
 def python_argv(module: str, *args: str) -> list[str]:
@@ -121,7 +126,9 @@ class SpawnedHandle:
         self.client = client
 
     async def returncode(self) -> int | None:
-        for _ in range(50):
+        """The exit status, from the spawn server (or our own waitpid once we adopted the orphan)."""
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+        while time.monotonic() < deadline:
             try:
                 reply = await self.client.call({"op": "wait", "pid": self.pid})
                 if reply.get("ok") and reply.get("returncode") is not None:

@@ -83,8 +83,10 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
             req = client.build_request(request.method, url, headers=headers, content=body)
             try:
                 upstream = await table.unless_lost(up.epoch, client.send(req, stream=True))
+            except httpx.TimeoutException:  # the engine is slow, not gone: sending it again would not help
+                return _timeout(up.name)
             except (httpx.HTTPError, PrimaryLost) as e:  # nothing was sent to our client yet: retry
-                failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__}"
+                failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} {e}".strip()
                 continue
             if upstream.status_code in RETRY_STATUSES and time.monotonic() < deadline:
                 await upstream.aclose()
@@ -100,6 +102,8 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
                                          headers=out_headers)
             try:  # whole body first: a failure before we answer can still be retried
                 content = await table.unless_lost(up.epoch, _read_all(upstream))
+            except httpx.TimeoutException:
+                return _timeout(up.name)
             except (httpx.HTTPError, PrimaryLost) as e:
                 failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} while reading"
                 continue
@@ -115,6 +119,10 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
 
     async def _read_all(upstream: httpx.Response) -> bytes:
         return b"".join([c async for c in upstream.aiter_raw()])
+
+    def _timeout(engine: str) -> JSONResponse:
+        message = f"engine {engine} did not answer within router.upstream_timeout_s={upstream_timeout_s:g}s"
+        return JSONResponse({"error": {"message": message, "type": "timeout", "code": 504}}, status_code=504)
 
     def _unavailable(message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "unavailable", "code": 503}},

@@ -45,6 +45,9 @@ class RoutingTable:
             waiter = asyncio.ensure_future(lost.wait())
             try:
                 await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # our caller was cancelled: do not leave the upstream call running
+                task.cancel()
+                raise
             finally:
                 waiter.cancel()
         if task.done():
