@@ -26,7 +26,7 @@ from torch import nn
 
 from .arena import ArenaError, Manifest, bind, build_views, check_materialised, layout
 from .fingerprint import CacheConfig
-from .framing import FrameError, close_fds, recv_frame, send_frame
+from .framing import FrameError, close_fds, peer_uid, recv_frame, send_frame
 from .protocol import PROTOCOL_VERSION, REPLY, ArenaHandle, Attach, Error, Hello, Loading, Mismatch, Ok
 from .quant import UnsupportedQuantForIPCError, check_quant_allowed
 from .runtime_dir import daemon_socket_path
@@ -165,6 +165,10 @@ def _connect(path: Path) -> socket.socket:
     except OSError as e:
         sock.close()
         raise CacheMiss("no_daemon", f"cannot connect to {path}: {e}") from None
+    uid = peer_uid(sock)
+    if uid != os.getuid():  # never map memory handed out by another user's process
+        sock.close()
+        raise CacheMiss("refused", f"{path} is served by uid {uid}, not by us (uid {os.getuid()})")
     sock.settimeout(REPLY_TIMEOUT_S)
     return sock
 
@@ -282,9 +286,12 @@ def ensure_daemon(cache_config: CacheConfig, runtime_dir: str | os.PathLike, ran
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    with open(_log_path(runtime_dir, rank), "ab") as logf:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+    logfd = os.open(_log_path(runtime_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logfd, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env)
+    finally:
+        os.close(logfd)
     deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
     while time.monotonic() < deadline:
         try:

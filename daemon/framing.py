@@ -64,6 +64,11 @@ def recv_frame(sock: socket.socket) -> tuple[dict, list[int]]:
         raise
 
 
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected AF_UNIX socket (SO_PEERCRED)."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+
+
 def close_fds(fds: list[int]) -> None:
     """Close every fd in `fds`, ignoring ones already closed."""
     for fd in fds:

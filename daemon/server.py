@@ -13,7 +13,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .arena import Manifest, bind, build_views, check_materialised, layout
 from .fingerprint import CacheConfig, make_cache_config
-from .framing import FrameError, PeerClosed, close_fds, recv_frame, send_frame
+from .framing import FrameError, PeerClosed, close_fds, peer_uid, recv_frame, send_frame
 from .protocol import (REQUEST, ArenaHandle, Attach, DaemonInfo, Error, Hello, Loading, Mismatch, Ok,
                        Ping, Progress, Status)
 from .quant import check_quant_allowed
@@ -174,7 +173,7 @@ class WeightDaemon:
         try:
             with conn:
                 conn.settimeout(IDLE_TIMEOUT_S)
-                uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+                uid = peer_uid(conn)
                 if uid != os.getuid():
                     log.warning("rank %d: refused a peer with uid %d", self.cfg.rank, uid)
                     _send_quietly(conn, Error(message=f"peer uid {uid} refused: this daemon serves uid {os.getuid()} only"))

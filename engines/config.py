@@ -6,6 +6,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 WeightCacheMode = Literal["client", "daemon", "off"]
+BOOT_ERROR_EXIT = 3
+"""An engine's exit code for a configuration or checkpoint problem: restarting it will not help."""
 
 
 class EngineConfig(BaseModel):

@@ -23,7 +23,7 @@ import uvicorn
 
 from daemon.client import WeightCacheError
 
-from .config import EngineConfig
+from .config import BOOT_ERROR_EXIT, EngineConfig
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
@@ -35,7 +35,6 @@ from .tokenizer import Tokenizer, TokenizerError
 from .weights import load_rank_weights
 
 log = logging.getLogger("engines.main")
-BOOT_ERROR_EXIT = 3  # a configuration or checkpoint problem: restarting will not help
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 

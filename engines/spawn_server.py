@@ -22,7 +22,7 @@ import tokenizers  # noqa: F401  (imported for the children)
 import torch  # noqa: F401
 from pydantic import ValidationError
 
-from daemon.framing import FrameError, PeerClosed, recv_frame, send_frame
+from daemon.framing import FrameError, PeerClosed, peer_uid, recv_frame, send_frame
 
 from . import main as _engine_main  # noqa: F401  (the whole engine stack, imported once)
 from .__main__ import run as run_engine
@@ -66,8 +66,7 @@ class SpawnServer:
         self.close()
 
     def _check_peer(self, conn: socket.socket) -> None:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        uid = int.from_bytes(creds[4:8], sys.byteorder)
+        uid = peer_uid(conn)
         if uid != os.getuid():
             log.warning("refused a connection from uid %d", uid)
             conn.close()

@@ -10,7 +10,7 @@ import socket
 import time
 from typing import Any
 
-from engines.config import EngineConfig
+from engines.config import BOOT_ERROR_EXIT, EngineConfig
 from supervisor.config import template_fields
 from supervisor.canary import compare, is_listening, run_canary
 from supervisor.control import EngineMessage
@@ -25,7 +25,6 @@ log = logging.getLogger("understudy")
 
 READY_POLL_S = 0.05
 KEEP_LOGS = 20  # per slot, the logs of the last incarnations (runtime_dir is often a tmpfs)
-BOOT_ERROR_EXIT = 3  # engines/main.py: a config or checkpoint problem; restarting will not help
 
 
 ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
