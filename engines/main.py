@@ -92,7 +92,19 @@ def _fork_workers(cfg: EngineConfig, dist_port: int) -> dict[int, int]:
     return pids
 
 
+# Problems of configuration or checkpoint: the engine exits BOOT_ERROR_EXIT, and a restart would not help.
+BOOT_ERRORS = (CheckpointError, TokenizerError, KVBudgetError, WeightCacheError, ValueError, FileNotFoundError)
+
+
 def _run_worker(cfg: EngineConfig, rank: int, dist_port: int) -> int:
+    try:
+        return _worker_main(cfg, rank, dist_port)
+    except BOOT_ERRORS as e:
+        print(f"engine {cfg.name} rank {rank}: failed to start: {e}", file=sys.stderr, flush=True)
+        return BOOT_ERROR_EXIT
+
+
+def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # rank 0 died before prctl took effect
@@ -126,6 +138,9 @@ def _watch_workers(pids: dict[int, int], shutting_down: threading.Event) -> None
             code = os.waitstatus_to_exitcode(status)
             log.error("rank %d (pid %d) exited with %s; killing the engine", rank, pid,
                       f"signal {-code}" if code < 0 else f"code {code}")
+            if code == BOOT_ERROR_EXIT:  # say so to the supervisor; the other workers die with us (PDEATHSIG)
+                sys.stderr.flush()
+                os._exit(BOOT_ERROR_EXIT)
             os.killpg(os.getpgrp(), signal.SIGKILL)
     for pid, rank in pids.items():
         threading.Thread(target=wait, args=(pid, rank), name=f"watch-rank{rank}", daemon=True).start()
@@ -187,11 +202,13 @@ def run_engine(cfg: EngineConfig) -> int:
         names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]
         srv = OpenAIServer(engine, tokenizer, names, mml, args.vocab_size, timer.summary)
         rc = asyncio.run(_serve(cfg, engine, srv, timer, control))
-    except (CheckpointError, TokenizerError, KVBudgetError, WeightCacheError, ValueError, FileNotFoundError) as e:
+    except BOOT_ERRORS as e:
         print(f"engine {cfg.name}: failed to start: {e}", file=sys.stderr, flush=True)
+        shutting_down.set()  # the watchers must not turn our clean boot-error exit into a group SIGKILL
         _kill_workers(workers)
         return BOOT_ERROR_EXIT
     except BaseException:
+        shutting_down.set()
         _kill_workers(workers)
         raise
     shutting_down.set()

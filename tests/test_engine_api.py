@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -183,6 +184,8 @@ def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:
     cases = {
         "no-model": ({"model_path": str(tmp_path / "missing")}, "missing: checkpoint folder does not exist"),
         "tiny-kv": ({"kv_cache_bytes": 1 << 16}, "kv_cache_bytes=65536 cannot hold one sequence"),
+        # under TP a worker rank may hit it first: still exit 3, not a SIGKILL of the group
+        "tp2-tiny-kv": ({"kv_cache_bytes": 1 << 16, "tp_size": 2}, "kv_cache_bytes=65536 cannot hold one sequence"),
     }
     procs = {}
     for name, (override, _) in cases.items():
@@ -192,4 +195,4 @@ def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:
     for name, (_, message) in cases.items():
         assert procs[name].proc.wait(60) == 3
         log = (tmp_path / f"{name}.log").read_text()
-        assert f"engine {name}: failed to start:" in log and message in log, log
+        assert re.search(rf"engine {name}( rank \d+)?: failed to start:", log) and message in log, log
