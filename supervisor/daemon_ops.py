@@ -107,7 +107,13 @@ class DaemonOps:
             await asyncio.sleep(STATUS_POLL_S)
 
     def check_daemon(self, d: DaemonSlot, now: float) -> None:
-        """Ping READY daemons now and then; a hung one (SIGSTOP, deadlock) is killed and restarted."""
+        """Ping READY daemons now and then; a hung one (SIGSTOP, deadlock) is killed and restarted.
+        A (re)started daemon that does not finish loading within daemons.load_timeout_s is too."""
+        limit = self.cfg.daemons.load_timeout_s
+        if d.state == State.STARTING and d.pid and now - d.started_at > limit:
+            self.transition(d, State.FAILED, f"not loaded within daemons.load_timeout_s={limit:g}s")
+            kill_group(d.pid)
+            return
         if d.state != State.READY or d.pinging or now - d.last_ping < PING_INTERVAL_S:
             return
         d.last_ping, d.pinging = now, True

@@ -69,10 +69,14 @@ class EngineOps:
                 self.transition(slot, State.FAILED, f"start failed: {e}")
                 self.schedule_restart(slot)
             return
+        if slot.incarnation != inc:  # a newer start owns the slot: never let this one's pid overwrite it
+            log.warning("%s: incarnation %d started after being superseded; killing pid %d", slot.name, inc, handle.pid)
+            kill_group(handle.pid)
+            return
         slot.proc, slot.pid = handle, handle.pid
         slot.cancel_watch = watch_exit(self.loop, handle.pid, lambda pid: self.on_engine_exit(slot, inc, pid))
         log.info("%s: pid %d, incarnation %d, %s", slot.name, handle.pid, inc, slot.url)
-        if slot.incarnation != inc or slot.state == State.DRAINING or self.stopping:
+        if slot.state == State.DRAINING or self.stopping:
             kill_group(handle.pid, signal.SIGTERM if not self.stopping else signal.SIGKILL)
             return
         self.write_state()
@@ -112,13 +116,15 @@ class EngineOps:
                 return
         if slot.state == State.STARTING:
             self.transition(slot, State.WARMING, "HTTP up")
+        unanswered = 0
         while slot.incarnation == inc and slot.state in (State.ATTACHING, State.WARMING, State.STARTING):
             res = await run_canary(self.http, slot.url, self.model_name, self.cfg.canary.prompt,
                                    self.cfg.canary.max_tokens, self.cfg.failover.probe_timeout_s)
             if slot.incarnation != inc or slot.state not in RUNNING:
                 return
-            if not res.ok:
-                log.info("%s: canary not answered yet: %s", slot.name, res.error)
+            if not res.ok:  # the engine is still starting: say so once, then only at debug level
+                (log.info if not unanswered else log.debug)("%s: canary not answered yet: %s", slot.name, res.error)
+                unanswered += 1
                 await asyncio.sleep(0.2)
                 continue
             golden = self.golden.record(self.fingerprint, res, slot.name)
