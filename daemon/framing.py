@@ -64,6 +64,17 @@ def recv_frame(sock: socket.socket) -> tuple[dict, list[int]]:
         raise
 
 
+def request(path: str | os.PathLike, obj: dict, timeout_s: float) -> dict:
+    """One request on a fresh connection to an AF_UNIX server; fds in the reply are closed."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(os.fspath(path))
+        send_frame(sock, obj)
+        reply, fds = recv_frame(sock)
+        close_fds(fds)
+        return reply
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a connected AF_UNIX socket (SO_PEERCRED)."""
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]

@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 import time
 from typing import Any
 
+from daemon import framing
 from supervisor.exitstatus import describe_returncode
 from supervisor.launch import PopenHandle, SpawnClient, child_env, kill_group, python_argv
 from supervisor.pidwatch import watch_exit
@@ -24,16 +24,7 @@ PING_FAILURES = 3  # a daemon that does not answer this many pings in a row is h
 
 def daemon_status(path: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """One ``status`` request on a daemon socket (blocking; run in a thread)."""
-    from daemon.framing import recv_frame, send_frame
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(timeout_s)
-        s.connect(path)
-        send_frame(s, {"op": "status"})
-        reply, fds = recv_frame(s)
-        for fd in fds:
-            import os
-            os.close(fd)
-        return reply
+    return framing.request(path, {"op": "status"}, timeout_s)
 
 
 class DaemonOps:

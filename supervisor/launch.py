@@ -6,13 +6,13 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from daemon import framing
 from supervisor.pidwatch import try_reap
 
 log = logging.getLogger("understudy.launch")
@@ -82,19 +82,8 @@ class SpawnClient:
         self.path = path
         self.timeout_s = timeout_s
 
-    def _call_sync(self, obj: dict[str, Any]) -> dict[str, Any]:
-        from daemon.framing import recv_frame, send_frame
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-            s.settimeout(self.timeout_s)
-            s.connect(str(self.path))
-            send_frame(s, obj)
-            reply, fds = recv_frame(s)
-            for fd in fds:
-                os.close(fd)
-            return reply
-
     async def call(self, obj: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self._call_sync, obj)
+        return await asyncio.to_thread(framing.request, self.path, obj, self.timeout_s)
 
     async def wait_ready(self, timeout_s: float, alive: "PopenHandle") -> None:
         """Ping until the server answers; raise RuntimeError if it exits or times out."""
