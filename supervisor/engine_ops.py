@@ -162,8 +162,8 @@ class EngineOps:
             secs = now - slot.down_since
             slot.down_since = None
             self.metrics.recovery_seconds.observe(secs)
-            self.events.publish({"type": "recovered", "engine": slot.name, "seconds": secs,
-                                 "weights_source": slot.weights_source})
+            self.events.publish({"type": "recovered", "engine": slot.name, "incarnation": slot.incarnation,
+                                 "seconds": secs, "weights_source": slot.weights_source})
         if self.table.primary is None and not self.stopping:
             reason, t0, old = self.pending_failover or ("boot", now, "")
             self.pending_failover = None

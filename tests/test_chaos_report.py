@@ -170,3 +170,20 @@ def test_fault_windows_merge_and_lookup() -> None:
     assert [inside(t, merged) for t in (0.5, 1.0, 2.0, 3.0, 5.0, 9.5, 10.0, 10.5)] == [
         False, True, True, False, True, True, True, False]
     assert not inside(1.0, [])
+
+
+def test_cache_counts_replacements_seen_only_in_events() -> None:
+    """A replacement that came and went between two /status polls still counts, once."""
+    from supervisor.chaos.analysis import cache_from_status
+    from supervisor.chaos.events import RecoveredEvent
+    from supervisor.chaos.records import EngineView, StatusSample
+
+    def sample(t: float, inc: int, source: str) -> StatusSample:
+        return StatusSample(t=t, epoch=1, daemons=[], engines=[
+            EngineView("a", "engine", "primary", "READY", 10, incarnation=inc, weights_source=source)])
+
+    polls = [sample(0.0, 0, "cache_hit"), sample(1.0, 2, "cache_hit")]  # incarnation 1 was never polled
+    events = [RecoveredEvent(type="recovered", ts=0.5, engine="a", incarnation=1, weights_source="disk:mismatch"),
+              RecoveredEvent(type="recovered", ts=0.9, engine="a", incarnation=2, weights_source="cache_hit")]
+    cache = cache_from_status(polls, events)
+    assert (cache.hits, cache.misses, cache.miss_reasons) == (1, 1, {"mismatch": 1})

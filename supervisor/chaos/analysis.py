@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .active import active_engines, unexpected
-from .events import Event
+from .events import Event, RecoveredEvent
 from .honest import honest_metrics
 from .matching import EventIndex, SuccessIndex, fault_window, outcome
 from .memory import growth_pct
@@ -64,22 +64,25 @@ def count(requests: Sequence[RequestRecord]) -> RequestCounts:
     )
 
 
-def cache_from_status(samples: Sequence[StatusSample]) -> Cache:
-    """Hits and misses (with reasons) of every engine start seen in the /status polls during the run
-    (each name+incarnation once; those already loaded at the first poll are not counted)."""
+def cache_from_status(samples: Sequence[StatusSample], events: Sequence[Event] = ()) -> Cache:
+    """Hits and misses (with reasons) of every engine start seen during the run, in the /status polls
+    or in `recovered` events (a replacement can come and go between two polls); each
+    name+incarnation once; those already loaded at the first poll are not counted."""
     seen: set[tuple[str, int | None]] = set()
     if samples:
         seen = {(e.name, e.incarnation) for e in samples[0].engines if e.weights_source}
+    starts = [(e.name, e.incarnation, e.weights_source) for s in samples[1:] for e in s.engines]
+    starts += [(e.engine, e.incarnation, e.weights_source) for e in events
+               if isinstance(e, RecoveredEvent) and e.incarnation is not None]
     hits, reasons = 0, Counter[str]()
-    for s in samples[1:]:
-        for e in s.engines:
-            if e.weights_source is None or (e.name, e.incarnation) in seen:
-                continue
-            seen.add((e.name, e.incarnation))
-            if e.weights_source == "cache_hit":
-                hits += 1
-            else:
-                reasons[e.weights_source.removeprefix("disk:")] += 1
+    for name, incarnation, source in starts:
+        if source is None or (name, incarnation) in seen:
+            continue
+        seen.add((name, incarnation))
+        if source == "cache_hit":
+            hits += 1
+        else:
+            reasons[source.removeprefix("disk:")] += 1
     misses = sum(reasons.values())
     total = hits + misses
     return Cache(hits=hits, misses=misses, hit_rate=hits / total if total else None, miss_reasons=dict(reasons))
@@ -161,7 +164,7 @@ def build_report(data: RunData) -> ChaosReport:
         non_streaming=count([r for r in data.requests if not r.stream]),
         not_sent_client_busy=data.not_sent,
     )
-    cache = cache_from_status(data.samples)
+    cache = cache_from_status(data.samples, data.events)
     active = active_engines(data.samples, data.events, windows, data.t0, data.t_end)
     unplanned = [o for o in outcomes if o.kind not in PLANNED]
     recoveries = [o for o in unplanned if o.recovery_s is not None and o.target_role in ("primary", "standby")]

@@ -43,6 +43,7 @@ class RecoveredEvent(_Event):
 
     type: Literal["recovered"]
     engine: str
+    incarnation: int | None = None
     seconds: float | None = None
     weights_source: str | None = None
 
