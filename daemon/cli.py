@@ -28,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def daemon_argv(model: str | os.PathLike, rank: int, tp_size: int, device: str, dtype: str,
+                runtime_dir: str | os.PathLike, gpu_id: int | None = None) -> list[str]:
+    """The command line that starts one rank's daemon with this interpreter."""
+    argv = [sys.executable, "-m", "daemon", "--model", str(model), "--rank", str(rank), "--tp-size", str(tp_size),
+            "--device", device, "--dtype", dtype, "--runtime-dir", str(runtime_dir)]
+    return argv + (["--gpu-id", str(gpu_id)] if device == "cuda" and gpu_id is not None else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the daemon until SIGTERM, then exit the process: 0 after SIGTERM, 1 if loading failed,
     2 on bad arguments or a live daemon on the same rank (returns 2 only for bad arguments)."""

@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from .arena import ArenaError, Manifest, bind, build_views, check_materialised, layout
+from .cli import daemon_argv
 from .fingerprint import CacheConfig
 from .framing import FrameError, close_fds, peer_uid, recv_frame, send_frame
 from .protocol import PROTOCOL_VERSION, REPLY, ArenaHandle, Attach, Error, Hello, Loading, Mismatch, Ok
@@ -278,11 +278,8 @@ def ensure_daemon(cache_config: CacheConfig, runtime_dir: str | os.PathLike, ran
         if miss.reason != "no_daemon":
             raise
     ensure_private_dir(runtime_dir)
-    cmd = [sys.executable, "-m", "daemon", "--model", cache_config.model_path, "--rank", str(rank),
-           "--tp-size", str(cache_config.tp_size), "--device", device.type, "--dtype", cache_config.dtype,
-           "--runtime-dir", str(runtime_dir)]
-    if device.type == "cuda":
-        cmd += ["--gpu-id", str(device.index or 0)]
+    cmd = daemon_argv(cache_config.model_path, rank, cache_config.tp_size, device.type, cache_config.dtype,
+                      runtime_dir, device.index or 0)
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

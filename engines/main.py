@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from .config import BOOT_ERROR_EXIT, EngineConfig
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
+from .loopback import QuietServer, free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
 from .server import OpenAIServer, build_app
@@ -52,12 +52,6 @@ def bind_rank_device(cfg: EngineConfig, rank: int) -> torch.device:
 
 def max_model_len(cfg: EngineConfig, max_positions: int) -> int:
     return min(cfg.max_model_len, max_positions)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _set_process_name(name: str) -> None:
@@ -147,14 +141,6 @@ def _watch_workers(pids: dict[int, int], shutting_down: threading.Event) -> None
 
 
 # ---- rank 0 ---------------------------------------------------------------------------------
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: SIGTERM/SIGINT mean drain, handled by the engine."""
-
-    def capture_signals(self):  # noqa: ANN201
-        import contextlib
-        return contextlib.nullcontext()
-
-
 def run_engine(cfg: EngineConfig) -> int:
     """Start rank 0 (and fork the others), serve until drained; returns the exit code."""
     _become_group_leader()
@@ -172,7 +158,7 @@ def run_engine(cfg: EngineConfig) -> int:
             args = read_model_args(cfg.model_path)  # first: names a missing folder as such
             tokenizer = Tokenizer(cfg.model_path)
         with timer.phase("dist_init"):
-            port = cfg.dist_port or _free_port()
+            port = cfg.dist_port or free_port()
             workers = _fork_workers(cfg, port)
             _watch_workers(workers, shutting_down)
             _set_threads(cfg)
@@ -225,7 +211,7 @@ async def _serve(cfg: EngineConfig, engine: LLMEngine, srv: OpenAIServer, timer:
                  control: ControlChannel) -> int:
     """Run uvicorn and the scheduler loop until a drain completes (0) or the loop dies (1)."""
     loop = asyncio.get_running_loop()
-    server = _Server(uvicorn.Config(build_app(srv), host=cfg.host, port=cfg.port, log_level="warning",
+    server = QuietServer(uvicorn.Config(build_app(srv), host=cfg.host, port=cfg.port, log_level="warning",
                                     lifespan="off", access_log=False))
 
     def drain_begun() -> None:  # scheduler thread

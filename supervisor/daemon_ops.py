@@ -8,6 +8,8 @@ import time
 from typing import Any
 
 from daemon import framing
+from daemon.cli import daemon_argv
+from daemon.runtime_dir import daemon_socket_path
 from supervisor.exitstatus import describe_returncode
 from supervisor.launch import PopenHandle, SpawnClient, child_env, kill_group, python_argv
 from supervisor.pidwatch import watch_exit
@@ -53,13 +55,10 @@ class DaemonOps:
             return
         d.incarnation += 1
         d.stop_requested, d.ping_failures = False, 0
-        d.socket_path = str(self.rd / f"daemon-rank{d.rank}.sock")
+        d.socket_path = str(daemon_socket_path(self.rd, d.rank))
         m = self.cfg.model
-        argv = python_argv("daemon", "--model", str(self.model_path), "--rank", str(d.rank),
-                           "--tp-size", str(m.tp_size), "--device", self.device, "--dtype", m.dtype,
-                           "--runtime-dir", str(self.rd))
-        if self.device == "cuda":
-            argv += ["--gpu-id", str(self.cfg.resolved_gpu_ids()[d.rank])]
+        gpu = self.cfg.resolved_gpu_ids()[d.rank] if self.device == "cuda" else None
+        argv = daemon_argv(self.model_path, d.rank, m.tp_size, self.device, m.dtype, self.rd, gpu)
         d.started_at = time.monotonic()
         self.transition(d, State.STARTING, f"incarnation {d.incarnation}")
         try:

@@ -6,11 +6,11 @@ import asyncio
 import logging
 import shlex
 import signal
-import socket
 import time
 from typing import Any
 
 from engines.config import BOOT_ERROR_EXIT, EngineConfig
+from engines.loopback import free_port
 from supervisor.config import template_fields
 from supervisor.canary import compare, is_listening, run_canary
 from supervisor.control import EngineMessage
@@ -28,12 +28,6 @@ KEEP_LOGS = 20  # per slot, the logs of the last incarnations (runtime_dir is of
 
 
 ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EngineOps:

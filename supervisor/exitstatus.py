@@ -15,13 +15,3 @@ def describe_returncode(rc: int | None) -> str:
             name = f"signal {-rc}"
         return f"killed by {name}"
     return f"exit code {rc}"
-
-
-def returncode_from_wait_status(status: int) -> int | None:
-    """os.waitpid status -> subprocess-style returncode (negative = signal)."""
-    import os
-    if os.WIFSIGNALED(status):
-        return -os.WTERMSIG(status)
-    if os.WIFEXITED(status):
-        return os.WEXITSTATUS(status)
-    return None

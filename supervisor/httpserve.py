@@ -2,12 +2,12 @@
 starts; port 0 works), and no uvicorn signal handling (the supervisor owns signals)."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import socket
-from typing import Iterator
 
 import uvicorn
+
+from engines.loopback import QuietServer
 
 
 class BindError(Exception):
@@ -30,14 +30,6 @@ def bind_tcp(host: str, port: int, what: str) -> socket.socket:
         raise BindError(f"{what}: cannot listen on {host}:{port}: {why}") from None
     s.set_inheritable(False)
     return s
-
-
-class QuietServer(uvicorn.Server):
-    """uvicorn.Server that leaves signal handling to the supervisor loop."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def make_server(app, sock: socket.socket, log_level: str) -> QuietServer:

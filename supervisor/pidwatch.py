@@ -69,12 +69,11 @@ def become_subreaper() -> bool:
 
 def try_reap(pid: int) -> int | None:
     """Reap ``pid`` if it is our exited child; its subprocess-style returncode, else None."""
-    from supervisor.exitstatus import returncode_from_wait_status
     try:
         got, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         return None
-    return returncode_from_wait_status(status) if got == pid else None
+    return os.waitstatus_to_exitcode(status) if got == pid else None
 
 
 def reap_orphans(known: set[int]) -> list[tuple[int, int | None]]:

@@ -2,20 +2,14 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
+from engines.loopback import free_port
 from supervisor.chaos.cli import EXIT_ABORTED, EXIT_USAGE, main
 from supervisor.chaos.options import ChaosOptions, parse_counts, require_loopback
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
@@ -81,7 +75,7 @@ def test_unreachable_supervisor_writes_a_partial_report(token_file: Path, tmp_pa
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report"
     start = time.monotonic()
-    code = main(["--data-url", f"http://127.0.0.1:{_free_port()}", "--admin-url", f"http://127.0.0.1:{_free_port()}",
+    code = main(["--data-url", f"http://127.0.0.1:{free_port()}", "--admin-url", f"http://127.0.0.1:{free_port()}",
                  "--token-file", str(token_file), "--out", str(out), "--faults", "kill-primary:3"])
     assert code == EXIT_ABORTED and time.monotonic() - start < 15
     assert "admin API unreachable" in capsys.readouterr().err

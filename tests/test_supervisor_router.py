@@ -3,7 +3,6 @@ holding during a failover, retry on a new primary, 503 + Retry-After, /healthz a
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from engines.loopback import free_port
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
 from supervisor.routing import RoutingTable, Upstream
@@ -50,12 +50,6 @@ UPSTREAM = textwrap.dedent('''
 
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 ''')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_upstream(tmp_path, name: str) -> tuple[subprocess.Popen, str]:
