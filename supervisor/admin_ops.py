@@ -24,9 +24,8 @@ class AdminOps:
         p = self.table.primary if hasattr(self, "table") else None
         return {
             "pid": os.getpid(), "epoch": self.epoch, "primary": p.name if p else None,
-            "drained": getattr(getattr(self, "table", None), "drained", False), "stopping": self.stopping,
-            "stopped": getattr(self, "final", False),
-            "router_url": getattr(self, "router_url", None), "admin_url": getattr(self, "admin_url", None),
+            "drained": self.table.drained, "stopping": self.stopping, "stopped": self.final,
+            "router_url": self.router_url, "admin_url": self.admin_url,
             "runtime_dir": str(self.rd), "events": f"ipc://{self.rd}/events.sock",
             "model": {"path": str(self.model_path), "name": self.model_name, "device": self.device,
                       "dtype": self.cfg.model.dtype, "tp_size": self.cfg.model.tp_size,
@@ -36,9 +35,9 @@ class AdminOps:
                          "resident_bytes": d.resident_bytes, "fingerprint": d.fingerprint,
                          "socket": d.socket_path, "reason": d.reason, "last_exit": d.last_exit}
                         for d in self.daemons],
-            "spawn_server": {"pid": self.spawn_proc.pid} if getattr(self, "spawn_proc", None) else None,
+            "spawn_server": {"pid": self.spawn_proc.pid} if self.spawn_proc else None,
             "recent_failovers": list(self.failovers)[-10:],
-            "rollout": getattr(self, "rollout_state", None),
+            "rollout": self.rollout_state,
         }
 
     def _engine_view(self, s: EngineSlot, now: float) -> dict[str, Any]:
@@ -116,7 +115,7 @@ class AdminOps:
     async def admin_rollout(self) -> dict[str, Any]:
         """Restart every engine in turn (standbys first, then a switchover), never dropping traffic."""
         self._not_stopping()
-        if getattr(self, "rollout_state", None) and self.rollout_state.get("running"):
+        if self.rollout_state and self.rollout_state.get("running"):
             raise AdminError(409, "a rollout is already running")
         if self.ready_standby() is None:
             raise AdminError(409, "rollout needs a READY standby so that traffic never waits")
@@ -141,7 +140,7 @@ class AdminOps:
 
     async def _restart_spawn_server(self) -> None:
         """New engine code is picked up by a fresh spawn server (running engines are adopted)."""
-        if getattr(self, "spawn_proc", None) is None:
+        if self.spawn_proc is None:
             return
         old, self.spawn_proc = self.spawn_proc, None
         from supervisor.launch import kill_group

@@ -34,7 +34,8 @@ from supervisor.failover import FailoverOps
 from supervisor.health import HealthOps
 from supervisor.events import EventBus
 from supervisor.httpserve import bind_tcp, make_server
-from supervisor.launch import kill_group
+from supervisor.errors import BootError
+from supervisor.launch import PopenHandle, SpawnClient, kill_group
 from supervisor.metrics import Metrics
 from supervisor.pidwatch import become_subreaper, is_exiting, reap_orphans
 from supervisor.router import build_router
@@ -48,10 +49,6 @@ log = logging.getLogger("understudy")
 
 TICK_S = 0.1
 ESSENTIAL = frozenset({"router", "admin", "control", "signals", "tick"})
-
-
-class BootError(Exception):
-    """Something that cannot succeed by retrying: stop instead of looping."""
 
 
 class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
@@ -86,6 +83,14 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self._last_reap = 0.0
         self.pending_reap: set[int] = set()  # exited children whose status a task is still reading
         self.started_wall = time.time()
+        self.table = RoutingTable()
+        self.router_url: str | None = None
+        self.admin_url: str | None = None
+        self.spawn_proc: PopenHandle | None = None
+        self.spawn_client: SpawnClient | None = None
+        self.rollout_state: dict[str, Any] | None = None
+        self.announced = False  # "ready" printed and READY=1 sent
+        self.final = False
 
     def _policy(self) -> RestartPolicy:
         f = self.cfg.failover
@@ -120,7 +125,6 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.azctx = zmq.asyncio.Context()
         self.events = EventBus(self.zctx, str(self.rd / "events.sock"))
         self.control = ControlChannel(self.azctx, str(self.rd / "control.sock"))
-        self.table = RoutingTable()
         self.http = httpx.AsyncClient(timeout=10.0)
 
     # ------------------------------------------------------------------ main
@@ -165,18 +169,22 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         exc = task.exception()
         name = task.get_name()
         if isinstance(exc, BootError):
-            log.error("boot failed: %s", exc)
-            print(f"understudy: boot failed: {exc}", file=sys.stderr, flush=True)
-            self.exit_code = 1
+            self.halt(str(exc))
         elif name in ESSENTIAL or (name == "boot" and exc is not None):
             log.error("essential task %s ended (%r); stopping", name, exc, exc_info=exc)
             self.exit_code = 70
+            self._spawn(self.shutdown("error"), "shutdown")
         elif exc is not None:
             log.error("internal error in task %s (serving goes on)", name, exc_info=exc)
             self.events.publish({"type": "internal_error", "task": name, "error": repr(exc)[:300]})
+
+    def halt(self, why: str) -> None:
+        """Boot failed in a way retrying cannot fix: say why, stop everything, exit 1."""
+        if self.stopping:
             return
-        else:
-            return
+        log.error("boot failed: %s", why)
+        print(f"understudy: boot failed: {why}", file=sys.stderr, flush=True)
+        self.exit_code = 1
         self._spawn(self.shutdown("error"), "shutdown")
 
     async def _boot(self) -> None:
@@ -245,7 +253,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         if now - self._last_reap >= 1.0:
             self._last_reap = now
             known = {s.pid for s in self.all_slots() if s.pid} | self.pending_reap
-            sp = getattr(self, "spawn_proc", None)
+            sp = self.spawn_proc
             if sp is not None:
                 known.add(sp.pid)
             for pid, rc in reap_orphans(known):
@@ -313,7 +321,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.notifier.stopping(f"stopping ({why})")
         if not self.boot_task.done():
             self.boot_task.cancel()
-        spawn = getattr(self, "spawn_proc", None)
+        spawn = self.spawn_proc
         if spawn is not None:  # no spawns from now on; let it exit while engines drain
             kill_group(spawn.pid, signal.SIGTERM)
         for slot in self.engines.values():

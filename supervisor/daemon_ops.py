@@ -10,6 +10,7 @@ from typing import Any
 from daemon import framing
 from daemon.cli import daemon_argv
 from daemon.runtime_dir import daemon_socket_path
+from supervisor.errors import BootError
 from supervisor.exitstatus import describe_returncode
 from supervisor.launch import PopenHandle, SpawnClient, child_env, kill_group, python_argv
 from supervisor.pidwatch import watch_exit
@@ -35,7 +36,6 @@ class DaemonOps:
     # ------------------------------------------------------------------ daemons
     async def boot_daemons(self) -> None:
         """Start every rank's daemon and wait for its arena; a daemon dying here is a boot error."""
-        from supervisor.arbiter import BootError
         for d in self.daemons:
             self.start_daemon(d)
         deadline = time.monotonic() + self.cfg.daemons.load_timeout_s
@@ -198,7 +198,6 @@ class DaemonOps:
     # ------------------------------------------------------------------ spawn server
     async def start_spawn_server(self) -> None:
         """The zygote that has imported torch and the engine code (no CUDA yet) and forks engines."""
-        from supervisor.arbiter import BootError
         self.spawn_client = None
         self.spawn_proc = None
         if self.external or self.cfg.engines.spawn != "server":
@@ -229,7 +228,7 @@ class DaemonOps:
         self._spawn(self.start_spawn_server(), "spawn-server")
 
     async def stop_spawn_server(self) -> None:
-        proc = getattr(self, "spawn_proc", None)
+        proc = self.spawn_proc
         if proc is None:
             return
         kill_group(proc.pid, signal.SIGTERM)

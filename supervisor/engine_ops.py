@@ -321,13 +321,7 @@ class EngineOps:
         served = halt (a flapping slot stays FATAL in status instead, for an admin to reset)."""
         if self.epoch == 0 and all(s.state == State.FATAL and s.reason.startswith("boot error")
                                    for s in self.engines.values()):
-            from supervisor.arbiter import BootError
             reasons = {s.reason.split("; ", 1)[-1] for s in self.engines.values()}
             names = ", ".join(self.engines)
-            self._spawn(_raise(BootError(f"no engine could start ({names}, boot error exit code "
-                                         f"{BOOT_ERROR_EXIT}): {' | '.join(sorted(reasons))}")), "boot-halt")
-
-
-
-async def _raise(exc: Exception) -> None:
-    raise exc
+            self.halt(f"no engine could start ({names}, boot error exit code {BOOT_ERROR_EXIT}): "
+                      f"{' | '.join(sorted(reasons))}")

@@ -59,6 +59,6 @@ class FailoverOps:
             self.events.publish({"type": "promoted", "engine": slot.name, "epoch": self.epoch})
         self.refresh_gauges()
         self.write_state()
-        if not getattr(self, "_announced", False):
-            self._announced = True
+        if not self.announced:
+            self.announced = True
             self.announce()

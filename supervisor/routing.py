@@ -72,12 +72,15 @@ class RoutingTable:
         self.primary = up
         if up is None:
             self.not_ready_reason = reason or "no primary"
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._wake()
 
     def stop(self) -> None:
         """The supervisor is stopping: held requests get their 503 now instead of at the deadline."""
         self.stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake every request waiting in wait_primary."""
         self._changed.set()
         self._changed = asyncio.Event()
 

@@ -20,7 +20,8 @@ def setup_logging(level: str) -> None:
 
 def serve(config_path: str | None) -> int:
     """Run the supervisor in the foreground; the process exit code."""
-    from supervisor.arbiter import BootError, Supervisor
+    from supervisor.arbiter import Supervisor
+    from supervisor.errors import BootError
     from supervisor.httpserve import BindError
     from supervisor.model_prep import ModelError, resolve_model
     from supervisor.token import TokenError
