@@ -78,22 +78,15 @@ class AdminOps:
             self.stop_engine(old, restart=True)
         return {"primary": standby.name, "epoch": self.epoch, "previous": old.name if old else None}
 
-    async def admin_drain(self) -> dict[str, Any]:
-        """Node drain: /readyz fails so the load balancer moves away; requests still get served."""
-        self.table.drained = True
-        log.info("node drained by admin")
-        self.events.publish({"type": "drained", "drained": True})
+    async def admin_set_drained(self, drained: bool) -> dict[str, Any]:
+        """Node drain: /readyz fails so the load balancer moves away; requests still get served.
+        Undrain (False) turns /readyz back on."""
+        self.table.drained = drained
+        log.info("node %s by admin", "drained" if drained else "undrained")
+        self.events.publish({"type": "drained", "drained": drained})
         self.refresh_gauges()
         self.write_state()
-        return {"drained": True}
-
-    async def admin_undrain(self) -> dict[str, Any]:
-        self.table.drained = False
-        log.info("node undrained by admin")
-        self.events.publish({"type": "drained", "drained": False})
-        self.refresh_gauges()
-        self.write_state()
-        return {"drained": False}
+        return {"drained": drained}
 
     async def admin_restart(self, name: str, force: bool = False) -> dict[str, Any]:
         """Restart one engine (resets FATAL); the primary is switched over first."""
