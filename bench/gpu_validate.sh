@@ -2,6 +2,7 @@
 # Everything that must run on an H200, in one call per part (device tool). Usage:
 #   bash bench/gpu_validate.sh weights   # daemon cuda transport + gpu tests + engine graphs, decode, restart
 #   bash bench/gpu_validate.sh serve     # failover bench, memory figures, chaos run
+#   bash bench/gpu_validate.sh kernels   # fused decode kernels: probe, gpu engine tests, engine validate
 # Expects the wheels of the packages the GPU image lacks in .whl/ (see README), writes logs to $OUT.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -18,6 +19,11 @@ weights)
   timeout 120 python3 -m pytest -q -m gpu tests/test_daemon_gpu.py tests/test_engine_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
   timeout 220 python3 -m daemon.gpu_check --model $M --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log" | tail -30
   timeout 190 python3 -m engines.bench validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -30
+  ;;
+kernels)
+  timeout 300 python3 bench/probes/fused_decode_probe.py 2>&1 | tee "$OUT/fused_probe.log"
+  timeout 200 python3 -m pytest -q -m gpu tests/test_engine_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  timeout 300 python3 -m engines.bench validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -32
   ;;
 serve)
   # 1. kill -> first success on the new primary, 20 SIGKILLs under load, and router overhead

@@ -29,7 +29,7 @@ import torch
 from .config import EngineConfig
 from .engine import LLMEngine
 from .launch import EngineProcess, first_completion, wait_for_ready_line
-from .models import read_model_args
+from .models import Decode, read_model_args
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- in-process engine ------------------------------------------------------------------------
 def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, max_num_seqs: int = 32,
-                 max_len: int = 512, cuda_graphs: bool = True) -> LLMEngine:
+                 max_len: int = 512, cuda_graphs: bool = True, fused_kernels: bool = True) -> LLMEngine:
     """An engine without HTTP or control channel, weights from disk (`off`), for benchmarks and tests."""
     from .weights import load_rank_weights
 
@@ -54,7 +54,7 @@ def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, 
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         weights = load_rank_weights(cfg, args, 0, dev)
-    runner = ModelRunner(weights.model, dev)
+    runner = ModelRunner(weights.model, dev, fused_kernels=fused_kernels)
     graphs = cuda_graphs and dev.type == "cuda"
     per_slot = weights.model.kv_bytes_per_slot(max_len)
     slots = runner.allocate_kv_cache(per_slot * max_num_seqs, max_len, max_num_seqs, reserve_pad_slot=graphs)
@@ -109,7 +109,7 @@ def decode_throughput(engine: LLMEngine, batch: int, tokens: int, prompt_len: in
     engine.step()  # admits and prefills every sequence
     _sync(engine.runner.device)
     t0, steps = time.perf_counter(), 0
-    while engine.scheduler.has_work:
+    while engine.has_work:
         engine.step()
         steps += 1
     _sync(engine.runner.device)
@@ -117,9 +117,9 @@ def decode_throughput(engine: LLMEngine, batch: int, tokens: int, prompt_len: in
 
 
 def bench_decode(model_dir: str, device: str, batches: list[int], tokens: int, prompt_len: int,
-                 dtype: str | None, cuda_graphs: bool) -> dict:
+                 dtype: str | None, cuda_graphs: bool, fused_kernels: bool = True) -> dict:
     engine = local_engine(model_dir, device, dtype, max_num_seqs=max(batches), max_len=prompt_len + tokens + 8,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, fused_kernels=fused_kernels)
     dev = engine.runner.device
     bandwidth = copy_bandwidth(dev)
     weight_bytes = weight_bytes_per_token(engine.runner.model)
@@ -128,6 +128,7 @@ def bench_decode(model_dir: str, device: str, batches: list[int], tokens: int, p
     result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "dtype": str(engine.runner.model.dtype).removeprefix("torch."), "weight_bytes": weight_bytes,
               "copy_bandwidth_gbps": bandwidth / 1e9, "cuda_graphs": sorted(engine.runner.graphs),
+              "fused_decode": engine.runner.fused_decode_status,
               "tokens_per_s": rows, "floor_tokens_per_s_batch1": floor_tps}
     if 1 in rows:
         result["batch1_fraction_of_floor"] = rows[1] / floor_tps
@@ -136,7 +137,8 @@ def bench_decode(model_dir: str, device: str, batches: list[int], tokens: int, p
 
 def print_decode(r: dict) -> None:
     print(f"\ndecode: {r['device']}, {r['dtype']}, weight bytes read per token {r['weight_bytes'] / 1e9:.3f} GB, "
-          f"copy bandwidth {r['copy_bandwidth_gbps']:.1f} GB/s, CUDA graphs {r['cuda_graphs'] or 'off'}")
+          f"copy bandwidth {r['copy_bandwidth_gbps']:.1f} GB/s, CUDA graphs {r['cuda_graphs'] or 'off'}, "
+          f"fused decode kernels {r['fused_decode']}")
     print(f"{'batch':>6}{'tokens/s':>12}{'ms/step':>10}")
     for b, tps in r["tokens_per_s"].items():
         print(f"{b:>6}{tps:>12.1f}{1000 * b / tps:>10.2f}")
@@ -267,19 +269,57 @@ def print_restart(r: dict) -> None:
 
 
 # ---- validate (H200) --------------------------------------------------------------------------
-def graphs_match_eager(model_dir: str, device: str, tokens: int = 32) -> tuple[bool, list[int]]:
-    """Greedy tokens for batches 1, 3 and 8 with CUDA graphs equal the eager ones; returns (ok, graph sizes)."""
+def graphs_match_eager(model_dir: str, device: str, dtype: str | None = None,
+                       tokens: int = 32) -> tuple[dict[str, bool], list[int]]:
+    """Greedy tokens for batches 1, 3 and 8 through CUDA graphs equal the eager ones, with the
+    fused decode kernels and without; returns ({"torch": ok, "fused": ok}, graph sizes)."""
     prompts_all = random_prompts(8, 16, Tokenizer(model_dir).vocab_size, 5)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    outs = {}
-    sizes: list[int] = []
-    for graphs in (False, True):
-        engine = local_engine(model_dir, device, max_num_seqs=8, max_len=64, cuda_graphs=graphs)
-        if graphs:
-            sizes = sorted(engine.runner.graphs)
-        outs[graphs] = [engine.generate(prompts_all[:b], params) for b in (1, 3, 8)]
-        del engine
-    return outs[True] == outs[False], sizes
+    ok, sizes = {}, []
+    for fused in (False, True):
+        outs = []
+        for graphs in (False, True):
+            engine = local_engine(model_dir, device, dtype, max_num_seqs=8, max_len=64, cuda_graphs=graphs,
+                                  fused_kernels=fused)
+            sizes = sorted(engine.runner.graphs) or sizes
+            outs.append([engine.generate(prompts_all[:b], params) for b in (1, 3, 8)])
+            del engine
+        ok["fused" if fused else "torch"] = outs[0] == outs[1]
+    return ok, sizes
+
+
+def fused_logit_error(model_dir: str, device: str, dtype: str | None = None, steps: int = 32) -> dict:
+    """Accuracy of the fused decode kernels: four prompts decoded at batch 1, teacher-forced along
+    float32 greedy tokens; for the torch path and for the kernels (both in `dtype`), the largest
+    logit error against float32 relative to the largest logit, and how often the argmax agrees."""
+    ref = local_engine(model_dir, device, "float32", max_num_seqs=1, max_len=16 + steps + 1, cuda_graphs=False)
+    engine = local_engine(model_dir, device, dtype, max_num_seqs=1, max_len=16 + steps + 1, cuda_graphs=False)
+    model = engine.runner.model
+    if not model.use_fused_decode:
+        return {"skipped": engine.runner.fused_decode_status}
+    err = {"torch": 0.0, "fused": 0.0}
+    agree = {"torch": 0, "fused": 0}
+    slot = torch.zeros(1, dtype=torch.long, device=engine.runner.device)
+    for prompt in random_prompts(4, 16, engine.tokenizer.vocab_size, 11):
+        ids = ref.runner.prefill(prompt, 0).argmax(-1)
+        engine.runner.prefill(prompt, 0)
+        for step in range(steps):
+            pos = torch.full((1,), 16 + step, device=engine.runner.device)
+            want = ref.runner.model(ids, pos, Decode(slot)).float()
+            for path in ("torch", "fused"):  # both write the same KV rows: one shared history
+                model.use_fused_decode = path == "fused"
+                got = model(ids, pos, Decode(slot)).float()
+                err[path] = max(err[path], ((got - want).abs().max() / want.abs().max()).item())
+                agree[path] += int(got.argmax(-1) == want.argmax(-1))
+            ids = want.argmax(-1)
+    tokens = 4 * steps
+    return {"torch_vs_fp32": err["torch"], "fused_vs_fp32": err["fused"], "tokens": tokens,
+            "torch_argmax_agreement": agree["torch"] / tokens, "fused_argmax_agreement": agree["fused"] / tokens}
+
+
+def fused_as_accurate(err: dict) -> bool:
+    """The kernels' error against float32 is within 25% of the torch path's (or skipped)."""
+    return "skipped" in err or err["fused_vs_fp32"] <= 1.25 * err["torch_vs_fp32"] + 1e-3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
         p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     d.add_argument("--no-cuda-graphs", action="store_true")
+    d.add_argument("--no-fused-kernels", action="store_true", help="decode through the torch path only")
     ns = parser.parse_args(argv)
 
     if ns.cmd == "decode":
         res = bench_decode(ns.model_dir, ns.device, [int(b) for b in ns.batches.split(",")], ns.tokens,
-                           ns.prompt_len, ns.dtype, not ns.no_cuda_graphs)
+                           ns.prompt_len, ns.dtype, not ns.no_cuda_graphs, not ns.no_fused_kernels)
         print_decode(res)
     elif ns.cmd == "restart":
         res = bench_restart(ns.model_dir, ns.device, ns.dtype, ns.runs, int(ns.kv_cache_gb * (1 << 30)),
@@ -333,27 +374,38 @@ def validate(ns: argparse.Namespace) -> dict:
             print(f"making the {ns.preset} checkpoint in {model_dir} ...", flush=True)
             make_model(model_dir, ns.preset)
     t0 = time.perf_counter()
-    ok, sizes = graphs_match_eager(model_dir, ns.device)
-    print(f"CUDA graphs {sizes or 'off (no CUDA)'}: tokens {'match' if ok else 'DIFFER FROM'} eager "
-          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    same, sizes = graphs_match_eager(model_dir, ns.device, ns.dtype)
+    print(f"CUDA graphs {sizes or 'off (no CUDA)'}: tokens equal eager: {same} ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
+    ok = all(same.values())
+    fused = fused_logit_error(model_dir, ns.device, ns.dtype)
+    print(f"logit error against float32, teacher-forced: {fused}", flush=True)
+    ok = ok and fused_as_accurate(fused)
+    unfused = bench_decode(model_dir, ns.device, [1, 8, 32], 128, 64, ns.dtype, True, fused_kernels=False)
+    print_decode(unfused)
     dec = bench_decode(model_dir, ns.device, [1, 8, 32], 128, 64, ns.dtype, True)
     print_decode(dec)
     rst = bench_restart(model_dir, ns.device, ns.dtype, ns.runs, 1 << 30, 16)
     print_restart(rst)
     spawn, cold = rst["modes"]["spawn"], rst["modes"]["cold"]
     rows = [
-        ("CUDA graphs == eager tokens", "yes" if ok else "NO", "must be yes"),
+        ("CUDA graphs == eager tokens", "yes" if all(same.values()) else "NO", f"must be yes: {same}"),
+        ("logit error vs fp32, fused", f"{fused.get('fused_vs_fp32', float('nan')):.2%}",
+         f"torch path {fused.get('torch_vs_fp32', float('nan')):.2%}; must be within 25% of it"),
         ("decode batch 1 (tokens/s)", f"{dec['tokens_per_s'][1]:.1f}", ""),
         ("decode batch 8 (tokens/s)", f"{dec['tokens_per_s'][8]:.1f}", ""),
         ("decode batch 32 (tokens/s)", f"{dec['tokens_per_s'][32]:.1f}", ""),
-        ("batch 1 / bandwidth floor", f"{dec['batch1_fraction_of_floor']:.1%}", "target >= 60%"),
+        ("batch 1 / floor, no kernels", f"{unfused['batch1_fraction_of_floor']:.1%}", unfused["fused_decode"]),
+        ("batch 1 / bandwidth floor", f"{dec['batch1_fraction_of_floor']:.1%}", "target >= 60%; " + dec["fused_decode"]),
         ("restart cold exec (s)", f"{cold['ready_s']:.3f}", ",".join(cold["weights_source"])),
         ("restart spawn server (s)", f"{spawn['ready_s']:.3f}", "target <= 2 s; " + ",".join(spawn["weights_source"])),
     ]
     print(f"\n{'check':<30}{'value':>12}  note")
     for name, value, note in rows:
         print(f"{name:<30}{value:>12}  {note}")
-    return {"ok": ok, "model_dir": model_dir, "graph_sizes": sizes, "decode": dec, "restart": rst}
+    return {"ok": ok, "model_dir": model_dir, "graph_sizes": sizes, "fused_vs_torch": fused, "decode": dec,
+            "decode_unfused": unfused,
+            "restart": rst}
 
 
 if __name__ == "__main__":

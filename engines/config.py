@@ -31,6 +31,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=512, ge=16)
     cuda_graphs: bool = True
+    fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     dist_port: int = Field(default=0, ge=0, le=65535)
     served_model_name: str | None = Field(

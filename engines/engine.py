@@ -2,6 +2,12 @@
 
 Requests and aborts arrive through a thread-safe inbox and join or leave between steps. The loop
 also sends heartbeats and polls control commands, so a stuck loop goes silent to the supervisor.
+
+Steps overlap (engines/inflight.py): a step launches its prefills and its decode, whose input ids
+are the previous step's sampled tokens still on the device, and only then reads the previous
+step's tokens on the host and applies the stop rules. A sequence that stopped on the previous
+token has computed one token too many, which is dropped; its KV slot is reused only by work
+queued after that step, so stream order keeps the cache right.
 """
 from __future__ import annotations
 
@@ -14,8 +20,9 @@ from typing import Callable
 import torch
 
 from .control import ControlChannel
+from .inflight import InFlight
 from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams, make_generator
+from .sampling import Sampler, SamplingParams, make_generator, to_device
 from .scheduler import Scheduler
 from .sequence import Output, Sequence
 from .tokenizer import Tokenizer
@@ -46,6 +53,8 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._last_hb = 0.0
         self._device = runner.device
+        self._inflight: list[InFlight] = []  # the last step's launches, read back by the next step
+        self._pending: dict[int, tuple[int, int]] = {}  # seq_id -> (launch, row) of its unread token
 
     # ---- API (any thread) ------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None]) -> int:
@@ -92,9 +101,14 @@ class LLMEngine:
                 seq.generator = make_generator(params.seed, self._device)
             self.scheduler.add(seq)
             seqs.append(seq)
-        while self.scheduler.has_work:
+        while self.has_work:
             self.step()
         return [s.output_ids for s in seqs]
+
+    @property
+    def has_work(self) -> bool:
+        """Sequences wait or run, or sampled tokens are still to be read."""
+        return self.scheduler.has_work or bool(self._inflight)
 
     # ---- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -107,9 +121,9 @@ class LLMEngine:
                         self._start_draining()
                     else:
                         log.warning("unknown control command %r ignored", cmd)
-                block = not self.scheduler.has_work
+                block = not self.has_work
                 self._take_inbox(block)
-                if self.scheduler.has_work:
+                if self.has_work:
                     self.step()
                 elif self.draining:
                     log.info("drained: no requests in flight")
@@ -156,21 +170,56 @@ class LLMEngine:
             self.control.send("heartbeat", **self.stats())
 
     def step(self) -> None:
-        """One scheduler step: prefill newly admitted sequences, then one decode for the rest."""
+        """One scheduler step: launch prefills for newly admitted sequences and one decode for the
+        rest, then read the previous step's tokens and release the sequences that finished."""
         sched = self.scheduler
+        launches: list[InFlight] = []
         new = sched.admit()
         for seq in new:
             logits = self.runner.prefill(seq.prompt_ids, seq.slot)
-            self._sample([seq], logits)
-        batch = [s for s in sched.running if s.finish_reason is None and s not in new]
+            launches.append(self._sample([seq], logits))
+        admitted = {s.seq_id for s in new}
+        batch = [s for s in sched.running if s.seq_id not in admitted and self._may_grow(s)]
         if batch:
-            logits = self.runner.decode([s.last_token for s in batch], [s.num_tokens - 1 for s in batch],
+            ids = self._input_ids(batch)  # first: it may read the unread tokens back
+            lag = [int(s.seq_id in self._pending) for s in batch]
+            logits = self.runner.decode(ids, [s.num_tokens - 1 + d for s, d in zip(batch, lag)],
                                         [s.slot for s in batch])
-            self._sample(batch, logits)
+            launches.append(self._sample(batch, logits))
+        self._read_back()
+        self._inflight = launches
+        self._pending = {s.seq_id: (i, row) for i, f in enumerate(launches) for row, s in enumerate(f.seqs)}
         self.served += len(sched.release_finished())
         self.steps += 1
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _may_grow(self, seq: Sequence) -> bool:
+        """Still running after its unread token, as far as the length limits tell."""
+        n = int(seq.seq_id in self._pending)
+        return (seq.finish_reason is None and len(seq.output_ids) + n < seq.params.max_tokens
+                and seq.num_tokens + n < self.max_model_len)
+
+    def _input_ids(self, batch: list[Sequence]) -> torch.Tensor:
+        """Each sequence's last token: the unread one on the device where there is one."""
+        if self._inflight and all(s.seq_id in self._pending for s in batch):
+            tokens = torch.cat([f.tokens for f in self._inflight]) if len(self._inflight) > 1 else self._inflight[0].tokens
+            offsets = [0]
+            for f in self._inflight:
+                offsets.append(offsets[-1] + len(f.seqs))
+            rows = [offsets[i] + r for i, r in (self._pending[s.seq_id] for s in batch)]
+            if rows == list(range(len(tokens))):  # steady state: the same batch, in order
+                return tokens
+            return tokens[to_device(rows, tokens.device)]
+        self._read_back()  # a mix (not reached in steady state): read everything first
+        return torch.tensor([s.last_token for s in batch], dtype=torch.long)
+
+    def _read_back(self) -> None:
+        """Apply the last step's tokens to their sequences (dropping those of finished ones)."""
+        for launch in self._inflight:
+            for seq, tok in zip(launch.seqs, launch.wait()):
+                if seq.finish_reason is None:
+                    seq.append(tok)
+        self._inflight, self._pending = [], {}
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> InFlight:
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for seq, tok in zip(seqs, tokens):
-            seq.append(tok)
+        return InFlight.launch(seqs, tokens)

@@ -113,7 +113,7 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     weights = load_rank_weights(cfg, args, rank, device)
     log.info("rank %d weights: %s", rank, weights.source)
     dist.barrier(group=group)
-    runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group)
+    runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group, cfg.fused_kernels)
     use_graphs = cfg.cuda_graphs and device.type == "cuda"
     slots = runner.allocate_kv_cache(cfg.kv_cache_bytes, max_model_len(cfg, args.max_position_embeddings),
                                      cfg.max_num_seqs, reserve_pad_slot=use_graphs)
@@ -176,14 +176,15 @@ def run_engine(cfg: EngineConfig) -> int:
             if group is not None:
                 dist.barrier(group=group)
         control.state("WARMING")
-        runner = ModelRunner(weights.model, device, 0, cfg.tp_size, group)
+        runner = ModelRunner(weights.model, device, 0, cfg.tp_size, group, cfg.fused_kernels)
         use_graphs = cfg.cuda_graphs and device.type == "cuda"
         mml = max_model_len(cfg, args.max_position_embeddings)
         with timer.phase("kv_cache"):
             slots = runner.allocate_kv_cache(cfg.kv_cache_bytes, mml, cfg.max_num_seqs, reserve_pad_slot=use_graphs)
         with timer.phase("graph_capture"):
             graph_sizes = runner.capture_graphs(slots) if use_graphs else []
-        log.info("KV cache: %d slots of %d tokens; CUDA graphs: %s", slots, mml, graph_sizes or "off")
+        log.info("KV cache: %d slots of %d tokens; CUDA graphs: %s; fused decode kernels: %s", slots, mml,
+                 graph_sizes or "off", runner.fused_decode_status)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s)
         names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]
         srv = OpenAIServer(engine, tokenizer, names, mml, args.vocab_size, timer.summary)

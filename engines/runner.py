@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .models import CausalLM, Decode, Prefill
+from .models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
 
 log = logging.getLogger("engines.runner")
 
@@ -28,9 +29,11 @@ class ModelRunner:
     """Owns the model on one rank, its KV cache, and (on CUDA) the captured decode graphs."""
 
     def __init__(self, model: CausalLM, device: torch.device, rank: int = 0, tp_size: int = 1,
-                 ctrl_group: dist.ProcessGroup | None = None):
+                 ctrl_group: dist.ProcessGroup | None = None, fused_kernels: bool = True):
         self.model, self.device, self.rank, self.tp_size = model, device, rank, tp_size
         self.ctrl_group = ctrl_group
+        self.fused_kernels = fused_kernels
+        self.fused_decode_status = "off (no KV cache yet)"
         self.num_slots = 0
         self.max_len = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -51,6 +54,9 @@ class ModelRunner:
         self.model.allocate_kv_cache(slots + int(reserve_pad_slot), max_model_len, self.device)
         self.num_slots, self.max_len = slots, max_model_len
         self._pad_slot = slots if reserve_pad_slot else -1
+        reason = fused_decode_unavailable(self.model) if self.fused_kernels else "fused_kernels is false"
+        self.model.use_fused_decode = reason is None
+        self.fused_decode_status = f"off ({reason})" if reason else f"on (batches up to {FUSED_MAX_BATCH})"
         return slots
 
     def capture_graphs(self, max_batch: int) -> list[int]:
@@ -62,16 +68,17 @@ class ModelRunner:
         sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
         n = max(sizes)
         self._g_ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        self._g_pos = torch.zeros(n, dtype=torch.long, device=self.device)
-        self._g_slots = torch.full((n,), self._pad_slot, dtype=torch.long, device=self.device)
+        self._g_meta = torch.zeros(2, n, dtype=torch.long, device=self.device)  # positions, slots
+        self._g_meta[1].fill_(self._pad_slot)
+        pos, slots = self._g_meta
         pool = None
         for b in reversed(sizes):
-            step = Decode(self._g_slots[:b])
-            self.model(self._g_ids[:b], self._g_pos[:b], step)  # warm up kernels and NCCL outside capture
+            step = Decode(slots[:b])
+            self.model(self._g_ids[:b], pos[:b], step)  # warm up kernels and NCCL outside capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(self._g_ids[:b], self._g_pos[:b], step)
+                out = self.model(self._g_ids[:b], pos[:b], step)
             pool = graph.pool()
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)
@@ -84,11 +91,15 @@ class ModelRunner:
         self._broadcast(PREFILL, len(token_ids), slot, ids)
         return self._run_prefill(ids, slot)
 
-    def decode(self, token_ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """One token for each sequence; returns `[B, vocab]` logits."""
-        data = torch.tensor([token_ids, positions, slots], dtype=torch.long)
-        self._broadcast(DECODE, len(token_ids), 0, data.view(-1))
-        return self._run_decode(data)
+    def decode(self, token_ids: torch.Tensor, positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One token for each sequence; returns `[B, vocab]` logits. `token_ids` may be on the
+        device (sampled by the previous step); under tensor parallelism they are fetched to
+        broadcast them, so TP steps do not overlap."""
+        meta = torch.tensor([positions, slots], dtype=torch.long)
+        if self.tp_size > 1:
+            token_ids = token_ids.cpu()
+            self._broadcast(DECODE, len(positions), 0, torch.cat([token_ids.view(1, -1), meta]).view(-1))
+        return self._run_decode(token_ids, meta)
 
     def shutdown(self) -> None:
         """Tell the workers to leave their loop (rank 0)."""
@@ -111,7 +122,8 @@ class ModelRunner:
             elif kind == DECODE:
                 data = torch.empty(3 * n, dtype=torch.long)
                 dist.broadcast(data, 0, group=self.ctrl_group)
-                self._run_decode(data.view(3, n))
+                data = data.view(3, n)
+                self._run_decode(data[0], data[1:])
             else:
                 raise RuntimeError(f"rank {self.rank}: unknown step kind {kind} from rank 0")
 
@@ -128,21 +140,19 @@ class ModelRunner:
         positions = torch.arange(ids.shape[0], device=self.device)
         return self.model(ids, positions, Prefill(slot=slot, start=0))
 
-    def _run_decode(self, data: torch.Tensor) -> torch.Tensor:
-        data = data.to(self.device, non_blocking=True)
-        ids, pos, slots = data[0], data[1], data[2]
+    def _run_decode(self, ids: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """`ids [B]` (host or device) and `meta [2, B]` (positions, slots; host)."""
         b = ids.shape[0]
         size = next((g for g in sorted(self.graphs) if g >= b), None)
         if size is None:
-            return self.model(ids, pos, Decode(slots))
+            pos, slots = meta.to(self.device, non_blocking=True)
+            return self.model(ids.to(self.device, non_blocking=True), pos, Decode(slots))
         graph, out = self.graphs[size]
-        self._g_ids[:b].copy_(ids)
-        self._g_pos[:b].copy_(pos)
-        self._g_slots[:b].copy_(slots)
-        if size > b:  # padding rows: token 0 at position 0 of the spare slot
-            self._g_ids[b:size].zero_()
-            self._g_pos[b:size].zero_()
-            self._g_slots[b:size].fill_(self._pad_slot)
+        if size > b:  # padding rows: position 0 of the spare slot (their stale token ids are harmless)
+            pad = torch.tensor([[0], [self._pad_slot]], dtype=torch.long).expand(2, size - b)
+            meta = torch.cat([meta, pad], dim=1)
+        self._g_ids[:b].copy_(ids, non_blocking=True)
+        self._g_meta[:, :size].copy_(meta, non_blocking=True)  # one host-to-device copy
         graph.replay()
         return out[:b]
 

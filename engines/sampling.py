@@ -33,25 +33,26 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The chosen token ids `[B]`, on the logits' device (nothing waits for the device here)."""
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return logits.argmax(dim=-1)  # the dtype's values widen exactly: same argmax as float32
         logits = logits.float()
         out = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            sub = logits.index_select(0, idx)
-            temp = torch.tensor([params[i].temperature for i in rows], device=logits.device).unsqueeze(1)
-            probs = self._filtered_probs(sub / temp, [params[i] for i in rows])
-            for j, i in enumerate(rows):
-                out[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
-        return out.tolist()
+        sub = logits.index_select(0, to_device(rows, logits.device))
+        temp = to_device([params[i].temperature for i in rows], logits.device, torch.float32).unsqueeze(1)
+        probs = self._filtered_probs(sub / temp, [params[i] for i in rows])
+        for j, i in enumerate(rows):
+            out[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
+        return out
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Softmax after masking everything outside each row's top-k and top-p nucleus."""
         vocab = logits.shape[-1]
-        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-        ps = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+        ks = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], logits.device)
+        ps = to_device([p.top_p for p in params], logits.device, logits.dtype)
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
@@ -71,3 +72,9 @@ def make_generator(seed: int | None, device: str | torch.device) -> torch.Genera
     else:
         g.manual_seed(seed)
     return g
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device (`torch.tensor(..., device=cuda)`
+    blocks until the stream has drained, which would undo the engine's step overlap)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -180,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         import daemon.client  # noqa: F401  (client-mode attach, imported once for every child)
     except ImportError:
         pass
+    try:  # the decode kernels: importing triton costs a child ~0.3 s; it does not touch CUDA
+        import engines.kernels.attention  # noqa: F401
+        import engines.kernels.gemv  # noqa: F401
+    except ImportError:
+        pass
     SpawnServer(ns.socket).serve()
     return 0
 

@@ -67,6 +67,7 @@ class EnginesSection(_Section):
     max_num_seqs: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=512, ge=16)
     cuda_graphs: bool = True
+    fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     external: ExternalEngine | None = None
 

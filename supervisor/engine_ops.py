@@ -98,7 +98,8 @@ class EngineOps:
             host="127.0.0.1", port=slot.port, weight_cache_mode=e.weight_cache_mode, runtime_dir=str(self.rd),
             control_endpoint=self.control.endpoint, incarnation=slot.incarnation, kv_cache_bytes=e.kv_cache_bytes,
             max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len, cuda_graphs=e.cuda_graphs,
-            heartbeat_interval_s=e.heartbeat_interval_s, dist_port=free_port() if m.tp_size > 1 else 0,
+            fused_kernels=e.fused_kernels, heartbeat_interval_s=e.heartbeat_interval_s,
+            dist_port=free_port() if m.tp_size > 1 else 0,
             served_model_name=self.model_name)
 
     # ------------------------------------------------------------------ readiness

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from engines.bench import graphs_match_eager
+from engines.bench import fused_as_accurate, fused_logit_error, graphs_match_eager
 from engines.config import EngineConfig
 from engines.launch import EngineProcess, wait_for_ready_line
 from engines.spawn_client import SpawnClient
@@ -36,10 +36,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_cuda_graph_decode_gives_eager_tokens(tiny_model) -> None:
-    ok, sizes = graphs_match_eager(str(tiny_model), "cuda")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16 also runs the fused decode kernels
+def test_cuda_graph_decode_gives_eager_tokens(tiny_model, dtype) -> None:
+    same, sizes = graphs_match_eager(str(tiny_model), "cuda", dtype)
     assert sizes and 1 in sizes and 8 in sizes
-    assert ok
+    assert same == {"torch": True, "fused": True}
+
+
+def test_fused_decode_kernels_are_as_accurate_as_the_torch_path(tiny_model) -> None:
+    err = fused_logit_error(str(tiny_model), "cuda", "bfloat16")
+    assert "skipped" not in err, err
+    assert fused_as_accurate(err), err
+    assert err["fused_argmax_agreement"] >= err["torch_argmax_agreement"] - 0.05, err
 
 
 def test_engine_on_cuda_serves_with_graphs_and_spawns_after_fork(tiny_model, tmp_path) -> None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .fused_decode import FUSED_MAX_BATCH, fused_decode
 from .parallel import ShardedLinear, VocabShardedEmbedding, all_gather_last_dim
 from .rope import apply_rope, cos_sin_table, rope_factors
 
@@ -167,6 +168,7 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_cache: torch.Tensor | None = None
+        self.use_fused_decode = False  # decode batches up to FUSED_MAX_BATCH through engines/kernels (CUDA)
 
     # ---- weights -------------------------------------------------------------------------
     def checkpoint_targets(self) -> dict[str, ShardSpec]:
@@ -227,6 +229,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: Prefill | Decode,
                 all_logits: bool = False) -> torch.Tensor:
+        if isinstance(step, Decode) and self.use_fused_decode and input_ids.shape[0] <= FUSED_MAX_BATCH:
+            return fused_decode(self, input_ids, positions, step.slot_ids)
         stack = self.model
         x = stack.embed_tokens(input_ids)
         cos, sin = rope_factors(stack.rope_cos[positions], stack.rope_sin[positions], x.dtype)

@@ -1,0 +1,131 @@
+"""The fused decode kernels (engines/kernels) against plain torch: on a GPU natively, on CPU
+through Triton's interpreter (needs triton installed; the test install adds it on x86-64 Linux)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before engines.kernels is first imported
+pytest.importorskip("triton")
+
+from engines.kernels.attention import decode_attention  # noqa: E402
+from engines.kernels.gemv import fused_gemv  # noqa: E402
+from engines.models import Decode, Prefill, build_model, read_model_args  # noqa: E402
+from engines.models.fused_decode import fused_decode  # noqa: E402
+from engines.models.rope import apply_rope, rope_factors  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's interpreter has no bfloat16 tensor-core product; the attention kernel uses one.
+DOT_DTYPES = [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float16]
+
+
+def reference_gemv(x, w, bias=None, norm_weight=None, eps=1e-5, gated=False, residual=None):  # noqa: ANN001, ANN201
+    """The unfused ops in float32, rounded where the kernel rounds: the gated input, the product,
+    the residual sum (the normalised input stays float32: the kernel scales after the sum)."""
+    dt, a = x.dtype, x.float()
+    if gated:
+        gate, up = a.chunk(2, dim=-1)
+        a = (F.silu(gate).to(dt).float() * up).to(dt).float()
+    if norm_weight is not None:
+        a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    y = a @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(dt)
+    return y if residual is None else (residual.float() + y.float()).to(dt)
+
+
+@pytest.mark.parametrize("variant", ["plain", "norm+bias", "gated+residual"])
+@pytest.mark.parametrize("shape", [(40, 72), (24, 2100)])  # ragged tiles; K over one tile
+def test_fused_gemv_matches_the_unfused_ops(variant: str, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(shape[1])
+    (n, k), dt = shape, torch.bfloat16
+    rnd = lambda *size: torch.randn(*size, generator=g).to(DEV, dt)  # noqa: E731
+    w = rnd(n, k)
+    kw: dict = {}
+    if variant == "norm+bias":
+        kw = dict(norm_weight=rnd(k), bias=rnd(n), eps=1e-5)
+    if variant == "gated+residual":
+        kw = dict(gated=True, residual=rnd(1, n))
+    x = rnd(1, 2 * k if kw.get("gated") else k)
+    got, want = fused_gemv(x, w, **kw), reference_gemv(x, w, **kw)
+    # Float32 summation order, then one rounding: within two bf16 ulps of the output's scale.
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.016 * want.abs().max().item())
+
+
+def test_fused_gemv_refuses_bad_shapes() -> None:
+    w = torch.zeros(8, 16, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        fused_gemv(torch.zeros(2, 16, device=DEV, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="x has 16 columns"):
+        fused_gemv(torch.zeros(1, 16, device=DEV, dtype=torch.bfloat16), w, gated=True)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_decode_attention_matches_rope_then_sdpa_and_writes_only_its_rows(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, slots, max_len = 6, 2, 32, 4, 160
+    positions = torch.tensor([0, 70, 131])  # empty history, and histories across key blocks
+    slot_ids = torch.tensor([2, 0, 3])
+    b = len(positions)
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * d, generator=g).to(DEV, dtype)
+    cache = torch.randn(2, slots, max_len, kv_heads, d, generator=g).to(DEV, dtype)
+    angles = positions.double()[:, None] / (10000 ** (torch.arange(0, d, 2).double() / d))
+    cos, sin = angles.cos().float().to(DEV), angles.sin().float().to(DEV)
+
+    expect_cache = cache.clone()
+    got_cache = cache.clone()
+    got = decode_attention(qkv, got_cache, cos, sin, slot_ids.to(DEV), positions.to(DEV), heads, kv_heads)
+
+    c, s = rope_factors(cos, sin, dtype)
+    q_k = apply_rope(qkv.view(b, -1, d)[:, :heads + kv_heads], c, s)
+    q, k, v = q_k[:, :heads], q_k[:, heads:], qkv.view(b, -1, d)[:, heads + kv_heads:]
+    for i in range(b):
+        slot, pos = int(slot_ids[i]), int(positions[i])
+        expect_cache[0, slot, pos], expect_cache[1, slot, pos] = k[i], v[i]
+        keys = expect_cache[0, slot, :pos + 1].transpose(0, 1).unsqueeze(0).float()
+        values = expect_cache[1, slot, :pos + 1].transpose(0, 1).unsqueeze(0).float()
+        want = F.scaled_dot_product_attention(q[i].unsqueeze(0).unsqueeze(2).float(), keys, values, enable_gqa=True)
+        torch.testing.assert_close(got[i].view(heads, d).float(), want[0, :, 0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_cache.float(), expect_cache.float(), rtol=1e-2, atol=1e-2)
+    untouched = torch.ones(slots, max_len, dtype=torch.bool)
+    untouched[slot_ids, positions] = False
+    assert torch.equal(got_cache[:, untouched.to(DEV)], cache[:, untouched.to(DEV)])
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_fused_decode_gives_the_torch_path_logits(tiny_model, dtype: torch.dtype) -> None:
+    batch = 1
+    from safetensors.torch import load_file
+
+    args = read_model_args(tiny_model)
+    model = build_model(args, dtype=dtype, device=DEV)
+    state = {}
+    for f in sorted(tiny_model.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, spec in model.checkpoint_targets().items():
+            t = state[key].to(dtype)
+            params[spec.param][spec.dst_offset:spec.dst_offset + t.shape[0]].copy_(t)
+    model.init_buffers()
+    model.allocate_kv_cache(4, 64, DEV)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]][:batch]
+    for slot, p in enumerate(prompts):
+        model(torch.tensor(p, device=DEV), torch.arange(len(p), device=DEV), Prefill(slot=slot))
+    before = model.kv_cache.clone()
+    ids = torch.tensor([3, 4, 5][:batch], device=DEV)
+    pos = torch.tensor([len(p) for p in prompts], device=DEV)
+    slots = torch.arange(batch, device=DEV)
+    want = model(ids, pos, Decode(slots)).float()
+    want_cache = model.kv_cache.clone()
+    model.kv_cache.copy_(before)
+    got = fused_decode(model, ids, pos, slots).float()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 0.02 * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(model.kv_cache.float(), want_cache.float(), rtol=2e-2, atol=2e-2)
