@@ -1,33 +1,60 @@
 """Data plane: OpenAI endpoints proxied to the primary, streams passed through; a request whose
 upstream failed before the first response byte is retried on the (new) primary; requests wait for
-a primary during a failover, then get 503 + Retry-After. Never parses request bodies."""
+a primary during a failover, then get 503 + Retry-After. Never parses request bodies.
+
+``/v1/*`` is served by a bare ASGI callable and the lean client of supervisor/upstream.py: every
+request pays for this path, so no framework routing or request/response objects on it. The probes
+(``/healthz``, ``/readyz``) and the lifespan stay a small FastAPI app."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import quote
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 
 from supervisor.metrics import Metrics
-from supervisor.routing import PrimaryLost, RoutingTable
+from supervisor.routing import PrimaryLost, RoutingTable, Upstream
+from supervisor.upstream import Client, Headers, UpstreamError, UpstreamTimeout
+from supervisor.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("understudy.router")
 
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-              "transfer-encoding", "upgrade", "host", "content-length"}
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+ASGIApp = Callable[[dict, Receive, Send], Awaitable[None]]
+
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})  # no HEAD: the FastAPI route had none
 RETRY_STATUSES = {502, 503}  # engine refusing (draining) or not there: another primary may serve
 SAME_PRIMARY_RETRY_S = 0.25
 
 
 def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float, retry_after_s: int,
-                 upstream_timeout_s: float, max_connections: int = 1024) -> FastAPI:
-    """The data-plane app."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(upstream_timeout_s, connect=5.0), limits=limits)
+                 upstream_timeout_s: float, max_connections: int = 1024) -> ASGIApp:
+    """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else (probes, lifespan) to FastAPI."""
+    client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections)
+    proxy = Proxy(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
+                  upstream_timeout_s=upstream_timeout_s)
+    probes = _probes_app(table, client)
 
+    async def app(scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            await proxy(scope, receive, send)
+        else:
+            await probes(scope, receive, send)
+    return app
+
+
+def _probes_app(table: RoutingTable, client: Client) -> FastAPI:
+    """/healthz, /readyz, and the lifespan that closes the upstream connections."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -35,7 +62,6 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
 
     app = FastAPI(title="understudy data plane", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    app.state.client = client
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -51,21 +77,59 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
             return JSONResponse({"ready": False, "reason": table.not_ready_reason}, status_code=503)
         return JSONResponse({"ready": True, "primary": table.primary.name, "epoch": table.primary.epoch})
 
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def proxy(path: str, request: Request) -> Response:
-        resp = await _forward(request, "/v1/" + path)
-        metrics.router_requests.labels(code=str(resp.status_code)).inc()
-        return resp
+    return app
 
-    async def _forward(request: Request, path: str) -> Response:
-        body = await request.body()
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-        query = request.url.query
+
+class Reply:
+    """What the proxy answers: a whole body, or an upstream event stream to pass through."""
+    __slots__ = ("status", "headers", "body", "stream", "epoch")
+
+    def __init__(self, status: int, headers: Headers, body: bytes = b"",
+                 stream: UpstreamResponse | None = None, epoch: int = 0) -> None:
+        self.status, self.headers, self.body, self.stream, self.epoch = status, headers, body, stream, epoch
+
+
+class Proxy:
+    """``/v1/*`` as a bare ASGI callable."""
+
+    def __init__(self, table: RoutingTable, metrics: Metrics, client: Client, *, hold_timeout_s: float,
+                 retry_after_s: int, upstream_timeout_s: float) -> None:
+        self.table, self.metrics, self.client = table, metrics, client
+        self.hold_timeout_s, self.retry_after_s = hold_timeout_s, retry_after_s
+        self.upstream_timeout_s = upstream_timeout_s
+        self._by_code: dict[int, Any] = {}  # status -> router_requests child (labels() is not free)
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["method"] not in METHODS:  # as FastAPI answered for the old route
+            await _send_whole(send, _json_reply(405, {"detail": "Method Not Allowed"},
+                                                [(b"allow", ", ".join(sorted(METHODS)).encode())]))
+            return
+        body = await _read_body(receive)
+        if body is None:  # our client left before sending its request whole
+            return
+        reply = await self._forward(scope, body)
+        counter = self._by_code.get(reply.status)
+        if counter is None:
+            counter = self._by_code[reply.status] = self.metrics.router_requests.labels(code=str(reply.status))
+        counter.inc()
+        if reply.stream is None:
+            await _send_whole(send, reply)
+        else:
+            await self._relay(reply, reply.stream, receive, send)
+
+    async def _forward(self, scope: dict, body: bytes) -> Reply:
+        """Send the request to the primary (waiting for one, retrying on a new one) and get its answer."""
+        method = scope["method"]
+        target = scope.get("raw_path") or quote(scope["path"]).encode("ascii")
+        if query := scope.get("query_string"):
+            target += b"?" + query
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
         start = time.monotonic()
-        deadline = start + hold_timeout_s
+        deadline = start + self.hold_timeout_s
         failed_epoch: int | None = None
         last_error = "no primary"
         held = False
+        table, metrics = self.table, self.metrics
         while True:
             up = table.primary
             if up is None or (failed_epoch is not None and up.epoch == failed_epoch):
@@ -76,66 +140,104 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
                     metrics.router_hold.observe(time.monotonic() - start)
                     reason = "the supervisor is stopping" if table.stopping else (
                         last_error if failed_epoch is not None else table.not_ready_reason)
-                    return _unavailable(f"no engine available within {hold_timeout_s:g}s: {reason}")
+                    return self._unavailable(f"no engine available within {self.hold_timeout_s:g}s: {reason}")
             if failed_epoch is not None:
                 metrics.router_retries.inc()
-            url = up.url + path + (f"?{query}" if query else "")
-            req = client.build_request(request.method, url, headers=headers, content=body)
-            try:
-                upstream = await table.unless_lost(up.epoch, client.send(req, stream=True))
-            except httpx.TimeoutException:  # the engine is slow, not gone: sending it again would not help
-                return _timeout(up.name)
-            except (httpx.HTTPError, PrimaryLost) as e:  # nothing was sent to our client yet: retry
+            try:  # nothing is sent to our client before this returns: any failure can be retried
+                resp, content = await table.unless_lost(up.epoch, self._call(up, method, target, headers, body))
+            except UpstreamTimeout:  # the engine is slow, not gone: sending it again would not help
+                return self._timeout(up.name)
+            except (UpstreamError, PrimaryLost) as e:
                 failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} {e}".strip()
                 continue
-            if upstream.status_code in RETRY_STATUSES and time.monotonic() < deadline:
-                await upstream.aclose()
-                failed_epoch, last_error = up.epoch, f"{up.name}: HTTP {upstream.status_code}"
+            if resp.status in RETRY_STATUSES and time.monotonic() < deadline:
+                resp.close()
+                failed_epoch, last_error = up.epoch, f"{up.name}: HTTP {resp.status}"
                 continue
             if held:
                 metrics.router_hold.observe(time.monotonic() - start)
-            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-            out_headers["x-understudy-engine"] = up.name
-            out_headers["x-understudy-epoch"] = str(up.epoch)
-            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                return StreamingResponse(_relay(upstream, up.epoch), status_code=upstream.status_code,
-                                         headers=out_headers)
-            try:  # whole body first: a failure before we answer can still be retried
-                content = await table.unless_lost(up.epoch, _read_all(upstream))
-            except httpx.TimeoutException:
-                return _timeout(up.name)
-            except (httpx.HTTPError, PrimaryLost) as e:
-                failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} while reading"
-                continue
-            finally:
-                await upstream.aclose()
-            served(up.epoch, upstream.status_code)
-            return Response(content, status_code=upstream.status_code, headers=out_headers)
+            out = [(k, v) for k, v in resp.headers if k not in HOP_BY_HOP]
+            out += [(b"x-understudy-engine", up.name.encode()), (b"x-understudy-epoch", str(up.epoch).encode())]
+            if content is None:
+                return Reply(resp.status, out, stream=resp, epoch=up.epoch)
+            self.served(up.epoch, resp.status)
+            return Reply(resp.status, out, content)
 
-    def served(epoch: int, status: int) -> None:
+    async def _call(self, up: Upstream, method: str, target: bytes, headers: Headers,
+                    body: bytes) -> tuple[UpstreamResponse, bytes | None]:
+        """One attempt: the response and its whole body, or (an event stream) its head only."""
+        resp = await self.client.request(method, up.url, target, headers, body)
+        if resp.is_event_stream:
+            return resp, None
+        return resp, await resp.read()  # whole body first: a failure before we answer can still be retried
+
+    def served(self, epoch: int, status: int) -> None:
         """A response is on its way: the first success of a new primary ends its failover clock."""
-        if status < 500 and (secs := table.first_success(epoch)) is not None:
-            metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
+        if status < 500 and (secs := self.table.first_success(epoch)) is not None:
+            self.metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
 
-    async def _read_all(upstream: httpx.Response) -> bytes:
-        return b"".join([c async for c in upstream.aiter_raw()])
-
-    def _timeout(engine: str) -> JSONResponse:
-        message = f"engine {engine} did not answer within router.upstream_timeout_s={upstream_timeout_s:g}s"
-        return JSONResponse({"error": {"message": message, "type": "timeout", "code": 504}}, status_code=504)
-
-    def _unavailable(message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "unavailable", "code": 503}},
-                            status_code=503, headers={"Retry-After": str(retry_after_s)})
-
-    async def _relay(upstream: httpx.Response, epoch: int):
+    async def _relay(self, reply: Reply, resp: UpstreamResponse, receive: Receive, send: Send) -> None:
+        """Pass an event stream through chunk by chunk; when our client goes away, stop and drop the
+        upstream connection (the engine then stops generating)."""
+        pump = asyncio.ensure_future(self._pump(reply, resp, send))
+        gone = asyncio.ensure_future(_disconnected(receive))
         try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-            served(epoch, upstream.status_code)  # a stream succeeds when it ends whole
-        except httpx.HTTPError as e:  # bytes already sent: we can only end the stream
+            await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pump.cancel()
+            gone.cancel()
+            resp.close()
+        if pump.done() and not pump.cancelled() and (error := pump.exception()) is not None:
+            raise error
+
+    async def _pump(self, reply: Reply, resp: UpstreamResponse, send: Send) -> None:
+        await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
+        try:
+            async for chunk in resp.stream():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.served(reply.epoch, reply.status)  # a stream succeeds when it ends whole
+        except UpstreamError as e:  # bytes already sent: we can only end the stream
             log.warning("upstream stream broke after the first byte: %s", type(e).__name__)
         finally:
-            await upstream.aclose()
+            resp.close()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    return app
+    def _timeout(self, engine: str) -> Reply:
+        message = f"engine {engine} did not answer within router.upstream_timeout_s={self.upstream_timeout_s:g}s"
+        return _json_reply(504, {"error": {"message": message, "type": "timeout", "code": 504}})
+
+    def _unavailable(self, message: str) -> Reply:
+        return _json_reply(503, {"error": {"message": message, "type": "unavailable", "code": 503}},
+                           [(b"retry-after", str(self.retry_after_s).encode())])
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body; None if the client disconnected first."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once our client has disconnected."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json_reply(status: int, content: dict, headers: Headers | None = None) -> Reply:
+    body = json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+    return Reply(status, [(b"content-type", b"application/json"), *(headers or [])], body)
+
+
+async def _send_whole(send: Send, reply: Reply) -> None:
+    """A response with its body known: Content-Length framed (none where HTTP allows no body)."""
+    headers = reply.headers
+    if not (reply.status < 200 or reply.status in (204, 304)):
+        headers = [*headers, (b"content-length", str(len(reply.body)).encode())]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body})

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class PrimaryLost(Exception):
@@ -28,32 +32,35 @@ class RoutingTable:
         self.not_ready_reason = "starting: no engine READY yet"
         self._changed = asyncio.Event()
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
-        self._lost: dict[int, asyncio.Event] = {}  # epoch -> set once that primary is fenced
+        self._lost: set[int] = set()  # recent epochs whose primary was fenced
+        self._calls: dict[int, set[asyncio.Task]] = {}  # epoch -> calls in flight to that primary
 
     def mark_lost(self, epoch: int) -> None:
         """The primary of `epoch` was fenced: requests still waiting on it are retried elsewhere
         now, instead of when its sockets close (after the kernel has torn its GPU context down)."""
-        self._lost.setdefault(epoch, asyncio.Event()).set()
-        for old in [e for e in self._lost if e < epoch - 4]:
-            del self._lost[old]
+        self._lost = {e for e in self._lost if e >= epoch - 4} | {epoch}
+        for task in self._calls.pop(epoch, ()):
+            task.cancel()
 
-    async def unless_lost(self, epoch: int, coro):
-        """Await `coro` (a call to the primary of `epoch`); raise PrimaryLost if it is fenced first."""
+    async def unless_lost(self, epoch: int, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` (a call to the primary of `epoch`); raise PrimaryLost if it is fenced first
+        (mark_lost cancels the call)."""
+        if epoch in self._lost:
+            coro.close()
+            raise PrimaryLost(f"epoch {epoch} primary fenced")
         task = asyncio.ensure_future(coro)
-        lost = self._lost.setdefault(epoch, asyncio.Event())
-        if not lost.is_set():
-            waiter = asyncio.ensure_future(lost.wait())
-            try:
-                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:  # our caller was cancelled: do not leave the upstream call running
-                task.cancel()
-                raise
-            finally:
-                waiter.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        raise PrimaryLost(f"epoch {epoch} primary fenced")
+        calls = self._calls.setdefault(epoch, set())
+        calls.add(task)
+        try:
+            return await task  # our caller cancelled: the call is cancelled with it
+        except asyncio.CancelledError:
+            if epoch in self._lost and not asyncio.current_task().cancelling():  # not our caller's cancel
+                raise PrimaryLost(f"epoch {epoch} primary fenced") from None
+            raise
+        finally:
+            calls.discard(task)
+            if not calls and self._calls.get(epoch) is calls:
+                del self._calls[epoch]
 
     def start_failover_clock(self, epoch: int, detected_at: float) -> None:
         """A failover promoted epoch `epoch`; its clock stops at that epoch's first success."""

@@ -3,6 +3,7 @@ holding during a failover, retry on a new primary, 503 + Retry-After, /healthz a
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import textwrap
@@ -30,19 +31,33 @@ UPSTREAM = textwrap.dedent('''
             body = json.loads(await request.body())
         except ValueError:
             return JSONResponse({"error": {"message": "body is not JSON"}}, status_code=400)
+        if body.get("fail_on") == NAME:  # an engine refusing work, as a draining one does
+            return JSONResponse({"error": {"message": "draining"}}, status_code=503)
         if body.get("stream"):
             async def gen():
-                for i in range(3):
+                for i in range(int(body.get("n", 3))):
                     yield f"data: {json.dumps({'i': i, 'from': NAME})}\\n\\n"
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(float(body.get("delay", 0.01)))
                 yield "data: [DONE]\\n\\n"
             return StreamingResponse(gen(), media_type="text/event-stream")
-        await asyncio.sleep(float(body.get("sleep", 0)))
+        if body.get("sleep_on", NAME) == NAME:
+            await asyncio.sleep(float(body.get("sleep", 0)))
         return {"choices": [{"text": "ok"}], "from": NAME, "echo": body.get("prompt")}
 
     @app.get("/v1/models")
     async def models(request: Request):
         return {"data": [{"id": "m"}], "query": str(request.url.query)}
+
+    @app.get("/v1/peer")
+    async def peer(request: Request):
+        return {"port": request.client.port}
+
+    @app.get("/v1/chunked")
+    async def chunked():
+        async def gen():
+            for i in range(5):
+                yield json.dumps({"part": i}) + "\\n"
+        return StreamingResponse(gen(), media_type="application/x-ndjson")
 
     @app.get("/health")
     async def health():
@@ -83,10 +98,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def make(hold_s: float = 2.0):
+def make(hold_s: float = 2.0, upstream_timeout_s: float = 10):
     table = RoutingTable()
     metrics = Metrics()
-    app = build_router(table, metrics, hold_timeout_s=hold_s, retry_after_s=7, upstream_timeout_s=10)
+    app = build_router(table, metrics, hold_timeout_s=hold_s, retry_after_s=7, upstream_timeout_s=upstream_timeout_s)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=20)
     return table, metrics, client
 
@@ -202,4 +217,130 @@ def test_healthz_and_readyz():
         r = await c.get("/readyz")
         assert r.status_code == 503 and r.json()["reason"] == "node is drained"
         assert (await c.get("/healthz")).status_code == 200
+    run(go())
+
+
+def test_upstream_connections_are_kept_alive_but_dropped_after_a_timeout(upstreams):
+    async def go():
+        table, metrics, c = make(upstream_timeout_s=0.3)
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+        ports = {(await c.get("/v1/peer")).json()["port"] for _ in range(3)}
+        assert len(ports) == 1  # one keep-alive connection
+        t = time.monotonic()
+        r = await c.post("/v1/completions", json={"sleep": 1, "prompt": "slow"})
+        assert r.status_code == 504 and time.monotonic() - t < 0.9 and r.json()["error"]["type"] == "timeout"
+        r = await c.post("/v1/completions", json={"prompt": "after"})  # not the slow one's late answer
+        assert r.status_code == 200 and r.json()["echo"] == "after"
+        await asyncio.sleep(1)
+        r = await c.post("/v1/completions", json={"prompt": "later"})
+        assert r.status_code == 200 and r.json()["echo"] == "later"
+        text = metrics.render().decode()
+        assert 'understudy_router_requests_total{code="504"} 1.0' in text
+        assert "understudy_router_retries_total 0.0" in text  # a timeout is never retried
+    run(go())
+
+
+def test_a_request_to_a_fenced_primary_is_retried_on_the_new_one_at_once(upstreams):
+    async def go():
+        table, metrics, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+
+        async def fence():
+            await asyncio.sleep(0.2)
+            table.mark_lost(1)
+            table.set_primary(Upstream(upstreams[1], "b", 2))
+        asyncio.create_task(fence())
+        t = time.monotonic()
+        r = await c.post("/v1/completions", json={"sleep": 3, "sleep_on": "u1", "prompt": "x"})
+        assert r.status_code == 200 and r.json()["from"] == "u2" and r.headers["x-understudy-epoch"] == "2"
+        assert time.monotonic() - t < 2
+        assert "understudy_router_retries_total 1.0" in metrics.render().decode()
+    run(go())
+
+
+def test_a_refusing_engine_is_retried_on_the_new_primary(upstreams):
+    async def go():
+        table, _, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+
+        async def switch():
+            await asyncio.sleep(0.1)
+            table.set_primary(Upstream(upstreams[1], "b", 2))
+        asyncio.create_task(switch())
+        r = await c.post("/v1/completions", json={"fail_on": "u1", "prompt": "x"})
+        assert r.status_code == 200 and r.json()["from"] == "u2"
+        table2, _, c2 = make(hold_s=0.3)  # no other primary: retried on the same one, then our 503
+        table2.set_primary(Upstream(upstreams[0], "a", 1))
+        r = await c2.post("/v1/completions", json={"fail_on": "u1"})
+        assert r.status_code == 503 and "a: HTTP 503" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "7"
+    run(go())
+
+
+def test_chunked_responses_are_read_whole_and_methods_outside_the_api_refused(upstreams):
+    async def go():
+        table, _, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+        r = await c.get("/v1/chunked")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        assert r.headers["content-length"] == str(len(r.content))
+        assert [json.loads(ln)["part"] for ln in r.text.splitlines()] == [0, 1, 2, 3, 4]
+        for method in ("HEAD", "OPTIONS"):
+            assert (await c.request(method, "/v1/models")).status_code == 405
+        assert (await c.get("/nothing")).status_code == 404
+    run(go())
+
+
+def test_an_upstream_that_breaks_before_its_body_is_whole_is_retried(upstreams):
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"par")
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(broken, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        table, metrics, c = make(hold_s=0.5)
+        table.set_primary(Upstream(f"http://127.0.0.1:{port}", "broken", 1))
+        r = await c.post("/v1/completions", json={})
+        assert r.status_code == 503 and "broken: RemoteProtocolError" in r.json()["error"]["message"]
+
+        async def switch():
+            await asyncio.sleep(0.1)
+            table.set_primary(Upstream(upstreams[0], "a", 2))
+        asyncio.create_task(switch())
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 200 and r.json()["from"] == "u1"
+        server.close()
+    run(go())
+
+
+def test_a_stream_ends_when_its_client_goes_away(upstreams):
+    async def go():
+        table, metrics, _ = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+        app = build_router(table, metrics, hold_timeout_s=2, retry_after_s=7, upstream_timeout_s=10)
+        gone = asyncio.Event()
+        sent: list[dict] = []
+        requested = False
+
+        async def receive() -> dict:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": json.dumps({"stream": True, "n": 100, "delay": 0.05}).encode()}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                gone.set()  # the client leaves after its first event
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")]}
+        t = time.monotonic()
+        await asyncio.wait_for(app(scope, receive, send), 3)
+        assert time.monotonic() - t < 1.5  # not the 5 s the whole stream takes
+        assert sent[0]["status"] == 200 and len([m for m in sent if m.get("body")]) < 5
     run(go())
