@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         import daemon.client  # noqa: F401  (client-mode attach, imported once for every child)
     except ImportError:
         pass
-    try:  # the decode kernels: importing triton costs a child ~0.3 s; it does not touch CUDA
-        import engines.kernels.attention  # noqa: F401
-        import engines.kernels.gemv  # noqa: F401
-    except ImportError:
+    try:  # the decode kernels, and Triton's per-process hashing: none of it touches CUDA
+        from engines.kernels import preload
+        preload()
+    except ImportError:  # no triton: engines decode through torch
         pass
+    except Exception as e:  # noqa: BLE001 (an optimisation: children do it themselves if need be)
+        logging.warning("decode kernels not preloaded: %s", e)
     SpawnServer(ns.socket).serve()
     return 0
 

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before engines.kernels is first imported
+    # Read when triton is imported and when the kernels run (so it stays set: engine subprocesses
+    # of later tests inherit it, and on CPU they never run the kernels).
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-
 from engines.kernels.attention import decode_attention  # noqa: E402
 from engines.kernels.gemv import fused_gemv  # noqa: E402
 from engines.models import Decode, Prefill, build_model, read_model_args  # noqa: E402
