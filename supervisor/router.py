@@ -171,9 +171,10 @@ class Proxy:
             return resp, None
         return resp, await resp.read()  # whole body first: a failure before we answer can still be retried
 
-    def served(self, epoch: int, status: int) -> None:
-        """A response is on its way: the first success of a new primary ends its failover clock."""
-        if status < 500 and (secs := self.table.first_success(epoch)) is not None:
+    def served(self, epoch: int, status: int, began_at: float | None = None) -> None:
+        """A response succeeded: the first success of a new primary ends its failover clock at the
+        moment the response began going to the client (a stream's first chunk: as clients time it)."""
+        if status < 500 and (secs := self.table.first_success(epoch, began_at)) is not None:
             self.metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
 
     async def _relay(self, reply: Reply, resp: UpstreamResponse, receive: Receive, send: Send) -> None:
@@ -192,10 +193,12 @@ class Proxy:
 
     async def _pump(self, reply: Reply, resp: UpstreamResponse, send: Send) -> None:
         await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
+        began_at = None
         try:
             async for chunk in resp.stream():
+                began_at = began_at or time.monotonic()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            self.served(reply.epoch, reply.status)  # a stream succeeds when it ends whole
+            self.served(reply.epoch, reply.status, began_at)  # a stream succeeds when it ends whole
         except UpstreamError as e:  # bytes already sent: we can only end the stream
             log.warning("upstream stream broke after the first byte: %s", type(e).__name__)
         finally:

@@ -66,13 +66,14 @@ class RoutingTable:
         """A failover promoted epoch `epoch`; its clock stops at that epoch's first success."""
         self._failover_clock = (epoch, detected_at)
 
-    def first_success(self, epoch: int) -> float | None:
-        """Seconds from failure detection to this success, if it is the new primary's first."""
+    def first_success(self, epoch: int, began_at: float | None = None) -> float | None:
+        """Seconds from failure detection to this success (whose response began going to the client
+        at `began_at`, default now), if it is the new primary's first."""
         clock = self._failover_clock
         if clock is None or clock[0] != epoch:
             return None
         self._failover_clock = None
-        return time.monotonic() - clock[1]
+        return (time.monotonic() if began_at is None else began_at) - clock[1]
 
     def set_primary(self, up: Upstream | None, reason: str = "") -> None:
         """Switch traffic (None = hold requests); wakes every waiting request."""

@@ -344,3 +344,19 @@ def test_a_stream_ends_when_its_client_goes_away(upstreams):
         assert time.monotonic() - t < 1.5  # not the 5 s the whole stream takes
         assert sent[0]["status"] == 200 and len([m for m in sent if m.get("body")]) < 5
     run(go())
+
+
+def test_failover_clock_stops_when_a_stream_first_reaches_the_client_not_when_it_ends(upstreams):
+    """A stream that is the new primary's first success ends the failover clock at its first chunk,
+    as clients time it (its end, 0.5 s later here, would inflate understudy_failover_seconds)."""
+    async def go():
+        table, metrics, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 2))
+        table.start_failover_clock(2, time.monotonic())
+        async with c.stream("POST", "/v1/completions", json={"stream": True, "n": 10, "delay": 0.05}) as r:
+            assert len([chunk async for chunk in r.aiter_raw()]) > 0
+        text = metrics.render().decode()
+        count = float(text.split("understudy_failover_seconds_count ")[1].split()[0])
+        seconds = float(text.split("understudy_failover_seconds_sum ")[1].split()[0])
+        assert count == 1 and seconds < 0.25, text
+    run(go())
