@@ -30,7 +30,7 @@ kernels)
   ;;
 serve)
   # 1. kill -> first success on the new primary, 20 SIGKILLs under load, and router overhead
-  timeout 200 python3 -m supervisor.cli bench failover -c configs/h200-1b.yaml --model $M --runs 20 --json \
+  timeout 200 python3 -m supervisor.cli bench failover -c configs/h200-1b.yaml --model $M --runs 20 --overhead-requests 300 --json \
     > "$OUT/failover.json" 2> "$OUT/failover.log"; tail -22 "$OUT/failover.log"
   # 2. one supervisor for memory figures and a chaos run (short flap window: chaos kills on purpose)
   cat > /tmp/chaos.yaml <<YAML
