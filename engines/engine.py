@@ -94,6 +94,7 @@ class LLMEngine:
     # ---- synchronous use (bench, tests) ----------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion on the calling thread (the loop thread must not be running)."""
+        self._bind_device()
         seqs = []
         for ids in prompts:
             seq = Sequence(ids, params, self.tokenizer, self.eos_ids, self.max_model_len, lambda o: None)
@@ -105,6 +106,12 @@ class LLMEngine:
             self.step()
         return [s.output_ids for s in seqs]
 
+    def _bind_device(self) -> None:
+        """Make the engine's GPU this thread's current device (it is per thread: kernels launched
+        and events recorded without an explicit device go to the current one)."""
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
     @property
     def has_work(self) -> bool:
         """Sequences wait or run, or sampled tokens are still to be read."""
@@ -113,6 +120,7 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            self._bind_device()
             while not self._stop:
                 self.last_tick = time.monotonic()
                 self._heartbeat()

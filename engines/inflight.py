@@ -26,7 +26,7 @@ class InFlight:
             return cls(seqs, tokens, tokens, None)
         host = tokens.to("cpu", non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whatever thread this is
         return cls(seqs, tokens, host, ready)
 
     def wait(self) -> list[int]:

@@ -28,6 +28,10 @@ def fused_decode_unavailable(model: CausalLM) -> str | None:
         return f"device is {model.kv_cache.device.type}, the kernels need CUDA"
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
+    if torch.cuda.get_device_capability(model.kv_cache.device) < (8, 0):
+        return "the GPU is older than sm80 (the kernels were built and measured on sm90)"
+    if max(p.numel() for p in model.parameters()) >= 2**31:
+        return "a weight has 2^31 elements or more (the kernels index with 32 bits)"
     if model.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {model.dtype} (the kernels take bfloat16 or float16)"
     head_dim = model.args.head_dim
