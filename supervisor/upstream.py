@@ -5,6 +5,7 @@ without error; every network wait is bounded by a timeout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections import deque
@@ -210,15 +211,8 @@ class Response:
     async def read(self) -> bytes:
         """The whole body."""
         if self._length is not None and self._conn is not None:  # the common case: one read
-            try:
-                async with asyncio.timeout(self._client.timeout_s):
-                    body = await self._conn.reader.readexactly(self._length) if self._length else b""
-            except NETWORK_ERRORS as e:
-                self.close()
-                raise _upstream_error(e, "body cut short") from None
-            except BaseException:
-                self.close()
-                raise
+            async with self._body_wait():
+                body = await self._conn.reader.readexactly(self._length) if self._length else b""
             self._done()
             return body
         return b"".join([chunk async for chunk in self.stream()])
@@ -243,36 +237,43 @@ class Response:
             conn, self._conn = self._conn, None
             self._client._release(self._origin, conn, reuse=self._keep_alive)
 
-    async def _next_chunk(self) -> bytes | None:
-        """The next piece of the body; None at its end."""
-        if self._conn is None:
-            return None
-        reader = self._conn.reader
+    @contextlib.asynccontextmanager
+    async def _body_wait(self) -> AsyncIterator[None]:
+        """One bounded wait for body bytes; on any failure the connection is dropped, and network
+        failures become UpstreamErrors."""
         try:
             async with asyncio.timeout(self._client.timeout_s):
-                if self._chunked:
-                    size_line = await reader.readuntil(b"\r\n")
-                    size = int(size_line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
-                            pass
-                        chunk = None
-                    else:
-                        data = await reader.readexactly(size + 2)
-                        if data[-2:] != b"\r\n":
-                            raise ValueError("chunk not followed by CRLF")
-                        chunk = data[:-2]
-                elif self._length is not None:
-                    n, self._length = self._length, 0
-                    chunk = await reader.readexactly(n) if n else None
-                else:
-                    chunk = await reader.read(1 << 16) or None
+                yield
         except NETWORK_ERRORS as e:
             self.close()
             raise _upstream_error(e, "body cut short") from None
         except BaseException:
             self.close()
             raise
+
+    async def _next_chunk(self) -> bytes | None:
+        """The next piece of the body; None at its end."""
+        if self._conn is None:
+            return None
+        reader = self._conn.reader
+        async with self._body_wait():
+            if self._chunked:
+                size_line = await reader.readuntil(b"\r\n")
+                size = int(size_line.split(b";", 1)[0], 16)
+                if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                        pass
+                    chunk = None
+                else:
+                    data = await reader.readexactly(size + 2)
+                    if data[-2:] != b"\r\n":
+                        raise ValueError("chunk not followed by CRLF")
+                    chunk = data[:-2]
+            elif self._length is not None:
+                n, self._length = self._length, 0
+                chunk = await reader.readexactly(n) if n else None
+            else:
+                chunk = await reader.read(1 << 16) or None
         if chunk is None:
             self._done()
         return chunk
