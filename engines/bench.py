@@ -26,10 +26,11 @@ from pathlib import Path
 import httpx
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, step_token_budget
 from .engine import LLMEngine
 from .launch import EngineProcess, first_completion, wait_for_ready_line
-from .models import Decode, read_model_args
+from .models import read_model_args
+from .models.paged import sequence_meta
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -40,9 +41,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- in-process engine ------------------------------------------------------------------------
+def runner_kv_bytes(model, max_len: int, max_num_seqs: int, block_size: int) -> int:  # noqa: ANN001
+    """KV bytes for max_num_seqs sequences of max_len tokens, plus the padding block."""
+    return model.kv_bytes_per_block(block_size) * (max_num_seqs * -(-max_len // block_size) + 1)
+
+
 def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, max_num_seqs: int = 32,
-                 max_len: int = 512, cuda_graphs: bool = True, fused_kernels: bool = True) -> LLMEngine:
-    """An engine without HTTP or control channel, weights from disk (`off`), for benchmarks and tests."""
+                 max_len: int = 512, cuda_graphs: bool = True, fused_kernels: bool = True,
+                 kv_cache_bytes: int | None = None, block_size: int = 16, max_num_batched_tokens: int | None = None,
+                 prefix_caching: bool = True) -> LLMEngine:
+    """An engine without HTTP or control channel, weights from disk (`off`), for benchmarks and tests.
+    Without `kv_cache_bytes`, the cache holds max_num_seqs sequences of max_len tokens."""
     from .weights import load_rank_weights
 
     args = read_model_args(model_dir)
@@ -55,12 +64,11 @@ def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, 
             torch.cuda.set_device(dev)
         weights = load_rank_weights(cfg, args, 0, dev)
     runner = ModelRunner(weights.model, dev, fused_kernels=fused_kernels)
-    graphs = cuda_graphs and dev.type == "cuda"
-    per_slot = weights.model.kv_bytes_per_slot(max_len)
-    slots = runner.allocate_kv_cache(per_slot * max_num_seqs, max_len, max_num_seqs, reserve_pad_slot=graphs)
-    if graphs:
-        runner.capture_graphs(slots)
-    engine = LLMEngine(runner, Tokenizer(model_dir), max_len, max_num_seqs)
+    runner.allocate_kv_cache(kv_cache_bytes or runner_kv_bytes(weights.model, max_len, max_num_seqs, block_size),
+                             block_size, max_len, max_num_seqs, max_num_batched_tokens or step_token_budget(cfg))
+    if cuda_graphs and dev.type == "cuda":
+        runner.capture_graphs()
+    engine = LLMEngine(runner, Tokenizer(model_dir), max_len, max_num_seqs, prefix_caching=prefix_caching)
     engine.keepalive = weights.keepalive  # type: ignore[attr-defined]
     return engine
 
@@ -104,16 +112,18 @@ def decode_throughput(engine: LLMEngine, batch: int, tokens: int, prompt_len: in
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     engine.generate(random_prompts(batch, prompt_len, engine.tokenizer.vocab_size, 99),
                     SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up this batch size
-    for ids in random_prompts(batch, prompt_len, engine.tokenizer.vocab_size, batch):
-        engine.scheduler.add(Sequence(ids, params, engine.tokenizer, set(), engine.max_model_len, lambda o: None))
-    engine.step()  # admits and prefills every sequence
+    seqs = [Sequence(ids, params, engine.tokenizer, set(), engine.max_model_len, lambda o: None)
+            for ids in random_prompts(batch, prompt_len, engine.tokenizer.vocab_size, batch)]
+    for seq in seqs:
+        engine.scheduler.add(seq)
+    while any(s.num_computed < len(s.prompt_ids) for s in seqs):  # admit and prefill every sequence
+        engine.step()
     _sync(engine.runner.device)
-    t0, steps = time.perf_counter(), 0
+    t0, before = time.perf_counter(), sum(len(s.output_ids) + s.unread for s in seqs)
     while engine.has_work:
         engine.step()
-        steps += 1
     _sync(engine.runner.device)
-    return batch * steps / (time.perf_counter() - t0)
+    return (batch * tokens - before) / (time.perf_counter() - t0)
 
 
 def bench_decode(model_dir: str, device: str, batches: list[int], tokens: int, prompt_len: int,
@@ -299,16 +309,20 @@ def fused_logit_error(model_dir: str, device: str, dtype: str | None = None, ste
         return {"skipped": engine.runner.fused_decode_status}
     err = {"torch": 0.0, "fused": 0.0}
     agree = {"torch": 0, "fused": 0}
-    slot = torch.zeros(1, dtype=torch.long, device=engine.runner.device)
+    dev, bs = engine.runner.device, engine.runner.block_size
+    table = list(range(1, engine.runner.max_blocks + 1))  # block 0 is the padding block
     for prompt in random_prompts(4, 16, engine.tokenizer.vocab_size, 11):
-        ids = ref.runner.prefill(prompt, 0).argmax(-1)
-        engine.runner.prefill(prompt, 0)
+        ids, pos = torch.tensor(prompt, device=dev), torch.arange(16, device=dev)
+        meta = sequence_meta(table, 0, 16, bs, dev)
+        ids = ref.runner.model(ids, pos, meta)[-1:].argmax(-1)
+        engine.runner.model(torch.tensor(prompt, device=dev), pos, meta)
         for step in range(steps):
-            pos = torch.full((1,), 16 + step, device=engine.runner.device)
-            want = ref.runner.model(ids, pos, Decode(slot)).float()
+            pos = torch.full((1,), 16 + step, device=dev)
+            meta = sequence_meta(table, 16 + step, 1, bs, dev)
+            want = ref.runner.model(ids, pos, meta).float()
             for path in ("torch", "fused"):  # both write the same KV rows: one shared history
                 model.use_fused_decode = path == "fused"
-                got = model(ids, pos, Decode(slot)).float()
+                got = model(ids, pos, meta).float()
                 err[path] = max(err[path], ((got - want).abs().max() / want.abs().max()).item())
                 agree[path] += int(got.argmax(-1) == want.argmax(-1))
             ids = want.argmax(-1)

@@ -10,6 +10,11 @@ BOOT_ERROR_EXIT = 3
 """An engine's exit code for a configuration or checkpoint problem: restarting it will not help."""
 
 
+def step_token_budget(cfg: "EngineConfig") -> int:
+    """The configured token budget of a step, or the device's default."""
+    return cfg.max_num_batched_tokens or (2048 if cfg.device == "cuda" else 256)
+
+
 class EngineConfig(BaseModel):
     """One engine (all of its TP ranks). The supervisor fills it; the engine never guesses."""
 
@@ -30,6 +35,11 @@ class EngineConfig(BaseModel):
     kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 16)
     max_num_seqs: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=512, ge=16)
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=16, description="token budget of one step (decode rows + prefill chunks); "
+        "default: 2048 on CUDA, 256 on CPU")
+    kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block (a power of two)")
+    prefix_caching: bool = Field(default=True, description="share full prompt blocks across requests by hash")
     cuda_graphs: bool = True
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)

@@ -1,12 +1,13 @@
-"""LLMEngine: the scheduler loop on rank 0 (its own thread): admit, prefill, batched decode, sample.
+"""LLMEngine: the scheduler loop on rank 0 (its own thread): schedule one token budget, run it as
+one packed step, sample, stream.
 
 Requests and aborts arrive through a thread-safe inbox and join or leave between steps. The loop
 also sends heartbeats and polls control commands, so a stuck loop goes silent to the supervisor.
 
-Steps overlap (engines/inflight.py): a step launches its prefills and its decode, whose input ids
-are the previous step's sampled tokens still on the device, and only then reads the previous
+Steps overlap (engines/inflight.py): a step launches its work, whose decode rows read their input
+ids from the previous step's sampled tokens still on the device, and only then reads the previous
 step's tokens on the host and applies the stop rules. A sequence that stopped on the previous
-token has computed one token too many, which is dropped; its KV slot is reused only by work
+token has computed one token too many, which is dropped; its KV blocks are reused only by work
 queued after that step, so stream order keeps the cache right.
 """
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 
 from .control import ControlChannel
 from .inflight import InFlight
+from .block_manager import BlockManager
 from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams, make_generator, to_device
-from .scheduler import Scheduler
+from .sampling import Sampler, SamplingParams, make_generator
+from .scheduler import Scheduled, Scheduler
 from .sequence import Output, Sequence
 from .tokenizer import Tokenizer
 
@@ -34,9 +36,11 @@ class LLMEngine:
     """Continuous-batching generation over a ModelRunner; thread-safe `submit`/`abort`."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_model_len: int, max_num_seqs: int,
-                 control: ControlChannel | None = None, heartbeat_interval_s: float = 0.5):
+                 control: ControlChannel | None = None, heartbeat_interval_s: float = 0.5,
+                 prefix_caching: bool = True):
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
-        self.scheduler = Scheduler(runner.num_slots, max_num_seqs)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
         self.sampler = Sampler()
         self.control = control
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -53,13 +57,15 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._last_hb = 0.0
         self._device = runner.device
-        self._inflight: list[InFlight] = []  # the last step's launches, read back by the next step
-        self._pending: dict[int, tuple[int, int]] = {}  # seq_id -> (launch, row) of its unread token
+        self._inflight: InFlight | None = None  # the last step's sampled tokens, read back by the next step
+        self._pending: dict[int, int] = {}  # seq_id -> its row in self._inflight.tokens
 
     # ---- API (any thread) ------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None]) -> int:
-        """Queue a sequence; `emit` is called from the loop thread with each Output. Returns its id."""
-        seq = Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, self.max_model_len, emit)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
+               group: int | None = None) -> int:
+        """Queue a sequence; `emit` is called from the loop thread with each Output. Returns its id.
+        Sequences of one request share a `group` (they take turns with other requests)."""
+        seq = Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, self.max_model_len, emit, group)
         if not params.greedy:
             seq.generator = make_generator(params.seed, self._device)
         self.inbox.put(("add", seq))
@@ -88,8 +94,12 @@ class LLMEngine:
                 and time.monotonic() - self.last_tick < stale_after_s)
 
     def stats(self) -> dict:
+        b = self.blocks
         return {"steps": self.steps, "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting), "served": self.served}
+                "waiting": len(self.scheduler.waiting), "served": self.served,
+                "kv_blocks_used": b.used, "kv_blocks_total": b.usable_blocks,
+                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
+                "preemptions": self.scheduler.preemptions}
 
     # ---- synchronous use (bench, tests) ----------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -115,7 +125,7 @@ class LLMEngine:
     @property
     def has_work(self) -> bool:
         """Sequences wait or run, or sampled tokens are still to be read."""
-        return self.scheduler.has_work or bool(self._inflight)
+        return self.scheduler.has_work or self._inflight is not None
 
     # ---- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -178,56 +188,35 @@ class LLMEngine:
             self.control.send("heartbeat", **self.stats())
 
     def step(self) -> None:
-        """One scheduler step: launch prefills for newly admitted sequences and one decode for the
-        rest, then read the previous step's tokens and release the sequences that finished."""
-        sched = self.scheduler
-        launches: list[InFlight] = []
-        new = sched.admit()
-        for seq in new:
-            logits = self.runner.prefill(seq.prompt_ids, seq.slot)
-            launches.append(self._sample([seq], logits))
-        admitted = {s.seq_id for s in new}
-        batch = [s for s in sched.running if s.seq_id not in admitted and self._may_grow(s)]
-        if batch:
-            ids = self._input_ids(batch)  # first: it may read the unread tokens back
-            lag = [int(s.seq_id in self._pending) for s in batch]
-            logits = self.runner.decode(ids, [s.num_tokens - 1 + d for s, d in zip(batch, lag)],
-                                        [s.slot for s in batch])
-            launches.append(self._sample(batch, logits))
+        """One scheduler step: launch the scheduled work, then read the previous step's tokens and
+        release the sequences that finished."""
+        work = self.scheduler.schedule()
+        launch = None
+        if work:
+            if self.runner.tp_size > 1:
+                self._read_back()  # workers need every input token on the host: no overlap under TP
+            step = self.runner.prepare(work, self._pending)
+            logits = self.runner.run(step, self._inflight.tokens if self._inflight else None)
+            launch = self._sample([w for w in work if w.samples], logits)
         self._read_back()
-        self._inflight = launches
-        self._pending = {s.seq_id: (i, row) for i, f in enumerate(launches) for row, s in enumerate(f.seqs)}
-        self.served += len(sched.release_finished())
+        self._inflight = launch
+        self._pending = {s.seq_id: row for row, s in enumerate(launch.seqs)} if launch else {}
+        self.served += len(self.scheduler.release_finished())
         self.steps += 1
-
-    def _may_grow(self, seq: Sequence) -> bool:
-        """Still running after its unread token, as far as the length limits tell."""
-        n = int(seq.seq_id in self._pending)
-        return (seq.finish_reason is None and len(seq.output_ids) + n < seq.params.max_tokens
-                and seq.num_tokens + n < self.max_model_len)
-
-    def _input_ids(self, batch: list[Sequence]) -> torch.Tensor:
-        """Each sequence's last token: the unread one on the device where there is one."""
-        if self._inflight and all(s.seq_id in self._pending for s in batch):
-            tokens = torch.cat([f.tokens for f in self._inflight]) if len(self._inflight) > 1 else self._inflight[0].tokens
-            offsets = [0]
-            for f in self._inflight:
-                offsets.append(offsets[-1] + len(f.seqs))
-            rows = [offsets[i] + r for i, r in (self._pending[s.seq_id] for s in batch)]
-            if rows == list(range(len(tokens))):  # steady state: the same batch, in order
-                return tokens
-            return tokens[to_device(rows, tokens.device)]
-        self._read_back()  # a mix (not reached in steady state): read everything first
-        return torch.tensor([s.last_token for s in batch], dtype=torch.long)
 
     def _read_back(self) -> None:
         """Apply the last step's tokens to their sequences (dropping those of finished ones)."""
-        for launch in self._inflight:
-            for seq, tok in zip(launch.seqs, launch.wait()):
-                if seq.finish_reason is None:
-                    seq.append(tok)
-        self._inflight, self._pending = [], {}
+        if self._inflight is None:
+            return
+        for seq, tok in zip(self._inflight.seqs, self._inflight.wait()):
+            seq.unread -= 1
+            if seq.finish_reason is None:
+                seq.append(tok)
+        self._inflight, self._pending = None, {}
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> InFlight:
+    def _sample(self, work: list[Scheduled], logits: torch.Tensor) -> InFlight:
+        seqs = [w.seq for w in work]
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for s in seqs:
+            s.unread += 1
         return InFlight.launch(seqs, tokens)

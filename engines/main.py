@@ -22,7 +22,7 @@ import uvicorn
 
 from daemon.client import WeightCacheError
 
-from .config import BOOT_ERROR_EXIT, EngineConfig
+from .config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
@@ -52,6 +52,14 @@ def bind_rank_device(cfg: EngineConfig, rank: int) -> torch.device:
 
 def max_model_len(cfg: EngineConfig, max_positions: int) -> int:
     return min(cfg.max_model_len, max_positions)
+
+
+def allocate_kv_cache(runner: ModelRunner, cfg: EngineConfig, mml: int) -> int:
+    """The paged KV cache and step buffers as the config says; returns the block count."""
+    if cfg.kv_block_size & (cfg.kv_block_size - 1):
+        raise ValueError(f"kv_block_size={cfg.kv_block_size} is not a power of two")
+    return runner.allocate_kv_cache(cfg.kv_cache_bytes, cfg.kv_block_size, mml, cfg.max_num_seqs,
+                                    step_token_budget(cfg))
 
 
 def _set_process_name(name: str) -> None:
@@ -114,11 +122,9 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     log.info("rank %d weights: %s", rank, weights.source)
     dist.barrier(group=group)
     runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group, cfg.fused_kernels)
-    use_graphs = cfg.cuda_graphs and device.type == "cuda"
-    slots = runner.allocate_kv_cache(cfg.kv_cache_bytes, max_model_len(cfg, args.max_position_embeddings),
-                                     cfg.max_num_seqs, reserve_pad_slot=use_graphs)
-    if use_graphs:
-        runner.capture_graphs(slots)
+    allocate_kv_cache(runner, cfg, max_model_len(cfg, args.max_position_embeddings))
+    if cfg.cuda_graphs and device.type == "cuda":
+        runner.capture_graphs()
     runner.worker_loop()
     dist.destroy_process_group()
     return 0
@@ -180,12 +186,14 @@ def run_engine(cfg: EngineConfig) -> int:
         use_graphs = cfg.cuda_graphs and device.type == "cuda"
         mml = max_model_len(cfg, args.max_position_embeddings)
         with timer.phase("kv_cache"):
-            slots = runner.allocate_kv_cache(cfg.kv_cache_bytes, mml, cfg.max_num_seqs, reserve_pad_slot=use_graphs)
+            blocks = allocate_kv_cache(runner, cfg, mml)
         with timer.phase("graph_capture"):
-            graph_sizes = runner.capture_graphs(slots) if use_graphs else []
-        log.info("KV cache: %d slots of %d tokens; CUDA graphs: %s; fused decode kernels: %s", slots, mml,
+            graph_sizes = runner.capture_graphs() if use_graphs else []
+        log.info("KV cache: %d blocks of %d tokens (max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
+                 "fused decode kernels: %s", blocks, cfg.kv_block_size, mml, runner.max_rows,
                  graph_sizes or "off", runner.fused_decode_status)
-        engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s)
+        engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
+                           cfg.prefix_caching)
         names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]
         srv = OpenAIServer(engine, tokenizer, names, mml, args.vocab_size, timer.summary)
         rc = asyncio.run(_serve(cfg, engine, srv, timer, control))

@@ -1,32 +1,95 @@
-"""ModelRunner: runs prefill and batched decode steps on one rank; KV slots; CUDA graphs for decode.
+"""ModelRunner: runs one packed step (decode rows and prefill chunks together) on one rank, over a
+paged KV cache; CUDA graphs for decode-only steps at a set of batch sizes.
 
-Under tensor parallelism rank 0 broadcasts every step (a small int64 header, then the token
-ids / positions / slots) on a gloo group before running it, and ranks 1..N-1 sit in
-`worker_loop`, running the same step so the model's collectives line up. Only rank 0 samples.
+Every host-to-device input of a step (token ids, positions, cache rows, query starts, sequence
+lengths, block tables, logit rows) is written into one persistent pinned buffer and reaches the
+device in one copy, into a persistent device buffer the model (or a captured graph) reads.
+Decode rows whose input token is still on the device (sampled by the previous step, not yet read
+back) take it from there with one gather, so steps overlap.
+
+Under tensor parallelism rank 0 broadcasts every step (a small header, then the packed buffer)
+on a gloo group before running it, and ranks 1..N-1 sit in `worker_loop` running the same step so
+the model's collectives line up. Only rank 0 samples.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .models import CausalLM, Decode, Prefill
+from .block_manager import PAD_BLOCK
+from .models import AttnMeta, CausalLM
 from .models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
+from .scheduler import Scheduled
 
 log = logging.getLogger("engines.runner")
 
-EXIT, PREFILL, DECODE = 0, 1, 2
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+EXIT, STEP = 0, 1
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class KVBudgetError(ValueError):
     """kv_cache_bytes cannot hold even one sequence of max_model_len tokens."""
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of a step's inputs inside the packed int64 buffer (T rows, B sequences)."""
+
+    t: int
+    b: int
+    max_blocks: int
+
+    @property
+    def ids(self) -> int: return 0
+    @property
+    def pos(self) -> int: return self.t
+    @property
+    def slots(self) -> int: return 2 * self.t
+    @property
+    def cu_q(self) -> int: return 3 * self.t
+    @property
+    def seq_lens(self) -> int: return 3 * self.t + self.b + 1
+    @property
+    def logit_rows(self) -> int: return 3 * self.t + 2 * self.b + 1
+    @property
+    def tables(self) -> int: return 3 * self.t + 3 * self.b + 1
+    @property
+    def size(self) -> int: return self.tables + self.b * self.max_blocks
+
+    def views(self, buf: torch.Tensor, num_logits: int | None) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+        """(input ids, positions, attention metadata) over `buf` in this layout."""
+        t, b = self.t, self.b
+        meta = AttnMeta(slot_mapping=buf[self.slots:self.slots + t], cu_q=buf[self.cu_q:self.cu_q + b + 1],
+                        seq_lens=buf[self.seq_lens:self.seq_lens + b],
+                        block_tables=buf[self.tables:self.size].view(b, self.max_blocks), max_q_len=1,
+                        logit_rows=None if num_logits is None else buf[self.logit_rows:self.logit_rows + num_logits])
+        return buf[:t], buf[self.pos:self.pos + t], meta
+
+
+@dataclass
+class Step:
+    """A packed step on the host, ready to run."""
+
+    layout: Layout
+    num_rows: int  # real rows (a graph step pads up to layout.t)
+    num_seqs: int
+    max_q_len: int
+    num_logits: int
+    graph: int | None  # the captured batch size that runs it, if any
+    host: torch.Tensor  # the pinned buffer it was packed in
+    q_lens: list[int]
+    seq_lens: list[int]
+    pending_rows: list[int]  # rows whose input token is the previous step's sampled token ...
+    pending_src: list[int]  # ... at these rows of that step's tokens
+
+
 class ModelRunner:
-    """Owns the model on one rank, its KV cache, and (on CUDA) the captured decode graphs."""
+    """Owns the model on one rank, its paged KV cache, the step buffers and the decode graphs."""
 
     def __init__(self, model: CausalLM, device: torch.device, rank: int = 0, tp_size: int = 1,
                  ctrl_group: dist.ProcessGroup | None = None, fused_kernels: bool = True):
@@ -34,127 +97,178 @@ class ModelRunner:
         self.ctrl_group = ctrl_group
         self.fused_kernels = fused_kernels
         self.fused_decode_status = "off (no KV cache yet)"
-        self.num_slots = 0
-        self.max_len = 0
+        self.num_blocks = 0
+        self.block_size = 0
+        self.max_blocks = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pad_slot = -1
 
     # ---- setup -----------------------------------------------------------------------------
-    def allocate_kv_cache(self, kv_cache_bytes: int, max_model_len: int, max_num_seqs: int,
-                          reserve_pad_slot: bool) -> int:
-        """Size the slots from the byte budget (capped at max_num_seqs), allocate, return the slot count."""
-        per_slot = self.model.kv_bytes_per_slot(max_model_len)
-        slots = kv_cache_bytes // per_slot
-        if slots < 1:
+    def allocate_kv_cache(self, kv_cache_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                          max_num_batched_tokens: int) -> int:
+        """Split the byte budget into blocks (one more for padding rows), allocate; returns the block count."""
+        per_block = self.model.kv_bytes_per_block(block_size)
+        blocks = kv_cache_bytes // per_block
+        self.max_blocks = -(-max_model_len // block_size)
+        if blocks < self.max_blocks + 1:
             raise KVBudgetError(
                 f"kv_cache_bytes={kv_cache_bytes} cannot hold one sequence of max_model_len={max_model_len} "
-                f"({per_slot} bytes per sequence on this rank); raise kv_cache_bytes or lower max_model_len")
-        slots = min(slots, max_num_seqs)
-        # CUDA graph padding rows write their K/V into one spare slot no sequence owns.
-        self.model.allocate_kv_cache(slots + int(reserve_pad_slot), max_model_len, self.device)
-        self.num_slots, self.max_len = slots, max_model_len
-        self._pad_slot = slots if reserve_pad_slot else -1
+                f"({(self.max_blocks + 1) * per_block} bytes on this rank: {self.max_blocks} blocks of "
+                f"{block_size} tokens plus one padding block); raise kv_cache_bytes or lower max_model_len")
+        self.model.allocate_kv_cache(blocks, block_size, self.device)
+        self.num_blocks, self.block_size = blocks, block_size
+        self.max_rows = max(max_num_batched_tokens, max_num_seqs)
+        self.max_seqs = max_num_seqs
+        cap = Layout(self.max_rows, max_num_seqs, self.max_blocks).size
+        # Two pinned buffers, used in turn: a step is packed while the previous one's copy may not have run.
+        self._hosts = [torch.zeros(cap, dtype=torch.long, pin_memory=self.device.type == "cuda") for _ in range(2)]
+        self._turn = 0
+        self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
         reason = fused_decode_unavailable(self.model) if self.fused_kernels else "fused_kernels is false"
         self.model.use_fused_decode = reason is None
         self.fused_decode_status = f"off ({reason})" if reason else f"on (batches up to {FUSED_MAX_BATCH})"
-        return slots
+        return blocks
 
-    def capture_graphs(self, max_batch: int) -> list[int]:
-        """Capture one decode graph per batch size up to max_batch (largest first, one memory pool)."""
+    def capture_graphs(self) -> list[int]:
+        """Capture one decode graph per batch size up to max_num_seqs (largest first, one memory pool)."""
         if self.device.type != "cuda":
             return []
-        if self._pad_slot < 0:
-            raise RuntimeError("capture_graphs needs allocate_kv_cache(..., reserve_pad_slot=True)")
-        sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
-        n = max(sizes)
-        self._g_ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        self._g_meta = torch.zeros(2, n, dtype=torch.long, device=self.device)  # positions, slots
-        self._g_meta[1].fill_(self._pad_slot)
-        pos, slots = self._g_meta
+        sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_seqs} | {self.max_seqs})
         pool = None
-        for b in reversed(sizes):
-            step = Decode(slots[:b])
-            self.model(self._g_ids[:b], pos[:b], step)  # warm up kernels and NCCL outside capture
+        for size in reversed(sizes):
+            layout = Layout(size, size, self.max_blocks)
+            self._fill_padding(self._hosts[0].numpy(), layout, 0)
+            self._dev[:layout.size].copy_(self._hosts[0][:layout.size])
+            ids, pos, meta = layout.views(self._dev, None)
+            self.model(ids, pos, meta)  # warm up kernels and NCCL outside capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(self._g_ids[:b], pos[:b], step)
+                out = self.model(ids, pos, meta)
             pool = graph.pool()
-            self.graphs[b] = (graph, out)
+            self.graphs[size] = (graph, out)
         torch.cuda.synchronize(self.device)
         return sizes
 
     # ---- steps (rank 0) --------------------------------------------------------------------
-    def prefill(self, token_ids: list[int], slot: int) -> torch.Tensor:
-        """Prefill one sequence into `slot`; returns its last-token logits `[1, vocab]`."""
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        self._broadcast(PREFILL, len(token_ids), slot, ids)
-        return self._run_prefill(ids, slot)
+    def prepare(self, work: list[Scheduled], pending: dict[int, int]) -> Step:
+        """Pack the scheduled work into the pinned buffer. `pending` maps a sequence id to the row
+        of the previous step's sampled tokens holding its unread last token."""
+        rows = sum(w.num_new for w in work)
+        max_q = max(w.num_new for w in work)
+        b = len(work)
+        graph = next((g for g in sorted(self.graphs) if g >= b), None) if max_q == 1 else None
+        layout = Layout(graph or rows, graph or b, self.max_blocks)
+        self._turn ^= 1
+        host = self._hosts[self._turn]
+        h, bs = host.numpy(), self.block_size
+        ids, pos, slots, cu_q, seq_lens, logit_rows = [], [], [], [0], [], []
+        pending_rows, pending_src = [], []
+        tables = h[layout.tables:layout.size].reshape(layout.b, self.max_blocks)
+        for i, w in enumerate(work):
+            seq, start, n = w.seq, w.start, w.num_new
+            end = start + n
+            known = min(end, seq.num_tokens)
+            row = cu_q[-1]
+            if n == 1:
+                pos.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                p = np.arange(start, end)
+                pos.extend(p.tolist())
+                slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
+            ids.extend(seq.token_ids(start, known))
+            if known < end:  # its last token is still on the device
+                ids.append(0)
+                pending_rows.append(row + n - 1)
+                pending_src.append(pending[seq.seq_id])
+            cu_q.append(row + n)
+            seq_lens.append(end)
+            if w.samples:
+                logit_rows.append(row + n - 1)
+            tables[i, :len(seq.block_table)] = seq.block_table
+        h[layout.ids:layout.ids + rows] = ids
+        h[layout.pos:layout.pos + rows] = pos
+        h[layout.slots:layout.slots + rows] = slots
+        h[layout.cu_q:layout.cu_q + b + 1] = cu_q
+        h[layout.seq_lens:layout.seq_lens + b] = seq_lens
+        h[layout.logit_rows:layout.logit_rows + len(logit_rows)] = logit_rows
+        if graph:
+            self._fill_padding(h, layout, b)
+        return Step(layout, rows, b, max_q, len(logit_rows), graph, host, [w.num_new for w in work], seq_lens,
+                    pending_rows, pending_src)
 
-    def decode(self, token_ids: torch.Tensor, positions: list[int], slots: list[int]) -> torch.Tensor:
-        """One token for each sequence; returns `[B, vocab]` logits. `token_ids` may be on the
-        device (sampled by the previous step); under tensor parallelism they are fetched to
-        broadcast them, so TP steps do not overlap."""
-        meta = torch.tensor([positions, slots], dtype=torch.long)
+    def run(self, step: Step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Run a prepared step; returns the logits of its sampling rows `[S, vocab]`. Under tensor
+        parallelism every input token must be known on the host (no pending rows)."""
         if self.tp_size > 1:
-            token_ids = token_ids.cpu()
-            self._broadcast(DECODE, len(positions), 0, torch.cat([token_ids.view(1, -1), meta]).view(-1))
-        return self._run_decode(token_ids, meta)
+            if step.pending_rows:
+                raise RuntimeError("a tensor-parallel step cannot take its input tokens from the device")
+            header = [STEP, step.layout.t, step.layout.b, step.num_rows, step.num_seqs, step.max_q_len,
+                      step.num_logits, step.graph or 0]
+            self._broadcast(header, step.host[:step.layout.size])
+        return self._execute(step, prev_tokens)
 
     def shutdown(self) -> None:
         """Tell the workers to leave their loop (rank 0)."""
         if self.tp_size > 1:
-            self._broadcast(EXIT, 0, 0, None)
+            self._broadcast([EXIT] + [0] * 7, None)
 
     # ---- worker ranks ----------------------------------------------------------------------
     def worker_loop(self) -> None:
         """Follow rank 0's steps until it broadcasts EXIT."""
         while True:
-            header = torch.zeros(3, dtype=torch.long)
+            header = torch.zeros(8, dtype=torch.long)
             dist.broadcast(header, 0, group=self.ctrl_group)
-            kind, n, slot = header.tolist()
+            kind, t, b, rows, seqs, max_q, num_logits, graph = header.tolist()
             if kind == EXIT:
                 return
-            if kind == PREFILL:
-                ids = torch.empty(n, dtype=torch.long)
-                dist.broadcast(ids, 0, group=self.ctrl_group)
-                self._run_prefill(ids, slot)
-            elif kind == DECODE:
-                data = torch.empty(3 * n, dtype=torch.long)
-                dist.broadcast(data, 0, group=self.ctrl_group)
-                data = data.view(3, n)
-                self._run_decode(data[0], data[1:])
-            else:
+            if kind != STEP:
                 raise RuntimeError(f"rank {self.rank}: unknown step kind {kind} from rank 0")
+            layout = Layout(t, b, self.max_blocks)
+            host = self._hosts[0]
+            dist.broadcast(host[:layout.size], 0, group=self.ctrl_group)
+            h = host.numpy()
+            step = Step(layout, rows, seqs, max_q, num_logits, graph or None, host,
+                        np.diff(h[layout.cu_q:layout.cu_q + seqs + 1]).tolist(),
+                        h[layout.seq_lens:layout.seq_lens + seqs].tolist(), [], [])
+            self._execute(step, None)
 
     # ---- shared ----------------------------------------------------------------------------
-    def _broadcast(self, kind: int, n: int, slot: int, payload: torch.Tensor | None) -> None:
-        if self.tp_size == 1:
+    def _fill_padding(self, h: np.ndarray, layout: Layout, b: int) -> None:
+        """Rows b.. of a graph layout: one token at position 0 of the padding block."""
+        n = layout.b
+        h[layout.ids + b:layout.ids + n] = 0
+        h[layout.pos + b:layout.pos + n] = 0
+        h[layout.slots + b:layout.slots + n] = PAD_BLOCK * self.block_size
+        h[layout.cu_q + b:layout.cu_q + n + 1] = np.arange(b, n + 1) if b else np.arange(n + 1)
+        h[layout.seq_lens + b:layout.seq_lens + n] = 1
+        h[layout.tables + b * self.max_blocks:layout.size:self.max_blocks] = PAD_BLOCK
+
+    def _execute(self, step: Step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        layout = step.layout
+        self._dev[:layout.size].copy_(step.host[:layout.size], non_blocking=True)  # one host-to-device copy
+        ids, pos, meta = layout.views(self._dev, None if step.graph else step.num_logits)
+        if step.pending_rows:
+            self._gather_pending(ids, step, prev_tokens)
+        if step.graph:
+            graph, out = self.graphs[step.graph]
+            graph.replay()
+            return out[:step.num_seqs]
+        meta.max_q_len, meta.q_lens_host, meta.seq_lens_host = step.max_q_len, step.q_lens, step.seq_lens
+        return self.model(ids, pos, meta)
+
+    def _gather_pending(self, ids: torch.Tensor, step: Step, prev_tokens: torch.Tensor) -> None:
+        n = len(step.pending_rows)
+        if step.pending_rows == list(range(n)) and step.pending_src == list(range(n)):
+            ids[:n].copy_(prev_tokens[:n])  # steady state: the same sequences, in the same order
             return
-        dist.broadcast(torch.tensor([kind, n, slot], dtype=torch.long), 0, group=self.ctrl_group)
+        idx = torch.tensor(step.pending_rows + step.pending_src, dtype=torch.long).to(self.device, non_blocking=True)
+        ids.index_copy_(0, idx[:n], prev_tokens.index_select(0, idx[n:]))
+
+    def _broadcast(self, header: list[int], payload: torch.Tensor | None) -> None:
+        dist.broadcast(torch.tensor(header, dtype=torch.long), 0, group=self.ctrl_group)
         if payload is not None:
             dist.broadcast(payload, 0, group=self.ctrl_group)
-
-    def _run_prefill(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
-        ids = ids.to(self.device, non_blocking=True)
-        positions = torch.arange(ids.shape[0], device=self.device)
-        return self.model(ids, positions, Prefill(slot=slot, start=0))
-
-    def _run_decode(self, ids: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-        """`ids [B]` (host or device) and `meta [2, B]` (positions, slots; host)."""
-        b = ids.shape[0]
-        size = next((g for g in sorted(self.graphs) if g >= b), None)
-        if size is None:
-            pos, slots = meta.to(self.device, non_blocking=True)
-            return self.model(ids.to(self.device, non_blocking=True), pos, Decode(slots))
-        graph, out = self.graphs[size]
-        if size > b:  # padding rows: position 0 of the spare slot (their stale token ids are harmless)
-            pad = torch.tensor([[0], [self._pad_slot]], dtype=torch.long).expand(2, size - b)
-            meta = torch.cat([meta, pad], dim=1)
-        self._g_ids[:b].copy_(ids, non_blocking=True)
-        self._g_meta[:, :size].copy_(meta, non_blocking=True)  # one host-to-device copy
-        graph.replay()
-        return out[:b]
 
 
 def init_distributed(rank: int, tp_size: int, device: torch.device, port: int) -> dist.ProcessGroup | None:

@@ -1,61 +1,180 @@
-"""Continuous batching: a waiting queue, running sequences, and the fixed KV slots they occupy."""
+"""Token-budget scheduling: each step spends one budget on the decode rows of every running
+sequence, then on prefill chunks of waiting ones (a long prompt spans several steps).
+
+Sequences wait in a fair queue: one request with many prompts (or a large `n`) is admitted one
+sequence per turn, alternating with every other request, so it cannot starve them. When blocks run
+out, a running sequence that cannot grow makes the newest running sequence give its blocks back
+(preemption): it returns to the front of the queue and is recomputed later. A client never sees
+an error or a truncation for it, only a later token.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
+from .block_manager import BlockManager
 from .sequence import Sequence
 
 
+@dataclass
+class Scheduled:
+    """`num_new` positions of `seq` starting at `start` are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's end, so its last row's logits pick the next token."""
+        return self.start + self.num_new == self.seq.total_len
+
+
+class FairQueue:
+    """Waiting sequences, taken round-robin across requests (FIFO inside a request)."""
+
+    def __init__(self) -> None:
+        self._groups: OrderedDict[int, deque[Sequence]] = OrderedDict()
+        self._front: deque[Sequence] = deque()  # preempted: served before anyone else
+
+    def __len__(self) -> int:
+        return len(self._front) + sum(len(q) for q in self._groups.values())
+
+    def __iter__(self):
+        yield from self._front
+        for q in self._groups.values():
+            yield from q
+
+    def push(self, seq: Sequence) -> None:
+        self._groups.setdefault(seq.group, deque()).append(seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        self._front.appendleft(seq)
+
+    def peek(self) -> Sequence | None:
+        if self._front:
+            return self._front[0]
+        for q in self._groups.values():
+            return q[0]
+        return None
+
+    def pop(self) -> Sequence:
+        """Take the head; its request then goes to the back of the turn order."""
+        if self._front:
+            return self._front.popleft()
+        group, q = next(iter(self._groups.items()))
+        seq = q.popleft()
+        del self._groups[group]
+        if q:
+            self._groups[group] = q
+        return seq
+
+    def remove(self, seq: Sequence) -> bool:
+        if seq in self._front:
+            self._front.remove(seq)
+            return True
+        q = self._groups.get(seq.group)
+        if q is None or seq not in q:
+            return False
+        q.remove(seq)
+        if not q:
+            del self._groups[seq.group]
+        return True
+
+
 class Scheduler:
-    """Sequences join between steps when a KV slot is free and leave as soon as they finish.
+    """Decides, step by step, which positions of which sequences to compute."""
 
-    Every slot holds `max_model_len` tokens and requests are validated against that length, so
-    an admitted sequence never needs preemption.
-    """
-
-    def __init__(self, num_slots: int, max_num_seqs: int):
-        self.free_slots: deque[int] = deque(range(num_slots))
-        self.max_running = min(num_slots, max_num_seqs)
-        self.waiting: deque[Sequence] = deque()
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_running = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting = FairQueue()
         self.running: list[Sequence] = []
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free slots (FIFO); they need a prefill this step."""
-        admitted = []
-        while self.waiting and self.free_slots and len(self.running) < self.max_running:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.popleft()
+    def schedule(self) -> list[Scheduled]:
+        """The work of one step. Sequences with nothing to compute (finished, or waiting for their
+        unread token to tell) are skipped."""
+        budget, out = self.budget, []
+        decodes = [s for s in self.running if s.total_len - s.num_computed == 1]
+        chunks = [s for s in self.running if s.total_len - s.num_computed > 1]
+        for seq in decodes + chunks:  # decode rows first: a long prompt never delays them
+            if budget == 0:
+                break
+            need = seq.total_len - seq.num_computed
+            if seq not in self.running or seq.finish_reason is not None or (need == 1 and not seq.can_grow):
+                continue
+            n = min(need, budget)
+            if not self._make_room(seq, seq.num_computed + n, {o.seq for o in out}):
+                continue  # seq itself was preempted
+            out.append(self._take(seq, n))
+            budget -= n
+        preempted = self.preemptions
+        while budget and len(self.running) < self.max_running and self.waiting.peek() is not None:
+            seq = self.waiting.peek()
+            if not seq.block_table:
+                self.blocks.match_prefix(seq)
+            n = min(seq.total_len - seq.num_computed, budget)
+            if self.preemptions != preempted or not self.blocks.can_grow(seq, seq.num_computed + n):
+                break  # no room: it waits (its cached prefix stays referenced meanwhile)
+            self.waiting.pop()
             self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+            out.append(self._take(seq, n))
+            budget -= n
+        return out
+
+    def _take(self, seq: Sequence, n: int) -> Scheduled:
+        start = seq.num_computed
+        self.blocks.grow(seq, start + n)
+        seq.num_computed = start + n
+        self.blocks.register_full_blocks(seq, seq.num_computed)
+        return Scheduled(seq, start, n)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[Sequence]) -> bool:
+        """Preempt the newest running sequences not scheduled yet this step until `seq` can hold
+        `num_tokens`; False if that meant preempting `seq` itself."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = next(s for s in reversed(self.running) if s not in scheduled)  # seq itself at the latest
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give the sequence's blocks back; it waits at the front and recomputes its tokens later."""
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        self.waiting.push_front(seq)
+        self.preemptions += 1
 
     def release_finished(self) -> list[Sequence]:
-        """Drop finished sequences from the batch and free their slots."""
+        """Drop finished sequences (running, or preempted and waiting) and free their blocks."""
         done = [s for s in self.running if s.finish_reason is not None]
         if done:
             self.running = [s for s in self.running if s.finish_reason is None]
-            for s in done:
-                self.free_slots.append(s.slot)
-                s.slot = None
+        done += [s for s in list(self.waiting) if s.finish_reason is not None and self.waiting.remove(s)]
+        for s in done:
+            self.blocks.release(s)
         return done
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Remove a sequence wherever it is (a client went away); returns it if it was still live."""
-        for s in self.waiting:
+        for s in list(self.waiting):
             if s.seq_id == seq_id:
                 self.waiting.remove(s)
+                self.blocks.release(s)
                 return s
         for s in self.running:
             if s.seq_id == seq_id and s.finish_reason is None:
                 self.running.remove(s)
-                self.free_slots.append(s.slot)
-                s.slot = None
+                self.blocks.release(s)
                 return s
         return None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)

@@ -1,4 +1,4 @@
-"""One generated sequence: its tokens, KV slot, stop conditions and text deltas for the client."""
+"""One generated sequence: its tokens, KV blocks, stop conditions and text deltas for the client."""
 from __future__ import annotations
 
 import itertools
@@ -28,12 +28,17 @@ class Sequence:
     """A prompt plus its generated tokens. Text is held back while it may still become a stop string."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 eos_ids: set[int], max_model_len: int, emit: Callable[[Output], None]):
+                 eos_ids: set[int], max_model_len: int, emit: Callable[[Output], None], group: int | None = None):
         self.seq_id = next(_ids)
+        self.group = self.seq_id if group is None else group  # the request it belongs to (fair scheduling)
         self.prompt_ids = prompt_ids
         self.params = params
         self.output_ids: list[int] = []
-        self.slot: int | None = None
+        self.block_table: list[int] = []  # KV block of each block_size positions
+        self.block_keys: list[int] = []  # prefix-cache keys of its full prompt blocks, in order
+        self.num_computed = 0  # positions whose keys and values are in the cache
+        self.num_cached = 0  # of those, how many came from the prefix cache
+        self.unread = 0  # sampled tokens still on their way from the device (0, 1, or 2 mid-step)
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         self.emit = emit
@@ -47,6 +52,25 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def total_len(self) -> int:
+        """Tokens including the one still being read back."""
+        return self.num_tokens + self.unread
+
+    @property
+    def can_grow(self) -> bool:
+        """Still running after its unread token, as far as the length limits tell."""
+        n = len(self.output_ids) + self.unread
+        return (self.finish_reason is None and n < self.params.max_tokens
+                and self.total_len < self.max_model_len)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Known token ids at positions start..end-1 (prompt, then output)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(0, start - p):end - p]
 
     @property
     def last_token(self) -> int:

@@ -16,9 +16,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .engine import LLMEngine
+from .metrics import render as render_metrics
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta,
                        ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
@@ -264,6 +265,10 @@ def build_app(srv: OpenAIServer) -> FastAPI:
     @app.get("/startup")
     async def startup() -> dict:
         return srv.startup_summary()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(render_metrics(srv.engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
 

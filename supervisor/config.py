@@ -66,6 +66,9 @@ class EnginesSection(_Section):
     kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 16)
     max_num_seqs: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=512, ge=16)
+    max_num_batched_tokens: int | None = Field(default=None, ge=16)
+    kv_block_size: int = Field(default=16, ge=1, le=1024)
+    prefix_caching: bool = True
     cuda_graphs: bool = True
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)

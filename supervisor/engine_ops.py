@@ -28,6 +28,8 @@ KEEP_LOGS = 20  # per slot, the logs of the last incarnations (runtime_dir is of
 
 
 ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
+HEARTBEAT_FIELDS = ("steps", "running", "waiting", "served", "kv_blocks_used", "kv_blocks_total",
+                    "prefix_queried_tokens", "prefix_hit_tokens", "preemptions")
 
 
 class EngineOps:
@@ -97,7 +99,9 @@ class EngineOps:
             device=self.device, gpu_ids=self.cfg.resolved_gpu_ids() if self.device == "cuda" else [],
             host="127.0.0.1", port=slot.port, weight_cache_mode=e.weight_cache_mode, runtime_dir=str(self.rd),
             control_endpoint=self.control.endpoint, incarnation=slot.incarnation, kv_cache_bytes=e.kv_cache_bytes,
-            max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len, cuda_graphs=e.cuda_graphs,
+            max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
+            max_num_batched_tokens=e.max_num_batched_tokens, kv_block_size=e.kv_block_size,
+            prefix_caching=e.prefix_caching, cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels, heartbeat_interval_s=e.heartbeat_interval_s,
             dist_port=free_port() if m.tp_size > 1 else 0,
             served_model_name=self.model_name)
@@ -173,9 +177,10 @@ class EngineOps:
         now = time.monotonic()
         if msg.type == "heartbeat":
             slot.last_heartbeat = now
-            hb = {k: msg.get(k) for k in ("steps", "running", "waiting", "served")}
+            hb = {k: msg.get(k) for k in HEARTBEAT_FIELDS}
             if (hb.get("served"), hb.get("steps")) != (slot.heartbeat.get("served"), slot.heartbeat.get("steps")):
                 slot.last_progress = now
+            self.metrics.record_heartbeat(slot.name, hb, slot.heartbeat)
             slot.heartbeat = hb
         elif msg.type == "state":
             st = str(msg.get("state", ""))

@@ -33,6 +33,16 @@ class Metrics:
         self.engine_state = Gauge("understudy_engine_state", "1 for the current state of each engine slot",
                                   ["engine", "state"], registry=r)
         self.epoch = Gauge("understudy_epoch", "Primary epoch", registry=r)
+        serving = "engine's serving figures, from its heartbeats"
+        self.engine_figures = {
+            key: Gauge(f"understudy_engine_{key}", f"{help_} ({serving})", ["engine"], registry=r)
+            for key, help_ in (("running_seqs", "Sequences running"), ("waiting_seqs", "Sequences waiting"),
+                               ("kv_blocks_used", "KV cache blocks in use"), ("kv_blocks_total", "KV cache blocks"),
+                               ("preemptions", "Sequences preempted since the engine started"))}
+        self.prefix_queried = Counter("understudy_prefix_cache_queried_tokens",
+                                      "Prompt tokens looked up in the engines' prefix caches", registry=r)
+        self.prefix_hit = Counter("understudy_prefix_cache_hit_tokens",
+                                  "Prompt tokens found in the engines' prefix caches", registry=r)
 
     def count_weights_source(self, source: str) -> None:
         """cache_hit -> hit; disk:<reason> -> miss with that reason."""
@@ -44,6 +54,19 @@ class Metrics:
     def set_engine_state(self, engine: str, state: str, all_states: list[str]) -> None:
         for s in all_states:
             self.engine_state.labels(engine=engine, state=s).set(1 if s == state else 0)
+
+    def record_heartbeat(self, engine: str, hb: dict, previous: dict) -> None:
+        """An engine's serving figures; its cumulative prefix-cache counts add their growth since
+        its previous heartbeat (a new incarnation starts from zero)."""
+        names = {"running_seqs": "running", "waiting_seqs": "waiting", "kv_blocks_used": "kv_blocks_used",
+                 "kv_blocks_total": "kv_blocks_total", "preemptions": "preemptions"}
+        for key, field in names.items():
+            if isinstance(hb.get(field), (int, float)):
+                self.engine_figures[key].labels(engine=engine).set(hb[field])
+        for counter, field in ((self.prefix_queried, "prefix_queried_tokens"), (self.prefix_hit, "prefix_hit_tokens")):
+            now, before = hb.get(field), previous.get(field) or 0
+            if isinstance(now, int):
+                counter.inc(now - before if now >= before else now)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -122,6 +122,21 @@ def test_models_health_startup(engine, client, model_name) -> None:
     assert startup["total_s"] == pytest.approx(sum(startup["phases"].values()), abs=1e-3)
 
 
+def test_metrics_count_prefix_cache_tokens(engine, client, model_name) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(engine.url + "/metrics").text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    before = scrape()
+    prompt = "A shared system prompt that is long enough to fill several KV blocks of sixteen tokens. " * 3
+    for question in ("One?", "Two?"):
+        greedy(client, model_name, prompt + question, n=2)
+    after = scrape()
+    queried = after["understudy_prefix_cache_queried_tokens_total"] - before["understudy_prefix_cache_queried_tokens_total"]
+    hit = after["understudy_prefix_cache_hit_tokens_total"] - before["understudy_prefix_cache_hit_tokens_total"]
+    assert queried > 2 * 48 and hit >= 48  # the second request found the shared blocks
+    assert after["understudy_engine_kv_blocks_total"] > 0 and after["understudy_engine_running_seqs"] == 0
+
+
 BAD_REQUESTS = [
     ("completions", "{not json", 400, None, "not valid JSON"),
     ("completions", {"model": "no-such-model", "prompt": "x"}, 404, "model", "does not exist"),

@@ -15,14 +15,15 @@ from engines.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokeniz
 PROMPTS = ["The quick brown fox", "Hello", "In a hole in the ground there lived", "a b c d e f g", "Once upon"]
 
 
-def make_engine(model_dir, max_num_seqs: int = 8, max_len: int = 128) -> LLMEngine:
+def make_engine(model_dir, max_num_seqs: int = 8, max_len: int = 128, kv_bytes: int = 1 << 26,
+                block_size: int = 16, budget: int = 256, prefix_caching: bool = True) -> LLMEngine:
     args = read_model_args(model_dir)
     model = build_model(args, device="meta")
     model.to_empty(device="cpu")
     load_checkpoint_into(model, model_dir)
     runner = ModelRunner(model, torch.device("cpu"))
-    runner.allocate_kv_cache(1 << 30, max_len, max_num_seqs, reserve_pad_slot=False)
-    return LLMEngine(runner, Tokenizer(model_dir), max_len, max_num_seqs)
+    runner.allocate_kv_cache(kv_bytes, block_size, max_len, max_num_seqs, budget)
+    return LLMEngine(runner, Tokenizer(model_dir), max_len, max_num_seqs, prefix_caching=prefix_caching)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +124,8 @@ def test_batched_and_unbatched_greedy_tokens_match(tiny_model) -> None:
     assert all(len(t) == 24 for t in together)
 
 
-def test_requests_join_and_leave_between_steps_and_reuse_slots(tiny_model) -> None:
-    """Two slots, five staggered requests of different lengths: same tokens as one at a time."""
+def test_requests_join_and_leave_between_steps_and_reuse_blocks(tiny_model) -> None:
+    """Two running at most, five staggered requests of different lengths: same tokens as one at a time."""
     engine = make_engine(tiny_model, max_num_seqs=2)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     lengths = [5, 17, 9, 12, 3]
@@ -142,11 +143,11 @@ def test_requests_join_and_leave_between_steps_and_reuse_slots(tiny_model) -> No
     while engine.has_work:
         engine.step()
     assert [s.output_ids for s in seqs] == alone
-    assert sorted(engine.scheduler.free_slots) == [0, 1]
+    assert engine.blocks.used == 0  # every block is free or only cached
 
 
 def test_kv_budget_too_small_is_a_clear_error(tiny_model) -> None:
     args = read_model_args(tiny_model)
     runner = ModelRunner(build_model(args, device="meta"), torch.device("cpu"))
     with pytest.raises(KVBudgetError, match="kv_cache_bytes=65536 cannot hold one sequence of max_model_len=1024"):
-        runner.allocate_kv_cache(65536, 1024, 4, reserve_pad_slot=False)
+        runner.allocate_kv_cache(65536, 16, 1024, 4, 256)

@@ -15,8 +15,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 from engines.kernels.attention import decode_attention  # noqa: E402
 from engines.kernels.gemv import fused_gemv  # noqa: E402
-from engines.models import Decode, Prefill, build_model, read_model_args  # noqa: E402
+from engines.kernels.paged_attention import paged_attention  # noqa: E402
+from engines.models import AttnMeta, build_model, read_model_args  # noqa: E402
 from engines.models.fused_decode import fused_decode  # noqa: E402
+from engines.models.paged import reference_paged_attention, sequence_meta  # noqa: E402
 from engines.models.rope import apply_rope, rope_factors  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,41 +68,72 @@ def test_fused_gemv_refuses_bad_shapes() -> None:
         fused_gemv(torch.zeros(1, 16, device=DEV, dtype=torch.bfloat16), w, gated=True)
 
 
+def shuffled_tables(g: torch.Generator, seqs: int, per_seq: int, num_blocks: int) -> torch.Tensor:
+    """Distinct blocks for every sequence, in random order (block 0, the padding block, unused)."""
+    return (torch.randperm(num_blocks - 1, generator=g)[:seqs * per_seq] + 1).view(seqs, per_seq)
+
+
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_decode_attention_matches_rope_then_sdpa_and_writes_only_its_rows(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, d, slots, max_len = 6, 2, 32, 4, 160
+    heads, kv_heads, d, bs, num_blocks = 6, 2, 32, 16, 40
     positions = torch.tensor([0, 70, 131])  # empty history, and histories across key blocks
-    slot_ids = torch.tensor([2, 0, 3])
     b = len(positions)
+    tables = shuffled_tables(g, b, 9, num_blocks)
     qkv = torch.randn(b, (heads + 2 * kv_heads) * d, generator=g).to(DEV, dtype)
-    cache = torch.randn(2, slots, max_len, kv_heads, d, generator=g).to(DEV, dtype)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d, generator=g).to(DEV, dtype)
     angles = positions.double()[:, None] / (10000 ** (torch.arange(0, d, 2).double() / d))
     cos, sin = angles.cos().float().to(DEV), angles.sin().float().to(DEV)
 
     expect_cache = cache.clone()
     got_cache = cache.clone()
-    got = decode_attention(qkv, got_cache, cos, sin, slot_ids.to(DEV), positions.to(DEV), heads, kv_heads)
+    got = decode_attention(qkv, got_cache, cos, sin, tables.to(DEV), positions.to(DEV), heads, kv_heads)
 
     c, s = rope_factors(cos, sin, dtype)
     q_k = apply_rope(qkv.view(b, -1, d)[:, :heads + kv_heads], c, s)
     q, k, v = q_k[:, :heads], q_k[:, heads:], qkv.view(b, -1, d)[:, heads + kv_heads:]
+    written = torch.zeros(num_blocks, bs, dtype=torch.bool)
     for i in range(b):
-        slot, pos = int(slot_ids[i]), int(positions[i])
-        expect_cache[0, slot, pos], expect_cache[1, slot, pos] = k[i], v[i]
-        keys = expect_cache[0, slot, :pos + 1].transpose(0, 1).unsqueeze(0).float()
-        values = expect_cache[1, slot, :pos + 1].transpose(0, 1).unsqueeze(0).float()
+        pos = int(positions[i])
+        blk, off = int(tables[i, pos // bs]), pos % bs
+        expect_cache[0, blk, off], expect_cache[1, blk, off] = k[i], v[i]
+        written[blk, off] = True
+        rows = tables[i, :pos // bs + 1].to(DEV)
+        keys = expect_cache[0, rows].flatten(0, 1)[:pos + 1].transpose(0, 1).unsqueeze(0).float()
+        values = expect_cache[1, rows].flatten(0, 1)[:pos + 1].transpose(0, 1).unsqueeze(0).float()
         want = F.scaled_dot_product_attention(q[i].unsqueeze(0).unsqueeze(2).float(), keys, values, enable_gqa=True)
         torch.testing.assert_close(got[i].view(heads, d).float(), want[0, :, 0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got_cache.float(), expect_cache.float(), rtol=1e-2, atol=1e-2)
-    untouched = torch.ones(slots, max_len, dtype=torch.bool)
-    untouched[slot_ids, positions] = False
-    assert torch.equal(got_cache[:, untouched.to(DEV)], cache[:, untouched.to(DEV)])
+    assert torch.equal(got_cache[:, ~written.to(DEV)], cache[:, ~written.to(DEV)])
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (6, 1)])
+def test_paged_attention_kernel_matches_the_reference(dtype: torch.dtype, heads: int, kv_heads: int) -> None:
+    """Decode rows, a whole prompt, and prefill chunks after cached context, packed in one batch."""
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    d, bs, num_blocks = 32, 16, 64
+    shape = [(1, 1), (1, 70), (5, 5), (7, 90), (33, 40)]  # (new rows, sequence length after them)
+    tables = shuffled_tables(g, len(shape), 6, num_blocks)
+    t = sum(n for n, _ in shape)
+    q = torch.randn(t, heads, d, generator=g).to(DEV, dtype)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d, generator=g).to(DEV, dtype)
+    cu = torch.tensor([0] + [n for n, _ in shape]).cumsum(0)
+    meta = AttnMeta(slot_mapping=torch.zeros(t, dtype=torch.long), cu_q=cu, seq_lens=torch.tensor([n for _, n in shape]),
+                    block_tables=tables, max_q_len=max(n for n, _ in shape))
+    want = reference_paged_attention(q.float(), cache[0].float(), cache[1].float(), meta)
+    dev = lambda x: x.to(DEV)  # noqa: E731
+    got = paged_attention(q, cache[0], cache[1], dev(meta.cu_q), dev(meta.seq_lens), dev(tables), meta.max_q_len)
+    torch.testing.assert_close(got.float(), want.to(DEV), rtol=2e-2, atol=2e-2)
+    # a decode-only batch takes the small-tile grid
+    dec = AttnMeta(slot_mapping=torch.zeros(2, dtype=torch.long), cu_q=torch.tensor([0, 1, 2]),
+                   seq_lens=torch.tensor([1, 70]), block_tables=tables[:2], max_q_len=1)
+    got = paged_attention(q[:2], cache[0], cache[1], dev(dec.cu_q), dev(dec.seq_lens), dev(tables[:2]), 1)
+    torch.testing.assert_close(got.float(), want[:2].to(DEV), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_fused_decode_gives_the_torch_path_logits(tiny_model, dtype: torch.dtype) -> None:
-    batch = 1
     from safetensors.torch import load_file
 
     args = read_model_args(tiny_model)
@@ -114,18 +147,16 @@ def test_fused_decode_gives_the_torch_path_logits(tiny_model, dtype: torch.dtype
             t = state[key].to(dtype)
             params[spec.param][spec.dst_offset:spec.dst_offset + t.shape[0]].copy_(t)
     model.init_buffers()
-    model.allocate_kv_cache(4, 64, DEV)
-    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]][:batch]
-    for slot, p in enumerate(prompts):
-        model(torch.tensor(p, device=DEV), torch.arange(len(p), device=DEV), Prefill(slot=slot))
+    model.allocate_kv_cache(16, 16, DEV)
+    prompt, table = [5, 6, 7, 8, 9], [3, 7]
+    model(torch.tensor(prompt, device=DEV), torch.arange(5, device=DEV), sequence_meta(table, 0, 5, 16, DEV))
     before = model.kv_cache.clone()
-    ids = torch.tensor([3, 4, 5][:batch], device=DEV)
-    pos = torch.tensor([len(p) for p in prompts], device=DEV)
-    slots = torch.arange(batch, device=DEV)
-    want = model(ids, pos, Decode(slots)).float()
+    ids, pos = torch.tensor([3], device=DEV), torch.tensor([5], device=DEV)
+    meta = sequence_meta(table, 5, 1, 16, DEV)
+    want = model(ids, pos, meta).float()
     want_cache = model.kv_cache.clone()
     model.kv_cache.copy_(before)
-    got = fused_decode(model, ids, pos, slots).float()
+    got = fused_decode(model, ids, pos, meta).float()
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 0.02 * scale
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -16,6 +16,7 @@ from .parallel import ShardedLinear, all_gather_last_dim, all_reduce
 
 if TYPE_CHECKING:
     from .llama import CausalLM
+    from .paged import AttnMeta
 
 FUSED_MAX_BATCH = 1  # above it a linear is no longer a matrix-vector product
 
@@ -43,9 +44,8 @@ def fused_decode_unavailable(model: CausalLM) -> str | None:
     return None
 
 
-def fused_decode(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_ids: torch.Tensor) -> torch.Tensor:
-    """Logits `[1, vocab]` for one decode token; same contract as `CausalLM.forward(Decode)` at batch 1."""
+def fused_decode(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """Logits `[1, vocab]` for one decode token; same contract as `CausalLM.forward` for a decode-only step."""
     from engines.kernels.attention import decode_attention
     from engines.kernels.gemv import fused_gemv
 
@@ -64,7 +64,7 @@ def fused_decode(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tens
         attn, mlp = layer.self_attn, layer.mlp
         qkv = fused_gemv(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
                          norm_weight=layer.input_layernorm.weight, eps=eps)
-        o = decode_attention(qkv, model.kv_cache[i], cos, sin, slot_ids, positions, attn.heads, attn.kv_heads)
+        o = decode_attention(qkv, model.kv_cache[i], cos, sin, meta.block_tables, positions, attn.heads, attn.kv_heads)
         h = row_parallel(o, attn.o_proj, h)
         gate_up = fused_gemv(h, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias,
                              norm_weight=layer.post_attention_layernorm.weight, eps=eps)

@@ -2,13 +2,13 @@
 
 Module and parameter names match the HF checkpoints, so a checkpoint key *is* a parameter name.
 
-Forward API (`CausalLM.forward(input_ids, positions, step)`), tokens flattened to one dimension:
-- `Prefill(slot, start)`: one sequence, `T` tokens at positions `start..start+T-1`; its keys and
-  values are written to KV slot `slot` (or nowhere when `slot is None`). Returns the last token's
-  logits `[1, vocab]`, or every token's with `all_logits=True`.
-- `Decode(slot_ids)`: one new token for each of `B` sequences, `positions[i]` the token's position
-  in sequence `slot_ids[i]`. Returns `[B, vocab]`. Shape-static, so it can be captured in a CUDA graph.
-The KV cache is one tensor `[layers, 2, slots, max_len, kv_heads_local, head_dim]` set by
+Forward API (`CausalLM.forward(input_ids, positions, meta)`): one flat batch of `T` rows from any
+number of sequences (decode rows and prefill chunks alike), `positions[t]` the row's position in
+its sequence, `meta` an `AttnMeta` (engines/models/paged.py) saying where each row's keys and
+values go in the paged KV cache and which positions each sequence has. Returns the logits of the
+rows `meta.logit_rows` (every row when None) `[S, vocab]`. A decode-only step is shape-static
+given its batch size, so it can be captured in a CUDA graph.
+The KV cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads_local, head_dim]` set by
 `allocate_kv_cache`; it is not part of the state dict (it never goes to the weight arena).
 """
 from __future__ import annotations
@@ -21,23 +21,9 @@ from torch import nn
 
 from .args import ModelArgs
 from .fused_decode import FUSED_MAX_BATCH, fused_decode
+from .paged import AttnMeta, paged_attention, write_kv
 from .parallel import ShardedLinear, VocabShardedEmbedding, all_gather_last_dim
 from .rope import apply_rope, cos_sin_table, rope_factors
-
-
-@dataclass
-class Prefill:
-    """Prefill one sequence into KV slot `slot` (None: no cache), starting at position `start`."""
-
-    slot: int | None
-    start: int = 0
-
-
-@dataclass
-class Decode:
-    """One decode token per sequence; `slot_ids[i]` is the KV slot of sequence i."""
-
-    slot_ids: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -86,32 +72,13 @@ class Attention(nn.Module):
         self.qkv_proj = ShardedLinear(h, qkv_out, args.qkv_bias, 0, tp, dtype, device)
         self.o_proj = ShardedLinear(args.num_attention_heads * d, h, False, 1, tp, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Prefill | Decode,
-                positions: torch.Tensor, mask: torch.Tensor | None, kv: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
+                kv: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
         q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)
-        v = qkv[:, self.heads + self.kv_heads:]
-        if isinstance(step, Decode):
-            slots, max_len = kv.shape[1], kv.shape[2]
-            rows = step.slot_ids * max_len + positions  # one row per (slot, position)
-            kv[0].view(slots * max_len, self.kv_heads, self.head_dim).index_copy_(0, rows, k)
-            kv[1].view(slots * max_len, self.kv_heads, self.head_dim).index_copy_(0, rows, v)
-            keys = kv[0].index_select(0, step.slot_ids).transpose(1, 2)
-            values = kv[1].index_select(0, step.slot_ids).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
-        else:
-            if kv is not None:
-                kv[0, step.slot, step.start:step.start + t] = k
-                kv[1, step.slot, step.start:step.start + t] = v
-            if step.start == 0:
-                keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            else:
-                keys = kv[0, step.slot:step.slot + 1, :step.start + t].transpose(1, 2)
-                values = kv[1, step.slot:step.slot + 1, :step.start + t].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
-                                                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            out = out[0].transpose(0, 1)
+        write_kv(kv, meta.slot_mapping, k, qkv[:, self.heads + self.kv_heads:])
+        out = paged_attention(q, kv, meta)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
 
@@ -135,8 +102,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
 
-    def forward(self, x, cos, sin, step, positions, mask, kv):  # noqa: ANN001, ANN201 (hot path)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, positions, mask, kv)
+    def forward(self, x, cos, sin, meta, kv):  # noqa: ANN001, ANN201 (hot path)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,46 +181,31 @@ class CausalLM(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     # ---- KV cache ------------------------------------------------------------------------
-    def kv_bytes_per_slot(self, max_len: int, dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one KV block on this rank (every layer's keys and values for block_size positions)."""
         attn = self.model.layers[0].self_attn
         elem = torch.empty((), dtype=dtype or self.dtype).element_size()
-        return len(self.model.layers) * 2 * attn.kv_heads * max_len * attn.head_dim * elem
+        return len(self.model.layers) * 2 * attn.kv_heads * block_size * attn.head_dim * elem
 
-    def allocate_kv_cache(self, num_slots: int, max_len: int, device: torch.device | str,
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device | str,
                           dtype: torch.dtype | None = None) -> None:
         attn = self.model.layers[0].self_attn
-        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_slots, max_len, attn.kv_heads,
+        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_blocks, block_size, attn.kv_heads,
                                     attn.head_dim, dtype=dtype or self.dtype, device=device)
 
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: Prefill | Decode,
-                all_logits: bool = False) -> torch.Tensor:
-        if isinstance(step, Decode) and self.use_fused_decode and input_ids.shape[0] <= FUSED_MAX_BATCH:
-            return fused_decode(self, input_ids, positions, step.slot_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        if meta.decode_only and self.use_fused_decode and input_ids.shape[0] <= FUSED_MAX_BATCH:
+            return fused_decode(self, input_ids, positions, meta)
         stack = self.model
         x = stack.embed_tokens(input_ids)
         cos, sin = rope_factors(stack.rope_cos[positions], stack.rope_sin[positions], x.dtype)
-        mask = self._mask(positions, step)
-        use_cache = isinstance(step, Decode) or step.slot is not None
         for i, layer in enumerate(stack.layers):
-            kv = self.kv_cache[i] if use_cache else None
-            x = layer(x, cos, sin, step, positions, mask, kv)
-        x = stack.norm(x)
-        if isinstance(step, Prefill) and not all_logits:
-            x = x[-1:]
-        return all_gather_last_dim(self.lm_head(x), self.tp_size)
-
-    def _mask(self, positions: torch.Tensor, step: Prefill | Decode) -> torch.Tensor | None:
-        """Boolean attention mask (True = attend), or None where causal SDPA suffices."""
-        if isinstance(step, Decode):
-            max_len = self.kv_cache.shape[3]
-            keys = torch.arange(max_len, device=positions.device)
-            return (keys.unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
-        if step.start == 0:
-            return None
-        keys = torch.arange(step.start + positions.shape[0], device=positions.device)
-        return (keys.unsqueeze(0) <= positions.unsqueeze(1))[None, None]
+            x = layer(x, cos, sin, meta, self.kv_cache[i])
+        if meta.logit_rows is not None:
+            x = x[meta.logit_rows]
+        return all_gather_last_dim(self.lm_head(stack.norm(x)), self.tp_size)
 
 
 def _full_shape(local: tuple[int, ...] | torch.Size, dim: int | None, tp_size: int) -> tuple[int, ...]:
