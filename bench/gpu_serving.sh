@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The serving engine on an H200 (device tool), one call per part. Usage:
+#   bash bench/gpu_serving.sh engine   # kernels natively, graphs == eager, static decode, offline nano
+#   bash bench/gpu_serving.sh serve    # a real `understudy serve` under `understudy bench serve`
+# Expects wheels of the packages the GPU image lacks in .whl/ (see README); logs go to $OUT.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M=/tmp/m1b
+[ -f $M/config.json ] || python3 -m engines.make_model $M --preset 1b > "$OUT/make_model.log"
+case "${1:-engine}" in
+engine)
+  timeout 200 python3 -m pytest -q tests/test_kernels.py tests/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+  timeout 200 python3 -m engines.bench validate --device cuda --runs 1 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -20
+  timeout 150 python3 -m engines.bench decode $M --device cuda --batches 1,8,32,64,128,256 --prompt-len 256 --tokens 128 --json \
+    2>&1 | tee "$OUT/decode.log" | tail -12
+  timeout 150 python3 bench/probes/offline_nano.py $M 2>&1 | tee "$OUT/offline_nano.log" | tail -4
+  ;;
+esac
