@@ -19,3 +19,15 @@ engine)
   timeout 150 python3 bench/probes/offline_nano.py $M 2>&1 | tee "$OUT/offline_nano.log" | tail -4
   ;;
 esac
+case "${1:-engine}" in
+probe)
+  sed "s#preset: 1b#path: $M#" configs/h200-1b.yaml > /tmp/h200.yaml
+  python3 -m supervisor.cli serve -c /tmp/h200.yaml > "$OUT/serve.log" 2>&1 &
+  sup=$!
+  for _ in $(seq 240); do curl -sf localhost:8000/readyz >/dev/null && break; sleep 0.5; done
+  timeout 200 python3 .out/live_probe.py http://127.0.0.1:8000 m1b chat 2>&1 | tee "$OUT/probe_chat.log"
+  timeout 100 python3 .out/live_probe.py http://127.0.0.1:8000 m1b shared 2>&1 | tee "$OUT/probe_shared.log"
+  python3 -m supervisor.cli status -c /tmp/h200.yaml > "$OUT/status.txt" 2>&1
+  kill -TERM $sup; wait $sup
+  ;;
+esac

@@ -57,15 +57,19 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._last_hb = 0.0
         self._device = runner.device
+        self.deliver: Callable[[list[tuple[Callable[[Output], None], Output]]], None] | None = None
+        self._outbox: list[tuple[Callable[[Output], None], Output]] = []  # this step's outputs, in order
         self._inflight: InFlight | None = None  # the last step's sampled tokens, read back by the next step
         self._pending: dict[int, int] = {}  # seq_id -> its row in self._inflight.tokens
 
     # ---- API (any thread) ------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
                group: int | None = None) -> int:
-        """Queue a sequence; `emit` is called from the loop thread with each Output. Returns its id.
-        Sequences of one request share a `group` (they take turns with other requests)."""
-        seq = Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, self.max_model_len, emit, group)
+        """Queue a sequence; `emit` is called with each Output, on the loop thread unless `deliver`
+        is set (then once per step, in one batch). Returns its id. Sequences of one request share a
+        `group` (they take turns with other requests)."""
+        seq = Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, self.max_model_len,
+                       lambda out: self._outbox.append((emit, out)), group)
         if not params.greedy:
             seq.generator = make_generator(params.seed, self._device)
         self.inbox.put(("add", seq))
@@ -172,7 +176,19 @@ class LLMEngine:
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
+                self._flush()
                 return
+
+    def _flush(self) -> None:
+        """Hand this step's outputs over: in one batch to `deliver`, else one by one."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        if self.deliver is not None:
+            self.deliver(batch)
+        else:
+            for emit, out in batch:
+                emit(out)
 
     def _start_draining(self) -> None:
         if not self.draining:
@@ -203,6 +219,7 @@ class LLMEngine:
         self._pending = {s.seq_id: row for row, s in enumerate(launch.seqs)} if launch else {}
         self.served += len(self.scheduler.release_finished())
         self.steps += 1
+        self._flush()
 
     def _read_back(self) -> None:
         """Apply the last step's tokens to their sequences (dropping those of finished ones)."""

@@ -100,18 +100,20 @@ class Scheduler:
         """The work of one step. Sequences with nothing to compute (finished, or waiting for their
         unread token to tell) are skipped."""
         budget, out = self.budget, []
+        scheduled: set[Sequence] = set()
         decodes = [s for s in self.running if s.total_len - s.num_computed == 1]
         chunks = [s for s in self.running if s.total_len - s.num_computed > 1]
         for seq in decodes + chunks:  # decode rows first: a long prompt never delays them
             if budget == 0:
                 break
             need = seq.total_len - seq.num_computed
-            if seq not in self.running or seq.finish_reason is not None or (need == 1 and not seq.can_grow):
-                continue
+            if not seq.block_table or seq.finish_reason is not None or (need == 1 and not seq.can_grow):
+                continue  # preempted this step (no blocks), finished, or waiting for its unread token
             n = min(need, budget)
-            if not self._make_room(seq, seq.num_computed + n, {o.seq for o in out}):
+            if not self._make_room(seq, seq.num_computed + n, scheduled):
                 continue  # seq itself was preempted
             out.append(self._take(seq, n))
+            scheduled.add(seq)
             budget -= n
         preempted = self.preemptions
         while budget and len(self.running) < self.max_running and self.waiting.peek() is not None:

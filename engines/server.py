@@ -106,17 +106,17 @@ class OpenAIServer:
                 raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param)
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, index: int,
-                queue: asyncio.Queue) -> int:
-        loop = asyncio.get_running_loop()
-
-        def emit(out: Output) -> None:  # called on the scheduler thread
-            loop.call_soon_threadsafe(queue.put_nowait, (index, out))
-        return self.engine.submit(prompt_ids, params, emit)
+                queue: asyncio.Queue, group: int) -> int:
+        if self.engine.deliver is None:  # each step's outputs reach this loop in one wake-up
+            loop = asyncio.get_running_loop()
+            self.engine.deliver = lambda batch: loop.call_soon_threadsafe(_deliver, batch)
+        return self.engine.submit(prompt_ids, params, lambda out: queue.put_nowait((index, out)), group)
 
     async def _run(self, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, Output]]:
         """Submit every (prompt, params) job; yield (choice index, Output) until all finish; abort on exit."""
         queue: asyncio.Queue = asyncio.Queue()
-        ids = [self._submit(p, sp, i, queue) for i, (p, sp) in enumerate(jobs)]
+        group = id(queue)  # the request's sequences take turns with other requests
+        ids = [self._submit(p, sp, i, queue, group) for i, (p, sp) in enumerate(jobs)]
         live = set(range(len(jobs)))
         try:
             while live:
@@ -271,6 +271,12 @@ def build_app(srv: OpenAIServer) -> FastAPI:
         return PlainTextResponse(render_metrics(srv.engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _deliver(batch: list[tuple[Callable[[Output], None], Output]]) -> None:
+    """On the event loop: one step's outputs to their requests' queues."""
+    for emit, out in batch:
+        emit(out)
 
 
 def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:
