@@ -25,9 +25,23 @@ probe)
   python3 -m supervisor.cli serve -c /tmp/h200.yaml > "$OUT/serve.log" 2>&1 &
   sup=$!
   for _ in $(seq 240); do curl -sf localhost:8000/readyz >/dev/null && break; sleep 0.5; done
-  timeout 200 python3 .out/live_probe.py http://127.0.0.1:8000 m1b chat 2>&1 | tee "$OUT/probe_chat.log"
-  timeout 100 python3 .out/live_probe.py http://127.0.0.1:8000 m1b shared 2>&1 | tee "$OUT/probe_shared.log"
+  if [ -z "${PROFILE:-}" ]; then
+    timeout 200 python3 .out/live_probe.py http://127.0.0.1:8000 m1b chat 2>&1 | tee "$OUT/probe_chat.log"
+    timeout 100 python3 .out/live_probe.py http://127.0.0.1:8000 m1b shared 2>&1 | tee "$OUT/probe_shared.log"
+  fi
   python3 -m supervisor.cli status -c /tmp/h200.yaml > "$OUT/status.txt" 2>&1
+  if [ -n "${PROFILE:-}" ]; then  # where the engine's and the router's CPU goes under 32 clients
+    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .out/pyspy/*.whl
+    python3 .out/live_probe.py http://127.0.0.1:8000 m1b c32 > "$OUT/probe_c32.log" 2>&1 &
+    sleep 5
+    eng=$(python3 -m supervisor.cli status -c /tmp/h200.yaml --json | python3 -c "import json,sys; print([e['pid'] for e in json.load(sys.stdin)['engines'] if e['role']=='primary'][0])")
+    /tmp/spy/bin/py-spy record --pid $eng -d 6 -r 200 -f raw -o $OUT/engine_all.txt --threads --nonblocking &
+    spy=$!
+    /tmp/spy/bin/py-spy record --pid $sup -d 6 -r 200 -f raw -o $OUT/router.txt --nonblocking
+    wait $spy
+    /tmp/spy/bin/py-spy record --pid $eng -d 5 -r 200 -f raw -o $OUT/engine_gil.txt --gil --threads --nonblocking
+    sleep 8; cat "$OUT/probe_c32.log"
+  fi
   kill -TERM $sup; wait $sup
   ;;
 esac

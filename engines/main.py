@@ -50,6 +50,9 @@ def bind_rank_device(cfg: EngineConfig, rank: int) -> torch.device:
     return device
 
 
+GIL_SWITCH_INTERVAL_S = float(os.environ.get("UNDERSTUDY_GIL_SWITCH_S", "0.0005"))
+
+
 def max_model_len(cfg: EngineConfig, max_positions: int) -> int:
     return min(cfg.max_model_len, max_positions)
 
@@ -80,7 +83,10 @@ def _setup_env() -> None:
 
 
 def _set_threads(cfg: EngineConfig) -> None:
-    """After the fork (OpenMP pools do not survive one): share the cores between CPU ranks."""
+    """After the fork (OpenMP pools do not survive one): share the cores between CPU ranks.
+    The scheduler thread and the HTTP thread share the GIL: a short switch interval hands it back
+    to the scheduler soon after its GPU wait ends, instead of after the default 5 ms."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     if cfg.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp_size))
 
@@ -188,10 +194,11 @@ def run_engine(cfg: EngineConfig) -> int:
         with timer.phase("kv_cache"):
             blocks = allocate_kv_cache(runner, cfg, mml)
         with timer.phase("graph_capture"):
-            graph_sizes = runner.capture_graphs() if use_graphs else []
+            if use_graphs:
+                runner.capture_graphs()
         log.info("KV cache: %d blocks of %d tokens (max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
                  "fused decode kernels: %s", blocks, cfg.kv_block_size, mml, runner.max_rows,
-                 graph_sizes or "off", runner.fused_decode_status)
+                 runner.graph_sizes if use_graphs else "off", runner.fused_decode_status)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching)
         names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]

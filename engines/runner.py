@@ -14,7 +14,7 @@ the model's collectives line up. Only rank 0 samples.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .block_manager import PAD_BLOCK
 from .models import AttnMeta, CausalLM
+from .models.paged import query_blocks
 from .models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
 from .scheduler import Scheduled
 
@@ -30,6 +31,8 @@ log = logging.getLogger("engines.runner")
 
 EXIT, STEP = 0, 1
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+GRAPH_TOKEN_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+DECODE, MIXED = 1, 2  # graph kinds: decode-only steps by sequence count, mixed steps by row count
 
 
 class KVBudgetError(ValueError):
@@ -38,14 +41,12 @@ class KVBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Offsets of a step's inputs inside the packed int64 buffer (T rows, B sequences)."""
+    """Offsets of a step's inputs inside the packed int64 buffer (t rows, b sequences)."""
 
     t: int
     b: int
     max_blocks: int
 
-    @property
-    def ids(self) -> int: return 0
     @property
     def pos(self) -> int: return self.t
     @property
@@ -53,20 +54,25 @@ class Layout:
     @property
     def cu_q(self) -> int: return 3 * self.t
     @property
-    def seq_lens(self) -> int: return 3 * self.t + self.b + 1
+    def cu_qb(self) -> int: return self.cu_q + self.b + 1
     @property
-    def logit_rows(self) -> int: return 3 * self.t + 2 * self.b + 1
+    def seq_lens(self) -> int: return self.cu_qb + self.b + 1
     @property
-    def tables(self) -> int: return 3 * self.t + 3 * self.b + 1
+    def logit_rows(self) -> int: return self.seq_lens + self.b
+    @property
+    def tables(self) -> int: return self.logit_rows + self.b
     @property
     def size(self) -> int: return self.tables + self.b * self.max_blocks
 
-    def views(self, buf: torch.Tensor, num_logits: int | None) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+    def views(self, buf: torch.Tensor, num_logits: int | None, num_programs: int, block_q: int,
+              max_q_len: int, search_steps: int) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         """(input ids, positions, attention metadata) over `buf` in this layout."""
         t, b = self.t, self.b
         meta = AttnMeta(slot_mapping=buf[self.slots:self.slots + t], cu_q=buf[self.cu_q:self.cu_q + b + 1],
                         seq_lens=buf[self.seq_lens:self.seq_lens + b],
-                        block_tables=buf[self.tables:self.size].view(b, self.max_blocks), max_q_len=1,
+                        block_tables=buf[self.tables:self.size].view(b, self.max_blocks), max_q_len=max_q_len,
+                        cu_qblocks=buf[self.cu_qb:self.cu_qb + b + 1], num_programs=num_programs,
+                        block_q=block_q, search_steps=search_steps,
                         logit_rows=None if num_logits is None else buf[self.logit_rows:self.logit_rows + num_logits])
         return buf[:t], buf[self.pos:self.pos + t], meta
 
@@ -77,19 +83,26 @@ class Step:
 
     layout: Layout
     num_rows: int  # real rows (a graph step pads up to layout.t)
-    num_seqs: int
+    num_seqs: int  # real sequences (a graph step pads up to layout.b)
     max_q_len: int
     num_logits: int
-    graph: int | None  # the captured batch size that runs it, if any
+    graph: tuple[int, int] | None  # (DECODE | MIXED, size) of the captured graph that runs it
     host: torch.Tensor  # the pinned buffer it was packed in
+    block_q: int
+    num_programs: int
     q_lens: list[int]
     seq_lens: list[int]
-    pending_rows: list[int]  # rows whose input token is the previous step's sampled token ...
-    pending_src: list[int]  # ... at these rows of that step's tokens
+    pending_rows: list[int] = field(default_factory=list)  # rows whose input token is the previous step's
+    pending_src: list[int] = field(default_factory=list)  # sampled token at these rows of its tokens
+
+    def header(self) -> list[int]:
+        kind, size = self.graph or (0, 0)
+        return [STEP, self.layout.t, self.layout.b, self.num_rows, self.num_seqs, self.max_q_len, self.num_logits,
+                kind, size, self.block_q, self.num_programs]
 
 
 class ModelRunner:
-    """Owns the model on one rank, its paged KV cache, the step buffers and the decode graphs."""
+    """Owns the model on one rank, its paged KV cache, the step buffers and the CUDA graphs."""
 
     def __init__(self, model: CausalLM, device: torch.device, rank: int = 0, tp_size: int = 1,
                  ctrl_group: dist.ProcessGroup | None = None, fused_kernels: bool = True):
@@ -100,7 +113,15 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_size = 0
         self.max_blocks = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        attn = model.model.layers[0].self_attn
+        group = triton_pow2(attn.heads // attn.kv_heads)
+        self.block_q = {True: max(1, 16 // group), False: max(1, 64 // group)}  # decode-only step or not
+
+    @property
+    def graph_sizes(self) -> dict[str, list[int]]:
+        return {kind: sorted(s for k, s in self.graphs if k == code) for kind, code in (("decode", DECODE),
+                                                                                       ("mixed", MIXED))}
 
     # ---- setup -----------------------------------------------------------------------------
     def allocate_kv_cache(self, kv_cache_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
@@ -118,6 +139,7 @@ class ModelRunner:
         self.num_blocks, self.block_size = blocks, block_size
         self.max_rows = max(max_num_batched_tokens, max_num_seqs)
         self.max_seqs = max_num_seqs
+        self.search_steps = max_num_seqs.bit_length()
         cap = Layout(self.max_rows, max_num_seqs, self.max_blocks).size
         # Two pinned buffers, used in turn: a step is packed while the previous one's copy may not have run.
         self._hosts = [torch.zeros(cap, dtype=torch.long, pin_memory=self.device.type == "cuda") for _ in range(2)]
@@ -128,41 +150,55 @@ class ModelRunner:
         self.fused_decode_status = f"off ({reason})" if reason else f"on (batches up to {FUSED_MAX_BATCH})"
         return blocks
 
-    def capture_graphs(self) -> list[int]:
-        """Capture one decode graph per batch size up to max_num_seqs (largest first, one memory pool)."""
+    def capture_graphs(self) -> dict[str, list[int]]:
+        """Capture decode-only graphs per sequence count up to max_num_seqs, and mixed-step graphs
+        per row count up to the step budget (largest first, one memory pool)."""
         if self.device.type != "cuda":
-            return []
-        sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_seqs} | {self.max_seqs})
+            return self.graph_sizes
+        decode = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_seqs} | {self.max_seqs})
+        mixed = sorted({t for t in GRAPH_TOKEN_SIZES if t < self.max_rows} | {self.max_rows})
         pool = None
-        for size in reversed(sizes):
-            layout = Layout(size, size, self.max_blocks)
-            self._fill_padding(self._hosts[0].numpy(), layout, 0)
-            self._dev[:layout.size].copy_(self._hosts[0][:layout.size])
-            ids, pos, meta = layout.views(self._dev, None)
-            self.model(ids, pos, meta)  # warm up kernels and NCCL outside capture
+        for key in [(MIXED, t) for t in reversed(mixed)] + [(DECODE, b) for b in reversed(decode)]:
+            host = self._hosts[0]
+            step = self._graph_step(key, host)
+            self._pad(host.numpy(), step, 0, 0, 0)
+            self._dev[:step.layout.size].copy_(host[:step.layout.size])
+            ids, pos, meta = self._views(step)
+            self.model(ids, pos, meta)  # warm up kernels (Triton compiles) and NCCL outside capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(ids, pos, meta)
             pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            self.graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)
-        return sizes
+        return self.graph_sizes
+
+    def _graph_step(self, key: tuple[int, int], host: torch.Tensor) -> Step:
+        kind, size = key
+        decode = kind == DECODE
+        layout = Layout(size, size if decode else self.max_seqs, self.max_blocks)
+        bq = self.block_q[decode]
+        return Step(layout, 0, 0, 1 if decode else size, layout.b, key, host, bq,
+                    -(-layout.t // bq) + layout.b, [], [])
 
     # ---- steps (rank 0) --------------------------------------------------------------------
     def prepare(self, work: list[Scheduled], pending: dict[int, int]) -> Step:
-        """Pack the scheduled work into the pinned buffer. `pending` maps a sequence id to the row
+        """Pack the scheduled work into a pinned buffer. `pending` maps a sequence id to the row
         of the previous step's sampled tokens holding its unread last token."""
         rows = sum(w.num_new for w in work)
         max_q = max(w.num_new for w in work)
         b = len(work)
-        graph = next((g for g in sorted(self.graphs) if g >= b), None) if max_q == 1 else None
-        layout = Layout(graph or rows, graph or b, self.max_blocks)
         self._turn ^= 1
         host = self._hosts[self._turn]
-        h, bs = host.numpy(), self.block_size
+        key = self._graph_for(rows, b, max_q)
+        if key is not None:
+            step = self._graph_step(key, host)
+        else:
+            bq = self.block_q[max_q == 1]
+            step = Step(Layout(rows, b, self.max_blocks), rows, b, max_q, 0, None, host, bq, 0, [], [])
+        layout, h, bs = step.layout, host.numpy(), self.block_size
         ids, pos, slots, cu_q, seq_lens, logit_rows = [], [], [], [0], [], []
-        pending_rows, pending_src = [], []
         tables = h[layout.tables:layout.size].reshape(layout.b, self.max_blocks)
         for i, w in enumerate(work):
             seq, start, n = w.seq, w.start, w.num_new
@@ -179,23 +215,34 @@ class ModelRunner:
             ids.extend(seq.token_ids(start, known))
             if known < end:  # its last token is still on the device
                 ids.append(0)
-                pending_rows.append(row + n - 1)
-                pending_src.append(pending[seq.seq_id])
+                step.pending_rows.append(row + n - 1)
+                step.pending_src.append(pending[seq.seq_id])
             cu_q.append(row + n)
             seq_lens.append(end)
             if w.samples:
                 logit_rows.append(row + n - 1)
             tables[i, :len(seq.block_table)] = seq.block_table
-        h[layout.ids:layout.ids + rows] = ids
+        q_lens = [w.num_new for w in work]
+        cu_qb = query_blocks(q_lens, step.block_q)
+        h[:rows] = ids
         h[layout.pos:layout.pos + rows] = pos
         h[layout.slots:layout.slots + rows] = slots
         h[layout.cu_q:layout.cu_q + b + 1] = cu_q
+        h[layout.cu_qb:layout.cu_qb + b + 1] = cu_qb
         h[layout.seq_lens:layout.seq_lens + b] = seq_lens
         h[layout.logit_rows:layout.logit_rows + len(logit_rows)] = logit_rows
-        if graph:
-            self._fill_padding(h, layout, b)
-        return Step(layout, rows, b, max_q, len(logit_rows), graph, host, [w.num_new for w in work], seq_lens,
-                    pending_rows, pending_src)
+        step.num_rows, step.num_seqs, step.max_q_len = rows, b, max_q
+        step.q_lens, step.seq_lens, step.num_logits = q_lens, seq_lens, len(logit_rows)
+        if key is not None:
+            self._pad(h, step, rows, b, len(logit_rows))
+        else:
+            step.num_programs = cu_qb[-1]
+        return step
+
+    def _graph_for(self, rows: int, b: int, max_q: int) -> tuple[int, int] | None:
+        """The smallest captured graph that fits the step, if any."""
+        kind, n = (DECODE, b) if max_q == 1 else (MIXED, rows)
+        return next(((k, s) for k, s in sorted(self.graphs) if k == kind and s >= n), None)
 
     def run(self, step: Step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Run a prepared step; returns the logits of its sampling rows `[S, vocab]`. Under tensor
@@ -203,23 +250,21 @@ class ModelRunner:
         if self.tp_size > 1:
             if step.pending_rows:
                 raise RuntimeError("a tensor-parallel step cannot take its input tokens from the device")
-            header = [STEP, step.layout.t, step.layout.b, step.num_rows, step.num_seqs, step.max_q_len,
-                      step.num_logits, step.graph or 0]
-            self._broadcast(header, step.host[:step.layout.size])
+            self._broadcast(step.header(), step.host[:step.layout.size])
         return self._execute(step, prev_tokens)
 
     def shutdown(self) -> None:
         """Tell the workers to leave their loop (rank 0)."""
         if self.tp_size > 1:
-            self._broadcast([EXIT] + [0] * 7, None)
+            self._broadcast([EXIT] + [0] * (HEADER_LEN - 1), None)
 
     # ---- worker ranks ----------------------------------------------------------------------
     def worker_loop(self) -> None:
         """Follow rank 0's steps until it broadcasts EXIT."""
         while True:
-            header = torch.zeros(8, dtype=torch.long)
+            header = torch.zeros(HEADER_LEN, dtype=torch.long)
             dist.broadcast(header, 0, group=self.ctrl_group)
-            kind, t, b, rows, seqs, max_q, num_logits, graph = header.tolist()
+            kind, t, b, rows, seqs, max_q, num_logits, graph_kind, graph_size, bq, programs = header.tolist()
             if kind == EXIT:
                 return
             if kind != STEP:
@@ -228,33 +273,43 @@ class ModelRunner:
             host = self._hosts[0]
             dist.broadcast(host[:layout.size], 0, group=self.ctrl_group)
             h = host.numpy()
-            step = Step(layout, rows, seqs, max_q, num_logits, graph or None, host,
-                        np.diff(h[layout.cu_q:layout.cu_q + seqs + 1]).tolist(),
-                        h[layout.seq_lens:layout.seq_lens + seqs].tolist(), [], [])
+            step = Step(layout, rows, seqs, max_q, num_logits, (graph_kind, graph_size) if graph_kind else None,
+                        host, bq, programs, np.diff(h[layout.cu_q:layout.cu_q + seqs + 1]).tolist(),
+                        h[layout.seq_lens:layout.seq_lens + seqs].tolist())
             self._execute(step, None)
 
     # ---- shared ----------------------------------------------------------------------------
-    def _fill_padding(self, h: np.ndarray, layout: Layout, b: int) -> None:
-        """Rows b.. of a graph layout: one token at position 0 of the padding block."""
-        n = layout.b
-        h[layout.ids + b:layout.ids + n] = 0
-        h[layout.pos + b:layout.pos + n] = 0
-        h[layout.slots + b:layout.slots + n] = PAD_BLOCK * self.block_size
-        h[layout.cu_q + b:layout.cu_q + n + 1] = np.arange(b, n + 1) if b else np.arange(n + 1)
-        h[layout.seq_lens + b:layout.seq_lens + n] = 1
-        h[layout.tables + b * self.max_blocks:layout.size:self.max_blocks] = PAD_BLOCK
+    def _pad(self, h: np.ndarray, step: Step, rows: int, b: int, num_logits: int) -> None:
+        """Fill a graph layout past the real work: padding rows write to the padding block and
+        belong to no sequence; padding sequences own no rows (so no attention programs); padding
+        logit rows read row 0."""
+        lay = step.layout
+        h[rows:lay.t] = 0
+        h[lay.pos + rows:lay.pos + lay.t] = 0
+        h[lay.slots + rows:lay.slots + lay.t] = PAD_BLOCK * self.block_size
+        if b == 0:
+            h[lay.cu_q] = h[lay.cu_qb] = 0
+        h[lay.cu_q + b + 1:lay.cu_q + lay.b + 1] = rows
+        h[lay.cu_qb + b + 1:lay.cu_qb + lay.b + 1] = h[lay.cu_qb + b]
+        h[lay.seq_lens + b:lay.seq_lens + lay.b] = 0
+        h[lay.logit_rows + num_logits:lay.logit_rows + lay.b] = 0
+
+    def _views(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+        logits = None if step.graph and step.graph[0] == DECODE else (step.layout.b if step.graph else step.num_logits)
+        ids, pos, meta = step.layout.views(self._dev, logits, step.num_programs, step.block_q,
+                                           step.max_q_len, self.search_steps)
+        meta.q_lens_host, meta.seq_lens_host = step.q_lens, step.seq_lens
+        return ids, pos, meta
 
     def _execute(self, step: Step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        layout = step.layout
-        self._dev[:layout.size].copy_(step.host[:layout.size], non_blocking=True)  # one host-to-device copy
-        ids, pos, meta = layout.views(self._dev, None if step.graph else step.num_logits)
+        self._dev[:step.layout.size].copy_(step.host[:step.layout.size], non_blocking=True)  # one copy
+        ids, pos, meta = self._views(step)
         if step.pending_rows:
             self._gather_pending(ids, step, prev_tokens)
         if step.graph:
             graph, out = self.graphs[step.graph]
             graph.replay()
-            return out[:step.num_seqs]
-        meta.max_q_len, meta.q_lens_host, meta.seq_lens_host = step.max_q_len, step.q_lens, step.seq_lens
+            return out[:step.num_seqs] if step.graph[0] == DECODE else out[:step.num_logits]
         return self.model(ids, pos, meta)
 
     def _gather_pending(self, ids: torch.Tensor, step: Step, prev_tokens: torch.Tensor) -> None:
@@ -269,6 +324,14 @@ class ModelRunner:
         dist.broadcast(torch.tensor(header, dtype=torch.long), 0, group=self.ctrl_group)
         if payload is not None:
             dist.broadcast(payload, 0, group=self.ctrl_group)
+
+
+HEADER_LEN = 11
+
+
+def triton_pow2(n: int) -> int:
+    """The next power of two (the kernels pad the GQA group to one)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def init_distributed(rank: int, tp_size: int, device: torch.device, port: int) -> dist.ProcessGroup | None:

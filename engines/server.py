@@ -120,10 +120,10 @@ class OpenAIServer:
         live = set(range(len(jobs)))
         try:
             while live:
-                index, out = await queue.get()
-                if out.finish_reason is not None:
-                    live.discard(index)
-                yield index, out
+                for index, out in _coalesce([await queue.get()] + [queue.get_nowait() for _ in range(queue.qsize())]):
+                    if out.finish_reason is not None:
+                        live.discard(index)
+                    yield index, out
         finally:
             for i in live:  # the client went away (or we failed): free its slots
                 self.engine.abort(ids[i])
@@ -271,6 +271,16 @@ def build_app(srv: OpenAIServer) -> FastAPI:
         return PlainTextResponse(render_metrics(srv.engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
+    """Outputs that queued up while the client side was busy, merged per choice: a slow reader
+    gets fewer, larger chunks instead of falling further behind."""
+    merged: dict[int, Output] = {}
+    for index, out in items:
+        prev = merged.get(index)
+        merged[index] = out if prev is None else dataclasses.replace(out, delta=prev.delta + out.delta)
+    return list(merged.items())
 
 
 def _deliver(batch: list[tuple[Callable[[Output], None], Output]]) -> None:

@@ -15,10 +15,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 from engines.kernels.attention import decode_attention  # noqa: E402
 from engines.kernels.gemv import fused_gemv  # noqa: E402
-from engines.kernels.paged_attention import paged_attention  # noqa: E402
+from engines.kernels.paged_attention import paged_attention, query_block  # noqa: E402
 from engines.models import AttnMeta, build_model, read_model_args  # noqa: E402
 from engines.models.fused_decode import fused_decode  # noqa: E402
-from engines.models.paged import reference_paged_attention, sequence_meta  # noqa: E402
+from engines.models.paged import query_blocks, reference_paged_attention, sequence_meta  # noqa: E402
 from engines.models.rope import apply_rope, rope_factors  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,12 +123,20 @@ def test_paged_attention_kernel_matches_the_reference(dtype: torch.dtype, heads:
                     block_tables=tables, max_q_len=max(n for n, _ in shape))
     want = reference_paged_attention(q.float(), cache[0].float(), cache[1].float(), meta)
     dev = lambda x: x.to(DEV)  # noqa: E731
-    got = paged_attention(q, cache[0], cache[1], dev(meta.cu_q), dev(meta.seq_lens), dev(tables), meta.max_q_len)
-    torch.testing.assert_close(got.float(), want.to(DEV), rtol=2e-2, atol=2e-2)
-    # a decode-only batch takes the small-tile grid
-    dec = AttnMeta(slot_mapping=torch.zeros(2, dtype=torch.long), cu_q=torch.tensor([0, 1, 2]),
-                   seq_lens=torch.tensor([1, 70]), block_tables=tables[:2], max_q_len=1)
-    got = paged_attention(q[:2], cache[0], cache[1], dev(dec.cu_q), dev(dec.seq_lens), dev(tables[:2]), 1)
+
+    def kernel(rows: torch.Tensor, m: AttnMeta, block_q: int, spare_programs: int = 0) -> torch.Tensor:
+        q_lens = (m.cu_q[1:] - m.cu_q[:-1]).tolist()
+        cu_qb = query_blocks(q_lens, block_q)
+        return paged_attention(rows, cache[0], cache[1], dev(m.cu_q), dev(m.seq_lens), dev(m.block_tables),
+                               dev(torch.tensor(cu_qb)), cu_qb[-1] + spare_programs, block_q)
+    for block_q in {query_block(heads, kv_heads, False), 1 if heads // kv_heads >= 16 else 16}:
+        torch.testing.assert_close(kernel(q, meta, block_q).float(), want.to(DEV), rtol=2e-2, atol=2e-2)
+    # a graph's fixed grid: programs past the last query block return without writing
+    torch.testing.assert_close(kernel(q, meta, 16, spare_programs=7).float(), want.to(DEV), rtol=2e-2, atol=2e-2)
+    # a decode-only batch takes the small tile; a sequence without rows (graph padding) owns no program
+    dec = AttnMeta(slot_mapping=torch.zeros(2, dtype=torch.long), cu_q=torch.tensor([0, 1, 2, 2]),
+                   seq_lens=torch.tensor([1, 70, 0]), block_tables=tables[:3], max_q_len=1)
+    got = kernel(q[:2], dec, query_block(heads, kv_heads, True))
     torch.testing.assert_close(got.float(), want[:2].to(DEV), rtol=2e-2, atol=2e-2)
 
 

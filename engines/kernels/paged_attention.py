@@ -1,11 +1,14 @@
 """Paged attention for a flat batch of decode rows and prefill chunks, in one Triton kernel.
 
-One program per (sequence, block of its queries, KV head). Its rows are `BLOCK_Q` query tokens
+One program per (block of one sequence's queries, KV head); program i finds its sequence by a
+binary search over `cu_qblocks`, the running count of query blocks per sequence, so the grid is
+one flat list of query blocks (a fixed bound for a CUDA graph, whatever the mix of decode rows and
+prefill chunks; programs past the last block return at once). Its rows are `BLOCK_Q` query tokens
 times the query heads that share the KV head (GQA, padded to a power of two), so scores and the
 weighted sum of values run as tensor-core products (flash-attention style: online softmax,
 probabilities rounded to the cache dtype). Keys are gathered through the sequence's block table,
 only up to the last position any of its queries may see, so a sequence costs what it has, not
-`max_model_len`. Programs past a sequence's last query block return at once.
+`max_model_len`.
 """
 from __future__ import annotations
 
@@ -18,19 +21,29 @@ PREFILL_ROWS = 64
 BLOCK_KEYS = 64
 
 
-@triton.jit
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
+@triton.jit(do_not_specialize=["num_seqs"])
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, cu_qb_ptr, num_seqs,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh,
                             stride_bt, scale,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    b = tl.program_id(0)
-    qblock = tl.program_id(1)
-    kv_head = tl.program_id(2)
+                            BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SEARCH_STEPS: tl.constexpr):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if pid >= tl.load(cu_qb_ptr + num_seqs):
+        return
+    # the sequence b with cu_qb[b] <= pid < cu_qb[b + 1] (sequences without queries own no block)
+    lo = pid * 0
+    hi = lo + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(cu_qb_ptr + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    b = lo
+    qblock = pid - tl.load(cu_qb_ptr + b)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if qblock * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + b)
     dtype = out_ptr.dtype.element_ty
     d = tl.arange(0, D)
@@ -68,27 +81,32 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr
     tl.store(out_ptr + o_rows + d[None, :], out, mask=valid[:, None])
 
 
+def query_block(heads: int, kv_heads: int, decode_only: bool) -> int:
+    """Query tokens per program: enough rows (tokens x padded GQA group) for a tensor-core tile."""
+    rows = MIN_ROWS if decode_only else PREFILL_ROWS
+    return max(1, rows // triton.next_power_of_2(heads // kv_heads))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor, max_q_len: int) -> torch.Tensor:
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, cu_qblocks: torch.Tensor,
+                    num_programs: int, block_q: int, search_steps: int | None = None) -> torch.Tensor:
     """`q [T, heads, D]`; caches `[num_blocks, block_size, kv_heads, D]` (the same strides);
-    `cu_q [B+1]`, `seq_lens [B]`, `block_tables [B, max_blocks]`. Returns `[T, heads, D]`.
-    `max_q_len` (host) only sizes the grid: 1 for a decode-only step."""
+    `cu_q [B+1]`, `seq_lens [B]`, `block_tables [B, max_blocks]`; `cu_qblocks [B+1]` the running
+    count of `block_q`-token query blocks per sequence, `num_programs` (host) at least its last
+    value. `search_steps` (default: enough for B) is fixed per engine so the kernel compiles once.
+    Returns `[T, heads, D]`."""
     t, heads, d = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    group_pad = triton.next_power_of_2(group)
-    rows = PREFILL_ROWS if max_q_len > 1 else MIN_ROWS
-    block_q = max(1, rows // group_pad)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("paged_attention needs q and the caches contiguous in the head dimension, "
                          "and both caches laid out alike")
     out = torch.empty_like(q)
     b = seq_lens.shape[0]
-    grid = (b, triton.cdiv(max_q_len, block_q), kv_heads)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, cu_q, seq_lens, block_tables,
+    _paged_attention_kernel[(num_programs, kv_heads)](
+        q, k_cache, v_cache, out, cu_q, seq_lens, block_tables, cu_qblocks, b,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0), d ** -0.5,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_SIZE=block_size, D=d, BLOCK_N=BLOCK_KEYS,
-        num_warps=4)
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_SIZE=block_size, D=d,
+        BLOCK_N=BLOCK_KEYS, SEARCH_STEPS=search_steps or max(1, b.bit_length()), num_warps=4)
     return out

@@ -26,6 +26,10 @@ class AttnMeta:
     seq_lens: torch.Tensor  # [B]
     block_tables: torch.Tensor  # [B, max_blocks]
     max_q_len: int  # host: 1 for a decode-only step
+    cu_qblocks: torch.Tensor | None = None  # [B + 1] running count of the kernel's query blocks
+    num_programs: int = 0  # host: at least cu_qblocks[-1] (the kernel's grid)
+    block_q: int = 1  # host: query tokens per kernel program
+    search_steps: int = 0  # host: binary-search steps the kernel takes to find a program's sequence
     logit_rows: torch.Tensor | None = None  # [S] rows whose logits are returned (None: every row)
     q_lens_host: list[int] | None = None  # host copies for the torch reference path
     seq_lens_host: list[int] | None = None
@@ -46,8 +50,17 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta) -> tor
     """`q [T, heads, d]` against the cache (after `write_kv` of this step); returns `[T, heads, d]`."""
     if q.is_cuda:
         from engines.kernels.paged_attention import paged_attention as kernel
-        return kernel(q, cache[0], cache[1], meta.cu_q, meta.seq_lens, meta.block_tables, meta.max_q_len)
+        return kernel(q, cache[0], cache[1], meta.cu_q, meta.seq_lens, meta.block_tables, meta.cu_qblocks,
+                      meta.num_programs, meta.block_q, meta.search_steps)
     return reference_paged_attention(q, cache[0], cache[1], meta)
+
+
+def query_blocks(q_lens: list[int], block_q: int) -> list[int]:
+    """Running count of `block_q`-token query blocks over the sequences: `[0, ..., total]`."""
+    out = [0]
+    for n in q_lens:
+        out.append(out[-1] + -(-n // block_q))
+    return out
 
 
 def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,4 +96,6 @@ def sequence_meta(block_table: list[int], start: int, n: int, block_size: int,
     slots = table[pos // block_size] * block_size + pos % block_size
     return AttnMeta(slot_mapping=slots.to(device), cu_q=torch.tensor([0, n], device=device),
                     seq_lens=torch.tensor([start + n], device=device), block_tables=table.view(1, -1).to(device),
-                    max_q_len=n, q_lens_host=[n], seq_lens_host=[start + n])
+                    max_q_len=n, cu_qblocks=torch.tensor([0, -(-n // 16)], device=device),
+                    num_programs=-(-n // 16), block_q=16,
+                    q_lens_host=[n], seq_lens_host=[start + n])
