@@ -28,6 +28,8 @@ probe)
   if [ -z "${PROFILE:-}" ]; then
     timeout 200 python3 .out/live_probe.py http://127.0.0.1:8000 m1b chat 2>&1 | tee "$OUT/probe_chat.log"
     timeout 100 python3 .out/live_probe.py http://127.0.0.1:8000 m1b shared 2>&1 | tee "$OUT/probe_shared.log"
+    primary=$(python3 -m supervisor.cli status -c /tmp/h200.yaml --json | python3 -c "import json,sys; print([e['url'] for e in json.load(sys.stdin)['engines'] if e['role']=='primary'][0])")
+    timeout 100 python3 .out/live_probe.py $primary m1b direct 2>&1 | tee "$OUT/probe_direct.log"
   fi
   python3 -m supervisor.cli status -c /tmp/h200.yaml > "$OUT/status.txt" 2>&1
   if [ -n "${PROFILE:-}" ]; then  # where the engine's and the router's CPU goes under 32 clients

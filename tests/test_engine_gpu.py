@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16 also runs the fused decode kernels
 def test_cuda_graph_decode_gives_eager_tokens(tiny_model, dtype) -> None:
     same, sizes = graphs_match_eager(str(tiny_model), "cuda", dtype)
-    assert sizes and 1 in sizes and 8 in sizes
+    assert 1 in sizes["decode"] and 8 in sizes["decode"] and 64 in sizes["mixed"]
     assert same == {"torch": True, "fused": True}
 
 
@@ -59,7 +59,7 @@ def test_engine_on_cuda_serves_with_graphs_and_spawns_after_fork(tiny_model, tmp
         kw = dict(model=tiny_model.name, prompt="Hello", max_tokens=16, temperature=0, ignore_eos=True)
         text = complete(proc.url, **kw)
         assert complete(proc.url, stream=True, **kw) == text
-        assert "CUDA graphs: [1, 2, 4, 8]" in (tmp_path / "gpu.log").read_text()
+        assert "CUDA graphs: {'decode': [1, 2, 4, 8], 'mixed': [64, " in (tmp_path / "gpu.log").read_text()
         assert ready["weights_source"] == "disk:off"
     finally:
         assert proc.stop() == 0
