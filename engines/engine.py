@@ -52,6 +52,7 @@ class LLMEngine:
         self.stopped = threading.Event()  # set when the loop has exited
         self.on_drained: Callable[[], None] | None = None
         self.on_drain_begin: Callable[[], None] | None = None
+        self.on_stats: Callable[[dict], None] | None = None  # every heartbeat interval, from the loop
         self.last_tick = time.monotonic()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -199,9 +200,13 @@ class LLMEngine:
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        if self.control and now - self._last_hb >= self.heartbeat_interval_s:
+        if now - self._last_hb >= self.heartbeat_interval_s:
             self._last_hb = now
-            self.control.send("heartbeat", **self.stats())
+            stats = self.stats()
+            if self.control:
+                self.control.send("heartbeat", **stats)
+            if self.on_stats:
+                self.on_stats(stats)
 
     def step(self) -> None:
         """One scheduler step: launch the scheduled work, then read the previous step's tokens and

@@ -6,7 +6,6 @@ worker rank dies the whole group is killed: an engine outlives none of its ranks
 """
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import json
 import logging
@@ -18,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import uvicorn
 
 from daemon.client import WeightCacheError
 
@@ -26,10 +24,11 @@ from .config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
-from .loopback import QuietServer, free_port
+from .loopback import free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
-from .server import OpenAIServer, build_app
+from .core_link import CoreLink, endpoints
+from .frontend import run_frontend
 from .startup import StartupTimer
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import load_rank_weights
@@ -154,7 +153,8 @@ def _watch_workers(pids: dict[int, int], shutting_down: threading.Event) -> None
 
 # ---- rank 0 ---------------------------------------------------------------------------------
 def run_engine(cfg: EngineConfig) -> int:
-    """Start rank 0 (and fork the others), serve until drained; returns the exit code."""
+    """Start rank 0 (fork the HTTP front end and the other ranks), serve until drained; returns
+    the exit code."""
     _become_group_leader()
     _set_process_name(f"engine-{cfg.name}")
     _setup_env()
@@ -162,6 +162,7 @@ def run_engine(cfg: EngineConfig) -> int:
     workers: dict[int, int] = {}
     shutting_down = threading.Event()
     control: ControlChannel | None = None
+    link: CoreLink | None = None
     try:
         if cfg.device == "cuda" and cfg.gpu_ids and len(cfg.gpu_ids) != cfg.tp_size:
             raise ValueError(f"gpu_ids has {len(cfg.gpu_ids)} entries but tp_size is {cfg.tp_size} "
@@ -169,10 +170,17 @@ def run_engine(cfg: EngineConfig) -> int:
         with timer.phase("tokenizer"):
             args = read_model_args(cfg.model_path)  # first: names a missing folder as such
             tokenizer = Tokenizer(cfg.model_path)
+            mml = max_model_len(cfg, args.max_position_embeddings)
+            names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]
+            link_eps = endpoints(cfg.runtime_dir)
+            me = os.getpid()
+            frontend = fork_into(lambda: run_frontend(cfg, tokenizer, names, mml, args.vocab_size, *link_eps, me))
+            workers[frontend] = -1  # killed with the workers on a boot error
         with timer.phase("dist_init"):
             port = cfg.dist_port or free_port()
-            workers = _fork_workers(cfg, port)
-            _watch_workers(workers, shutting_down)
+            ranks = _fork_workers(cfg, port)
+            workers.update(ranks)
+            _watch_workers(ranks, shutting_down)
             _set_threads(cfg)
             device = bind_rank_device(cfg, 0)
             group = init_distributed(0, cfg.tp_size, device, port)
@@ -190,7 +198,6 @@ def run_engine(cfg: EngineConfig) -> int:
         control.state("WARMING")
         runner = ModelRunner(weights.model, device, 0, cfg.tp_size, group, cfg.fused_kernels)
         use_graphs = cfg.cuda_graphs and device.type == "cuda"
-        mml = max_model_len(cfg, args.max_position_embeddings)
         with timer.phase("kv_cache"):
             blocks = allocate_kv_cache(runner, cfg, mml)
         with timer.phase("graph_capture"):
@@ -201,9 +208,8 @@ def run_engine(cfg: EngineConfig) -> int:
                  runner.graph_sizes if use_graphs else "off", runner.fused_decode_status)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching)
-        names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]
-        srv = OpenAIServer(engine, tokenizer, names, mml, args.vocab_size, timer.summary)
-        rc = asyncio.run(_serve(cfg, engine, srv, timer, control))
+        link = CoreLink(engine, *link_eps)
+        rc = _serve(cfg, engine, link, frontend, timer, control)
     except BOOT_ERRORS as e:
         print(f"engine {cfg.name}: failed to start: {e}", file=sys.stderr, flush=True)
         shutting_down.set()  # the watchers must not turn our clean boot-error exit into a group SIGKILL
@@ -213,9 +219,12 @@ def run_engine(cfg: EngineConfig) -> int:
         shutting_down.set()
         _kill_workers(workers)
         raise
+    finally:
+        if link is not None:
+            link.close()
     shutting_down.set()
     runner.shutdown()
-    for pid in workers:
+    for pid in ranks:
         _wait_pid(pid, timeout=30)
     if group is not None:
         dist.destroy_process_group()
@@ -223,45 +232,63 @@ def run_engine(cfg: EngineConfig) -> int:
     return rc
 
 
-async def _serve(cfg: EngineConfig, engine: LLMEngine, srv: OpenAIServer, timer: StartupTimer,
-                 control: ControlChannel) -> int:
-    """Run uvicorn and the scheduler loop until a drain completes (0) or the loop dies (1)."""
-    loop = asyncio.get_running_loop()
-    server = QuietServer(uvicorn.Config(build_app(srv), host=cfg.host, port=cfg.port, log_level="warning",
-                                    lifespan="off", access_log=False))
+def _serve(cfg: EngineConfig, engine: LLMEngine, link: CoreLink, frontend: int, timer: StartupTimer,
+           control: ControlChannel) -> int:
+    """Run the scheduler loop with the front end serving HTTP, until a drain completes (0), or the
+    loop or the front end dies (1)."""
+    drained = threading.Event()
 
     def drain_begun() -> None:  # scheduler thread
-        srv.accepting = False
+        link.send({"op": "drain"})
         control.state("DRAINING")
     engine.on_drain_begin = drain_begun
-    engine.on_drained = lambda: loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+    engine.on_drained = drained.set
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, engine.begin_drain)
+        signal.signal(sig, lambda *_: engine.begin_drain())
 
     with timer.phase("server_ready"):
+        link.start()
         engine.start()
-        serving = asyncio.create_task(server.serve())
-        while not server.started:
-            if serving.done():
-                serving.result()
-                raise RuntimeError(f"HTTP server did not start on {cfg.host}:{cfg.port}")
-            await asyncio.sleep(0.002)
-    port = server.servers[0].sockets[0].getsockname()[1]
+        link.send({"op": "serve", "startup": timer.summary()})
+        deadline = time.monotonic() + FRONTEND_START_S
+        while not link.frontend_ready.wait(0.01):
+            if _exited(frontend) is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP front end did not start on {cfg.host}:{cfg.port} (see above)")
+    link.send({"op": "serve", "startup": timer.summary()})  # now with server_ready
     control.send("startup", **timer.summary())
-    control.state("SERVING", port=port)
+    control.state("SERVING", port=link.port)
     print(timer.table(), flush=True)
-    print("ENGINE_READY " + json.dumps({"name": cfg.name, "port": port, "pid": os.getpid(),
+    print("ENGINE_READY " + json.dumps({"name": cfg.name, "port": link.port, "pid": os.getpid(),
                                         "weights_source": timer.weights_source}), flush=True)
     rc = 0
-    while not serving.done():
-        await asyncio.wait([serving], timeout=0.5)
+    while not drained.wait(0.2):
         if engine.stopped.is_set() and not engine.draining:
             log.error("scheduler loop exited unexpectedly; stopping")
-            server.should_exit = server.force_exit = True  # in-flight requests can never finish
             rc = 1
-    serving.result()
+            break
+        code = _exited(frontend)
+        if code is not None:  # like any rank of the engine: the whole engine goes
+            log.error("the HTTP front end exited (%s); killing the engine", code)
+            sys.stderr.flush()
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+    link.send({"op": "stop"})  # it finishes its responses (all complete after a drain) and exits
+    deadline = time.monotonic() + FRONTEND_STOP_S
+    while _exited(frontend) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
     engine.stop()
     return rc
+
+
+FRONTEND_START_S, FRONTEND_STOP_S = 60.0, 10.0
+
+
+def _exited(pid: int) -> int | None:
+    """The child's exit code once it has exited (reaped here), else None."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return -1
+    return os.waitstatus_to_exitcode(status) if done else None
 
 
 def _wait_pid(pid: int, timeout: float) -> None:

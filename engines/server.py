@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import LLMEngine
+from .engine_client import EngineClient
 from .metrics import render as render_metrics
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta,
@@ -48,7 +48,7 @@ def error_response(status: int, message: str, param: str | None = None,
 class OpenAIServer:
     """Binds the HTTP routes to one engine, its tokenizer and the served model name(s)."""
 
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
                  vocab_size: int, startup_summary: Callable[[], dict]):
         self.engine, self.tokenizer, self.max_model_len = engine, tokenizer, max_model_len
         self.vocab_size = vocab_size  # the model's (embedding rows): every id fed to it must be below
@@ -107,9 +107,6 @@ class OpenAIServer:
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, index: int,
                 queue: asyncio.Queue, group: int) -> int:
-        if self.engine.deliver is None:  # each step's outputs reach this loop in one wake-up
-            loop = asyncio.get_running_loop()
-            self.engine.deliver = lambda batch: loop.call_soon_threadsafe(_deliver, batch)
         return self.engine.submit(prompt_ids, params, lambda out: queue.put_nowait((index, out)), group)
 
     async def _run(self, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, Output]]:
@@ -281,12 +278,6 @@ def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
         prev = merged.get(index)
         merged[index] = out if prev is None else dataclasses.replace(out, delta=prev.delta + out.delta)
     return list(merged.items())
-
-
-def _deliver(batch: list[tuple[Callable[[Output], None], Output]]) -> None:
-    """On the event loop: one step's outputs to their requests' queues."""
-    for emit, out in batch:
-        emit(out)
 
 
 def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:

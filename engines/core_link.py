@@ -1,0 +1,117 @@
+"""The link between an engine's HTTP front end (its own process) and its scheduler (the engine
+core: the process that owns the GPU), over two zmq PUSH/PULL pairs on private ipc sockets.
+
+The front end parses, tokenizes and streams; the core schedules, runs the model, samples and
+detokenizes. Apart, neither one's Python work waits for the other's GIL: serving hundreds of
+streams no longer slows the steps, and a huge request being tokenized never delays a heartbeat.
+
+Messages are JSON (never pickle). Front end -> core: `add` (key, prompt ids, sampling params,
+group), `abort` (key), `ready` (port). Core -> front end: `out` (one step's outputs: key and the
+Output fields; and the stats after the step), `stats` (every heartbeat), `serve` (start listening; the startup summary),
+`drain` (refuse new requests), `stop` (finish and exit).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import zmq
+
+from daemon.runtime_dir import ensure_private_dir
+
+from .sampling import SamplingParams
+from .sequence import Output
+
+log = logging.getLogger("engines.core_link")
+
+
+def endpoints(runtime_dir: str) -> tuple[str, str]:
+    """(front end -> core, core -> front end) ipc endpoints of this engine process, in the private
+    runtime dir (short names: a socket path has ~100 bytes)."""
+    base = ensure_private_dir(Path(runtime_dir)) / f"eng-{os.getpid()}"
+    return f"ipc://{base}-in.sock", f"ipc://{base}-out.sock"
+
+
+def encode(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The emit target of one front-end request: the core sends its outputs under `key`."""
+
+    key: int
+
+    def __call__(self, out: Output) -> None:  # the core never delivers one by one
+        raise RuntimeError("routes are delivered in batches")
+
+
+class CoreLink:
+    """The core's side: a thread turns front-end messages into engine calls; the scheduler thread
+    sends each step's outputs and its stats."""
+
+    def __init__(self, engine, to_core: str, to_frontend: str):  # noqa: ANN001 (LLMEngine: no import cycle)
+        self.engine = engine
+        ctx = zmq.Context.instance()
+        self._pull = ctx.socket(zmq.PULL)
+        self._pull.bind(to_core)
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never block the scheduler: queue in zmq's own thread
+        self._push.setsockopt(zmq.LINGER, 2000)
+        self._push.bind(to_frontend)
+        self._push_lock = threading.Lock()  # the scheduler thread and the main thread both send
+        self._paths = [to_core.removeprefix("ipc://"), to_frontend.removeprefix("ipc://")]
+        self._keys: dict[int, int] = {}  # front-end key -> engine sequence id
+        self.port: int | None = None
+        self.frontend_ready = threading.Event()
+        engine.deliver = self._deliver
+        engine.on_stats = lambda stats: self.send({"op": "stats", "stats": stats})
+
+    def start(self) -> None:
+        threading.Thread(target=self._receive, name="core-link", daemon=True).start()
+
+    def send(self, msg: dict) -> None:
+        with self._push_lock:
+            self._push.send(encode(msg))
+
+    def close(self) -> None:
+        for path in self._paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def _deliver(self, batch: list[tuple[Callable, Output]]) -> None:
+        """One step's outputs, in one message (scheduler thread)."""
+        outs = [[route.key, *dataclasses.astuple(out)] for route, out in batch]
+        for route, out in batch:
+            if out.finish_reason is not None:
+                self._keys.pop(route.key, None)
+        self.send({"op": "out", "outs": outs, "stats": self.engine.stats()})
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = json.loads(self._pull.recv())
+                op = msg["op"]
+                if op == "add":
+                    params = SamplingParams(**msg["params"])
+                    self._keys[msg["key"]] = self.engine.submit(msg["prompt"], params, Route(msg["key"]), msg["group"])
+                elif op == "abort":
+                    seq_id = self._keys.pop(msg["key"], None)
+                    if seq_id is not None:
+                        self.engine.abort(seq_id)
+                elif op == "ready":
+                    self.port = int(msg["port"])
+                    self.frontend_ready.set()
+                else:
+                    log.warning("unknown message from the front end: %r", op)
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # a bad message must not stop the link
+                log.exception("bad message from the front end")

@@ -1,0 +1,91 @@
+"""The front end's view of the engine core (engines/core_link.py): `submit`, `abort`, `stats` and
+`alive` as LLMEngine has them, over the link; outputs come back a step at a time and are handed
+to each request on the event loop."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from .core_link import encode
+from .sampling import SamplingParams
+from .sequence import Output
+
+log = logging.getLogger("engines.engine_client")
+
+
+class EngineClient:
+    """Lives on the front end's event loop; `run()` reads the core's messages until `stop`."""
+
+    def __init__(self, to_core: str, to_frontend: str):
+        ctx = zmq.asyncio.Context()
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(to_core)
+        self._pull = ctx.socket(zmq.PULL)
+        self._pull.connect(to_frontend)
+        self._keys = itertools.count()
+        self._emits: dict[int, Callable[[Output], None]] = {}
+        self._stats: dict = {}
+        self._stats_at = time.monotonic()
+        self.on_serve: Callable[[dict], None] | None = None
+        self.on_drain: Callable[[], None] | None = None
+        self.on_stop: Callable[[], None] | None = None
+
+    # ---- the LLMEngine surface the HTTP server uses -----------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
+               group: int | None = None) -> int:
+        """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key."""
+        key = next(self._keys)
+        self._emits[key] = emit
+        self._send({"op": "add", "key": key, "prompt": prompt_ids, "params": dataclasses.asdict(params),
+                    "group": group})
+        return key
+
+    def abort(self, key: int) -> None:
+        if self._emits.pop(key, None) is not None:
+            self._send({"op": "abort", "key": key})
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def alive(self, stale_after_s: float = 30.0) -> bool:
+        """The core's scheduler loop reported within `stale_after_s`."""
+        return time.monotonic() - self._stats_at < stale_after_s
+
+    def ready(self, port: int) -> None:
+        self._send({"op": "ready", "port": port})
+
+    # ---- the core's messages ---------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            msg = json.loads(await self._pull.recv())
+            op = msg["op"]
+            if "stats" in msg:
+                self._stats, self._stats_at = msg["stats"], time.monotonic()
+            if op == "out":
+                for key, *fields in msg["outs"]:
+                    out = Output(*fields)
+                    emit = self._emits.get(key)
+                    if out.finish_reason is not None:
+                        self._emits.pop(key, None)
+                    if emit is not None:
+                        emit(out)
+            elif op == "serve" and self.on_serve:
+                self.on_serve(msg)
+            elif op == "drain" and self.on_drain:
+                self.on_drain()
+            elif op == "stop":
+                if self.on_stop:
+                    self.on_stop()
+                return
+
+    def _send(self, msg: dict) -> None:
+        self._push.send(encode(msg))  # zmq queues it: never blocks the loop
