@@ -2,7 +2,7 @@
 # Everything that must run on an H200, in one call per part (device tool). Usage:
 #   bash bench/gpu_validate.sh weights   # daemon cuda transport + gpu tests + engine graphs, decode, restart
 #   bash bench/gpu_validate.sh serve     # failover bench, memory figures, chaos run
-#   bash bench/gpu_validate.sh kernels   # fused decode kernels: probe, gpu engine tests, engine validate
+#   bash bench/gpu_validate.sh kernels   # fused decode kernels: gpu engine tests, engine validate
 # Expects the wheels of the packages the GPU image lacks in .whl/ (see README), writes logs to $OUT.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -21,7 +21,6 @@ weights)
   timeout 190 python3 -m engines.bench validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -30
   ;;
 kernels)
-  [ "${PROBE:-1}" = 1 ] && timeout 300 python3 bench/probes/fused_decode_probe.py 2>&1 | tee "$OUT/fused_probe.log"
   timeout 200 python3 -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
   timeout 300 python3 -m engines.bench validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -32
   for i in 2 3; do  # two more batch-1 decode runs: the median of three goes to RESULTS.md
