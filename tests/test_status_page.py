@@ -187,5 +187,21 @@ def test_actions_ask_first_and_drain_and_undrain_the_node(node, page):
     expect(page.locator("#action-result.error")).to_contain_text("HTTP 409: no READY standby", timeout=10_000)
     assert len(asked) == 5 and all("Promote the standby" in q for q in asked[-2:])
     assert node.status()["primary"] != primary
-    node.wait_all_ready()
+    # restart the standby from its row, then a rollout: every engine comes back with a new incarnation
+    st = node.wait_all_ready()
+    sb = next(e for e in st["engines"] if e["role"] == "standby")
+    page.once("dialog", answer(True))
+    page.click(f'#engines tr[data-engine="{sb["name"]}"] button.restart')
+    expect(page.locator(f'#engines tr[data-engine="{sb["name"]}"] .incarnation')).to_have_text(
+        str(sb["incarnation"] + 1), timeout=30_000)
+    assert asked[-1].startswith(f'Restart engine {sb["name"]} (standby)?')
+    incs = {e["name"]: e["incarnation"] for e in node.wait_all_ready()["engines"]}
+    page.once("dialog", answer(True))
+    page.click("#rollout")
+    expect(page.locator("#action-result")).to_contain_text('"restarted":', timeout=120_000)
+    assert "Rollout" in asked[-1]
+    st = node.wait_all_ready()
+    assert all(e["incarnation"] > incs[e["name"]] for e in st["engines"])
+    for e in st["engines"]:
+        expect(page.locator(f'#engines tr[data-engine="{e["name"]}"] .incarnation')).to_have_text(str(e["incarnation"]))
     assert page.errors == []
