@@ -37,7 +37,8 @@ def build_admin(target: AdminTarget, token: str) -> FastAPI:
         if not hmac.compare_digest(got, expected):
             raise AdminError(401, "missing or wrong bearer token (see admin.token_file)")
 
-    page = StatusPage(lambda: target.status_dict()["events"])  # /ui and /events (status_page.py)
+    page = StatusPage(lambda: target.status_dict()["events"],  # /ui and /events (status_page.py)
+                      stopping=lambda: bool(getattr(target, "stopping", False)))
     app = FastAPI(title="understudy admin", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=page.lifespan, dependencies=[Depends(auth)])
     page.register(app)

@@ -4,7 +4,8 @@ One zmq SUB on the supervisor's event PUB (the documented ``events.sock``) feeds
 one bounded queue per client. Nothing grows without bound: the history keeps the last ``history``
 events, a client whose queue fills (it reads slower than events come) is dropped with a final
 ``overflow`` message, a client that stops reading altogether is cut after ``write_timeout_s``, and at
-most ``max_clients`` streams are open at once. Event ids are ``{boot}:{n}``; a client reconnecting
+most ``max_clients`` streams are open at once. When the supervisor stops, every stream ends with
+``event: bye`` (an open stream would hold up the server's shutdown). Event ids are ``{boot}:{n}``; a client reconnecting
 with ``Last-Event-ID`` of this boot gets only what it missed from the history, else all of it.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -23,6 +25,7 @@ from starlette.responses import Response
 log = logging.getLogger("understudy.events")
 
 _DROPPED = object()  # queue sentinel: this client fell behind and is dropped
+STOP_POLL_S = 0.25  # how often an idle stream checks whether the supervisor is stopping
 
 
 class TooManyClients(Exception):
@@ -40,9 +43,11 @@ class Subscriber:
 class EventFanout:
     """Reads the event PUB once and hands every event to each subscriber, never blocking on one."""
 
-    def __init__(self, endpoint: Callable[[], str], *, history: int = 500, queue_size: int = 256,
-                 max_clients: int = 32, write_timeout_s: float = 10.0, keepalive_s: float = 15.0) -> None:
+    def __init__(self, endpoint: Callable[[], str], *, stopping: Callable[[], bool] = lambda: False,
+                 history: int = 500, queue_size: int = 256, max_clients: int = 32, write_timeout_s: float = 10.0,
+                 keepalive_s: float = 15.0) -> None:
         self._endpoint = endpoint
+        self.stopping = stopping  # the supervisor is stopping: streams end (a server waits for open ones)
         self.boot = secrets.token_hex(4)
         self.history: deque[tuple[int, dict[str, Any]]] = deque(maxlen=history)
         self.subscribers: set[Subscriber] = set()
@@ -163,14 +168,21 @@ class EventStreamResponse(Response):
             chunks += [f.format(n, ev) for n, ev in backlog]
             await self._send(send, _body(b"".join(chunks)))
             sent = backlog[-1][0] if backlog else 0
+            quiet_since = time.monotonic()
             while True:
                 get = asyncio.ensure_future(sub.queue.get())
-                done, _ = await asyncio.wait({get, left}, timeout=f.keepalive_s, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({get, left}, timeout=STOP_POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
                     if left in done:
                         return
-                    await self._send(send, _body(b": keepalive\n\n"))
+                    if f.stopping():
+                        await self._send(send, _body(b'event: bye\ndata: {"reason": "the supervisor is stopping"}\n\n'))
+                        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+                        return
+                    if time.monotonic() - quiet_since >= f.keepalive_s:
+                        await self._send(send, _body(b": keepalive\n\n"))
+                        quiet_since = time.monotonic()
                     continue
                 item = get.result()
                 if item is _DROPPED:
@@ -181,6 +193,7 @@ class EventStreamResponse(Response):
                 if n > sent:
                     await self._send(send, _body(f.format(n, ev)))
                     sent = n
+                    quiet_since = time.monotonic()
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("event stream: a client has not read for %gs; closing it", f.write_timeout_s)
         except OSError:  # the client went away mid-write

@@ -31,8 +31,9 @@ PAGE = Path(__file__).with_name("ui") / "status.html"
 class StatusPage:
     """Owns the event fan-out; ``lifespan`` starts and stops it, ``register`` adds the two routes."""
 
-    def __init__(self, events_endpoint: Callable[[], str], **fanout_options: Any) -> None:
-        self.fanout = EventFanout(events_endpoint, **fanout_options)
+    def __init__(self, events_endpoint: Callable[[], str], stopping: Callable[[], bool] = lambda: False,
+                 **fanout_options: Any) -> None:
+        self.fanout = EventFanout(events_endpoint, stopping=stopping, **fanout_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:

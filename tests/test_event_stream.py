@@ -160,6 +160,28 @@ def test_over_http_a_client_that_stops_reading_is_cut_and_others_go_on():
     asyncio.run(main())
 
 
+def test_streams_end_when_the_supervisor_stops():
+    async def main() -> None:
+        state = {"stopping": False}
+        f = EventFanout(lambda: "unused", stopping=lambda: state["stopping"])
+        server, task, url = await _serve(f)
+        try:
+            async with httpx.AsyncClient(timeout=5) as c:
+                async with c.stream("GET", url + "/events") as r:
+                    lines = r.aiter_lines()
+                    assert await anext(lines) == "retry: 1000"
+                    await _until(lambda: len(f.subscribers) == 1, "subscribed")
+                    state["stopping"] = True
+                    t0 = time.monotonic()
+                    rest = [line async for line in lines]  # ends: the server closed the stream
+                    assert time.monotonic() - t0 < 2
+                    assert "event: bye" in rest and not f.subscribers
+        finally:
+            server.should_exit = True
+            await task
+    asyncio.run(main())
+
+
 async def _until(pred, what: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
