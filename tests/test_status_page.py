@@ -35,6 +35,12 @@ def chromium_path() -> str:
     return path
 
 
+def test_without_chromium_the_browser_tests_fail_and_say_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(pytest.fail.Exception, match="Chromium is not installed.*scripts/install"):
+        chromium_path()
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, tiny_model):
     work = tmp_path_factory.mktemp("ui")
