@@ -1,4 +1,4 @@
-"""Admin API (bearer token): status, metrics, promote, drain, undrain, restart, rollout."""
+"""Admin API (bearer token): status, metrics, promote, drain, undrain, restart, rollout; the status page."""
 from __future__ import annotations
 
 import hmac
@@ -6,6 +6,8 @@ from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from supervisor.status_page import StatusPage
 
 
 class AdminError(Exception):
@@ -35,8 +37,11 @@ def build_admin(target: AdminTarget, token: str) -> FastAPI:
         if not hmac.compare_digest(got, expected):
             raise AdminError(401, "missing or wrong bearer token (see admin.token_file)")
 
+    page = StatusPage(lambda: target.status_dict()["events"],  # /ui and /events (status_page.py)
+                      stopping=lambda: bool(getattr(target, "stopping", False)))
     app = FastAPI(title="understudy admin", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(auth)])
+                  lifespan=page.lifespan, dependencies=[Depends(auth)])
+    page.register(app)
 
     @app.exception_handler(AdminError)
     async def _admin_error(_: Request, exc: AdminError) -> JSONResponse:
