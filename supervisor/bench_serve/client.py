@@ -29,6 +29,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     usage_reported: bool = False  # False: output_tokens counts content chunks
+    chunks: int = 0  # content chunks (fewer than tokens where the server held text back or merged)
 
 
 def request_body(model: str, spec: RequestSpec, temperature: float, ignore_eos: bool) -> bytes:
@@ -64,7 +65,7 @@ async def stream_one(client: Client, url: str, path: bytes, body: bytes) -> Requ
 
 async def _read_events(resp, t0: float) -> RequestResult:  # noqa: ANN001
     r = RequestResult(False)
-    buf, last, chunks, done = b"", 0.0, 0, False
+    buf, last, done = b"", 0.0, False
     async for data in resp.stream():
         now = time.perf_counter()
         buf += data
@@ -96,10 +97,10 @@ async def _read_events(resp, t0: float) -> RequestResult:  # noqa: ANN001
                     else:
                         r.itl.append(now - last)
                     last = now
-                    chunks += 1
+                    r.chunks += 1
     r.latency = time.perf_counter() - t0
     if not r.usage_reported:
-        r.output_tokens = chunks
+        r.output_tokens = r.chunks
     if r.error is None and not done:
         r.error = "stream cut: ended without data: [DONE]"
     r.ok = r.error is None

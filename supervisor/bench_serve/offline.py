@@ -40,6 +40,7 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
                 else:
                     r.itl.append(now - last[i])
                 last[i] = now
+                r.chunks += 1
             if out.finish_reason is not None:
                 r.latency, r.output_tokens, r.prompt_tokens = now - t0, out.completion_tokens, out.prompt_tokens
                 r.usage_reported = True

@@ -48,6 +48,7 @@ class Point(BaseModel):
     output_tokens: int  # of the requests that succeeded
     prompt_tokens: int
     output_tokens_from: str  # "usage" (the server's count) or "chunks" (content chunks counted)
+    content_chunks: int  # ITL is measured between these; fewer than output_tokens where text was held back
     output_tok_s: float
     req_s: float
     ttft_ms: Dist | None
@@ -75,6 +76,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration_s: float)
         concurrency=concurrency, requests=len(results), ok=len(good), errors=len(errors), error_samples=samples,
         duration_s=round(duration_s, 4), output_tokens=out, prompt_tokens=sum(r.prompt_tokens for r in good),
         output_tokens_from="usage" if good and all(r.usage_reported for r in good) else "chunks",
+        content_chunks=sum(r.chunks for r in good),
         output_tok_s=round(out / duration_s, 2) if duration_s > 0 else 0.0,
         req_s=round(len(good) / duration_s, 3) if duration_s > 0 else 0.0,
         ttft_ms=Dist.of_seconds([r.ttft for r in good if r.ttft is not None]),
