@@ -10,12 +10,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from supervisor.upstream import Client, UpstreamError
-
+from .wire import Connection, WireError
 from .workloads import RequestSpec
-
-HEADERS = [(b"content-type", b"application/json"), (b"accept", b"text/event-stream")]
-
 
 @dataclass
 class RequestResult:
@@ -45,29 +41,24 @@ def _has_content(choice: dict) -> bool:
     return bool(isinstance(delta, dict) and delta.get("content"))
 
 
-async def stream_one(client: Client, url: str, path: bytes, body: bytes) -> RequestResult:
-    """Send one streaming request and time it."""
+async def stream_one(conn: Connection, path: str, body: bytes) -> RequestResult:
+    """Send one streaming request on `conn` and time it."""
     t0 = time.perf_counter()
     try:
-        resp = await client.request("POST", url, path, HEADERS, body)
-    except UpstreamError as e:
-        return RequestResult(False, f"{type(e).__name__}: {e}", latency=time.perf_counter() - t0)
-    try:
-        if resp.status != 200:
-            text = (await resp.read()).decode("utf-8", "replace")
-            return RequestResult(False, f"HTTP {resp.status}: {text[:300]}", latency=time.perf_counter() - t0)
-        return await _read_events(resp, t0)
-    except UpstreamError as e:
-        return RequestResult(False, f"stream cut: {type(e).__name__}: {e}", latency=time.perf_counter() - t0)
-    finally:
-        resp.close()
+        status, headers = await conn.post(path, body)
+        if status != 200:
+            text = b"".join([piece async for _, piece in conn.body(headers)]).decode("utf-8", "replace")
+            return RequestResult(False, f"HTTP {status}: {text[:300]}", latency=time.perf_counter() - t0)
+        return await _read_events(conn.body(headers), t0)
+    except WireError as e:
+        msg = str(e) if str(e).startswith("ConnectError") else f"stream cut: {e}"
+        return RequestResult(False, msg, latency=time.perf_counter() - t0)
 
 
-async def _read_events(resp, t0: float) -> RequestResult:  # noqa: ANN001
+async def _read_events(pieces, t0: float) -> RequestResult:  # noqa: ANN001
     r = RequestResult(False)
     buf, last, done = b"", 0.0, False
-    async for data in resp.stream():
-        now = time.perf_counter()
+    async for now, data in pieces:
         buf += data
         while (i := buf.find(b"\n\n")) >= 0:
             event, buf = buf[:i], buf[i + 2:]
@@ -113,19 +104,21 @@ async def run_point(url: str, path: str, bodies: list[bytes], concurrency: int, 
     """`concurrency` workers send `bodies` in order, each the next one when its previous is done
     (closed loop); stop early after `duration_s` (requests in flight finish). Returns the results
     of the requests sent and the wall time from the first send to the last answer."""
-    client = Client(timeout_s=timeout_s, max_connections=max(concurrency, 1), keepalive_s=60.0)
     results: list[RequestResult] = []
     next_index = 0
     t0 = time.perf_counter()
     deadline = None if duration_s is None else t0 + duration_s
-    target = path.encode()
 
     async def worker() -> None:
         nonlocal next_index
-        while next_index < len(bodies) and (deadline is None or time.perf_counter() < deadline):
-            body = bodies[next_index]
-            next_index += 1
-            results.append(await stream_one(client, url, target, body))
+        conn = Connection(url, timeout_s)
+        try:
+            while next_index < len(bodies) and (deadline is None or time.perf_counter() < deadline):
+                body = bodies[next_index]
+                next_index += 1
+                results.append(await stream_one(conn, path, body))
+        finally:
+            conn.close()
 
     async def progress() -> None:
         while True:
@@ -139,5 +132,4 @@ async def run_point(url: str, path: str, bodies: list[bytes], concurrency: int, 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         ticker.cancel()
-        await client.aclose()
     return results, time.perf_counter() - t0
