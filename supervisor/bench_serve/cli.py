@@ -25,6 +25,7 @@ import asyncio
 import datetime as dt
 import json
 import sys
+import time
 from pathlib import Path
 
 from .client import request_body, run_point
@@ -139,9 +140,15 @@ def live(args: argparse.Namespace, w: Workload) -> Report:
         bodies = [request_body(t.model, s, args.temperature, ignore_eos) for s in specs]
         note(f"point {k + 1}/{len(conc)}: concurrency {c}, {n} requests")
         before = scrape(t.metrics_sources)
+        cpu0 = time.process_time()
         results, elapsed = asyncio.run(run_point(t.url, "/v1/completions", bodies, c, args.timeout, args.duration,
                                                  label=f"concurrency {c}: "))
         point = summarize(c, results, elapsed)
+        point.client_cpu = round((time.process_time() - cpu0) / elapsed, 3) if elapsed > 0 else None
+        if point.client_cpu and point.client_cpu > 0.8:
+            notes.append(f"concurrency {c}: the client used {point.client_cpu:.0%} of a core; its figures may be "
+                         f"limited by the client itself")
+            note(notes[-1])
         point.prefix_cache = prefix_delta(before, scrape(t.metrics_sources))
         note(f"  concurrency {c}: {point.ok} ok, {point.errors} errors, {point.output_tok_s:.1f} output tok/s, "
              f"TTFT p50 {point.ttft_ms.p50 if point.ttft_ms else '-'} ms")

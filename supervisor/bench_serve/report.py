@@ -49,6 +49,7 @@ def table(r: Report) -> str:
     for p in r.points:
         for e in p.error_samples:
             lines.append(f"  error at {p.concurrency}: {e}")
+    lines += [f"note: {n}" for n in r.notes]
     if r.static and "skipped" in r.static:
         lines.append(f"static decode: skipped ({r.static['skipped']})")
     return "\n".join(lines)

@@ -59,6 +59,7 @@ class Point(BaseModel):
     static_batch: int | None = None
     static_tok_s: float | None = None
     ratio_to_static: float | None = None
+    client_cpu: float | None = None  # the load generator's CPU seconds per wall second (near 1: it is the limit)
 
 
 def summarize(concurrency: int, results: list[RequestResult], duration_s: float) -> Point:
