@@ -70,13 +70,14 @@ def test_sweep_through_the_router_with_the_static_decode_beside_it(sup, tmp_path
     assert (out / "bench-serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_shared_prefix_prompts_carry_the_prefix(sup):
+def test_shared_prefix_prompts_carry_the_prefix_over_two_client_processes(sup):
     rc, stdout, stderr = bench("-c", str(sup.config), "--workload", "shared-prefix", "--prefix-len", "64",
-                               "--input-len", "8", "--output-len", "4", "--num-requests", "6", "--concurrency", "3",
-                               "--no-static", "--json")
+                               "--input-len", "8", "--output-len", "4", "--num-requests", "7", "--concurrency", "3",
+                               "--client-procs", "2", "--no-static", "--json")
     assert rc == 0, stderr
     (p,) = json.loads(stdout)["points"]
-    assert p["ok"] == 6 and p["prompt_tokens"] == 6 * (64 + 8) and p["output_tokens"] == 6 * 4
+    assert p["requests"] == p["ok"] == 7 and p["prompt_tokens"] == 7 * (64 + 8) and p["output_tokens"] == 7 * 4
+    assert p["ttft_ms"]["count"] == 7 and p["duration_s"] > 0
 
 
 def test_a_workload_that_does_not_fit_max_model_len_is_refused_before_sending(sup):

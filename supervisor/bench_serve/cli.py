@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from .client import request_body, run_point
+from .fanout import run_point_procs
 from .metrics import prefix_delta, scrape
 from .report import Report, table, write
 from .stats import summarize
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--warmup", type=int, default=4, help="short requests before the sweep, not counted")
     w.add_argument("--timeout", type=float, default=600.0, help="seconds any one read may wait")
+    w.add_argument("--client-procs", type=int, default=1,
+                   help="spread each point's workers over this many client processes (when one is the limit: "
+                        "see client_cpu in the report)")
     p.add_argument("--offline", metavar="MODEL_DIR",
                    help="no HTTP: the engine in this process, every request at once (for nano)")
     p.add_argument("--out", type=Path, help="write bench-serve.json and bench-serve.png here")
@@ -141,10 +145,15 @@ def live(args: argparse.Namespace, w: Workload) -> Report:
         note(f"point {k + 1}/{len(conc)}: concurrency {c}, {n} requests")
         before = scrape(t.metrics_sources)
         cpu0 = time.process_time()
-        results, elapsed = asyncio.run(run_point(t.url, "/v1/completions", bodies, c, args.timeout, args.duration,
-                                                 label=f"concurrency {c}: "))
+        if args.client_procs > 1:
+            results, elapsed = run_point_procs(t.url, "/v1/completions", bodies, c, args.timeout, args.duration,
+                                               args.client_procs)
+        else:
+            results, elapsed = asyncio.run(run_point(t.url, "/v1/completions", bodies, c, args.timeout,
+                                                     args.duration, label=f"concurrency {c}: "))
         point = summarize(c, results, elapsed)
-        point.client_cpu = round((time.process_time() - cpu0) / elapsed, 3) if elapsed > 0 else None
+        if args.client_procs == 1:  # the CPU of child processes is not counted here
+            point.client_cpu = round((time.process_time() - cpu0) / elapsed, 3) if elapsed > 0 else None
         if point.client_cpu and point.client_cpu > 0.8:
             notes.append(f"concurrency {c}: the client used {point.client_cpu:.0%} of a core; its figures may be "
                          f"limited by the client itself")
@@ -213,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num_requests is not None and args.num_requests < 1:
         p.error("--num-requests: expected >= 1")
+    if args.client_procs < 1:
+        p.error("--client-procs: expected >= 1")
     w = workload_from(args, p)
     try:
         report = offline(args, w) if args.offline else live(args, w)

@@ -36,10 +36,15 @@ def _router_url(cfg, config_path: str | None) -> str:  # noqa: ANN001
     if cfg.router.port == 0:  # the real port is in state.json
         state = cfg.resolved_runtime_dir() / "state.json"
         try:
-            return json.loads(state.read_text())["router_url"]
+            st = json.loads(state.read_text())
+            url = st["router_url"]
         except (OSError, ValueError, KeyError):
             raise TargetError(f"router.port is 0 and {state} has no router_url: is the supervisor of "
                               f"{config_path or 'the default config'} running?") from None
+        if st.get("stopped"):
+            raise TargetError(f"the supervisor of {config_path or 'the default config'} has stopped "
+                              f"({state} says so): nothing to measure")
+        return url
     host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::", "") else cfg.router.host
     return f"http://{host}:{cfg.router.port}"
 
