@@ -158,6 +158,8 @@ def live(args: argparse.Namespace, w: Workload) -> Report:
             notes.append(f"concurrency {c}: the client used {point.client_cpu:.0%} of a core; its figures may be "
                          f"limited by the client itself")
             note(notes[-1])
+        if before is not None and any(u == before[0] and h for u, h in t.metrics_sources):
+            time.sleep(t.admin_metrics_lag_s)  # the supervisor's counters come with heartbeats
         point.prefix_cache = prefix_delta(before, scrape(t.metrics_sources))
         note(f"  concurrency {c}: {point.ok} ok, {point.errors} errors, {point.output_tok_s:.1f} output tok/s, "
              f"TTFT p50 {point.ttft_ms.p50 if point.ttft_ms else '-'} ms")

@@ -35,7 +35,9 @@ def request_body(model: str, spec: RequestSpec, temperature: float, ignore_eos: 
 
 
 def _has_content(choice: dict) -> bool:
-    if choice.get("text"):
+    """A chunk that brings tokens: text, or the finish (whose tokens' text may be empty); not
+    the chat endpoint's opening role chunk."""
+    if choice.get("text") or choice.get("finish_reason"):
         return True
     delta = choice.get("delta")
     return bool(isinstance(delta, dict) and delta.get("content"))

@@ -34,7 +34,7 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
 
         def emit(out) -> None:  # noqa: ANN001  (engines.sequence.Output, on the loop thread)
             now = time.perf_counter()
-            if out.delta:
+            if out.delta or out.finish_reason is not None:
                 if r.ttft is None:
                     r.ttft = now - t0
                 else:

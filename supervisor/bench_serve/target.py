@@ -29,6 +29,7 @@ class Target:
     cuda_graphs: bool = True
     fused_kernels: bool = True
     metrics_sources: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (url, headers)
+    admin_metrics_lag_s: float = 0.0  # wait this long after a point before reading the supervisor's counters
     notes: list[str] = field(default_factory=list)
 
 
@@ -72,7 +73,11 @@ def resolve(args: argparse.Namespace) -> Target:
             auth = {"Authorization": f"Bearer {token}"}
             st = httpx.get(admin + "/status", headers=auth, timeout=10).raise_for_status().json()
             t.model_dir, t.device, t.model = st["model"]["path"], st["model"]["device"], st["model"]["name"]
+            primary = next((e for e in st["engines"] if e["name"] == st["primary"] and e.get("url")), None)
+            if primary:  # the engine's own counters are exact; the supervisor's lag by a heartbeat
+                t.metrics_sources.append((primary["url"] + "/metrics", {}))
             t.metrics_sources.append((admin + "/metrics", auth))
+            t.admin_metrics_lag_s = 2 * e.heartbeat_interval_s
         except (ClientError, httpx.HTTPError, KeyError, ValueError) as err:
             t.notes.append(f"admin API not used ({err}); the static decode needs --model-dir")
     if args.metrics_url:
