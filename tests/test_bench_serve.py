@@ -54,6 +54,7 @@ def test_sweep_through_the_router_with_the_static_decode_beside_it(sup, tmp_path
     assert r["url"] == sup.router_url and r["max_model_len"] == 128 and r["total_errors"] == 0
     assert [p["concurrency"] for p in r["points"]] == [1, 4]
     for p in r["points"]:
+        print(json.dumps(p))  # shown when an assertion fails
         assert (p["requests"], p["ok"], p["errors"]) == (8, 8, 0)
         assert p["output_tokens"] == 8 * 8 and p["output_tokens_from"] == "usage"
         assert p["prompt_tokens"] == 8 * 16

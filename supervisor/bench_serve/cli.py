@@ -188,7 +188,7 @@ def static_for(args: argparse.Namespace, t: Target, w: Workload, points: list, n
     for p in points:
         p.static_batch = batch_of[p.concurrency]
         p.static_tok_s = round(res["tokens_per_s"][p.static_batch], 2)
-        p.ratio_to_static = round(p.output_tok_s / p.static_tok_s, 4) if p.static_tok_s else None
+        p.ratio_to_static = round(p.output_tok_s / p.static_tok_s, 6) if p.static_tok_s else None
     return res
 
 
