@@ -86,9 +86,12 @@ def workload_from(args: argparse.Namespace, p: argparse.ArgumentParser) -> Workl
     try:
         inp = Lengths.parse(args.input_len, "--input-len") if args.input_len else w.input_len
         out = Lengths.parse(args.output_len, "--output-len") if args.output_len else w.output_len
-        conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else w.concurrency
     except ValueError as e:
-        p.error(str(e) if "len" in str(e) else f"--concurrency: expected comma-separated integers, got {args.concurrency!r}")
+        p.error(str(e))
+    try:
+        conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else w.concurrency
+    except ValueError:
+        p.error(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}")
     if any(c < 1 for c in conc):
         p.error(f"--concurrency: expected integers >= 1, got {args.concurrency}")
     prefix = w.prefix_len if args.prefix_len is None else args.prefix_len

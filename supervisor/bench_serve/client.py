@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .wire import Connection, WireError
 from .workloads import RequestSpec
 
+
 @dataclass
 class RequestResult:
     """One request as the client saw it; times in seconds from sending it."""

@@ -30,6 +30,7 @@ class Connection:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._r: asyncio.StreamReader | None = None
         self._w: asyncio.StreamWriter | None = None
+        self._keep = False  # the current response leaves the connection reusable
 
     def close(self) -> None:
         if self._w is not None:
