@@ -127,8 +127,13 @@ def decode_throughput(engine: LLMEngine, batch: int, tokens: int, prompt_len: in
 
 
 def bench_decode(model_dir: str, device: str, batches: list[int], tokens: int, prompt_len: int,
-                 dtype: str | None, cuda_graphs: bool, fused_kernels: bool = True) -> dict:
-    engine = local_engine(model_dir, device, dtype, max_num_seqs=max(batches), max_len=prompt_len + tokens + 8,
+                 dtype: str | None, cuda_graphs: bool, fused_kernels: bool = True,
+                 max_model_len: int | None = None) -> dict:
+    """`max_model_len`: the engine's context (as a server's); default just what the run needs."""
+    max_len = max_model_len or prompt_len + tokens + 8
+    if prompt_len + tokens > max_len:
+        raise ValueError(f"--prompt-len {prompt_len} + --tokens {tokens} exceeds --max-model-len {max_len}")
+    engine = local_engine(model_dir, device, dtype, max_num_seqs=max(batches), max_len=max_len,
                           cuda_graphs=cuda_graphs, fused_kernels=fused_kernels)
     dev = engine.runner.device
     bandwidth = copy_bandwidth(dev)
@@ -345,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batches", default="1,8,32")
     d.add_argument("--tokens", type=int, default=128)
     d.add_argument("--prompt-len", type=int, default=64)
+    d.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's context, as a server's (default: prompt-len + tokens + 8)")
     r = sub.add_parser("restart", help="restart-to-ready in client mode, cold vs spawn server, per phase")
     r.add_argument("model_dir")
     r.add_argument("--runs", type=int, default=3)
@@ -365,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.cmd == "decode":
         res = bench_decode(ns.model_dir, ns.device, [int(b) for b in ns.batches.split(",")], ns.tokens,
-                           ns.prompt_len, ns.dtype, not ns.no_cuda_graphs, not ns.no_fused_kernels)
+                           ns.prompt_len, ns.dtype, not ns.no_cuda_graphs, not ns.no_fused_kernels,
+                           ns.max_model_len)
         print_decode(res)
     elif ns.cmd == "restart":
         res = bench_restart(ns.model_dir, ns.device, ns.dtype, ns.runs, int(ns.kv_cache_gb * (1 << 30)),
