@@ -24,8 +24,10 @@ import zmq.asyncio
 
 from supervisor.admin import build_admin
 from supervisor.admin_ops import AdminOps
+from supervisor.adopt import adopt_children, snapshot, wanted
 from supervisor.backoff import RestartPolicy
 from supervisor.canary import GoldenStore, model_fingerprint
+from supervisor.child_records import ChildRecords, read_records, write_records
 from supervisor.config import UnderstudyConfig
 from supervisor.control import ControlChannel
 from supervisor.daemon_ops import DaemonOps
@@ -42,6 +44,7 @@ from supervisor.router import build_router
 from supervisor.routing import RoutingTable
 from supervisor.sdnotify import Notifier
 from supervisor.slots import DaemonSlot, EngineSlot, Slot
+from supervisor.socket_activation import ActivationError, inherited_sockets
 from supervisor.states import Role, State
 from supervisor.token import ensure_token
 
@@ -91,6 +94,10 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.rollout_state: dict[str, Any] | None = None
         self.announced = False  # "ready" printed and READY=1 sent
         self.final = False
+        self.prev_records: ChildRecords | None = None  # left by a previous supervisor: adopt_children
+        self.records_ready = False  # children.json is written once the previous one has been used
+        self.create_times: dict[int, float | None] = {}
+        self.adopted_daemon_info: dict[str, dict[str, Any]] = {}
 
     def _policy(self) -> RestartPolicy:
         f = self.cfg.failover
@@ -105,14 +112,21 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         except (OSError, ValueError, RuntimeError) as e:
             raise BootError(f"runtime_dir: {e}") from None
         from supervisor.stale import RuntimeDirInUse, check_and_clean
-        try:
-            check_and_clean(self.rd)
+        self.prev_records = read_records(self.rd)
+        try:  # with records, live children are re-adopted (or stopped) at boot instead of killed here
+            check_and_clean(self.rd, kill=self.prev_records is None)
         except RuntimeDirInUse as e:
             raise BootError(str(e)) from None
         (self.rd / "logs").mkdir(mode=0o700, exist_ok=True)
-        self.router_sock = bind_tcp(self.cfg.router.host, self.cfg.router.port, "router")
         try:
-            self.admin_sock = bind_tcp(self.cfg.admin.host, self.cfg.admin.port, "admin")
+            held = inherited_sockets()
+        except ActivationError as e:
+            raise BootError(f"socket activation: {e}") from None
+        for name, sock in held.items():
+            log.info("%s: listening socket handed over (fd %d, %s)", name, sock.fileno(), sock.getsockname())
+        self.router_sock = held.get("router") or bind_tcp(self.cfg.router.host, self.cfg.router.port, "router")
+        try:
+            self.admin_sock = held.get("admin") or bind_tcp(self.cfg.admin.host, self.cfg.admin.port, "admin")
         except Exception:
             self.router_sock.close()
             raise
@@ -126,6 +140,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.events = EventBus(self.zctx, str(self.rd / "events.sock"))
         self.control = ControlChannel(self.azctx, str(self.rd / "control.sock"))
         self.http = httpx.AsyncClient(timeout=10.0)
+        self.child_keys = wanted(self)
 
     # ------------------------------------------------------------------ main
     async def run(self) -> int:
@@ -188,8 +203,16 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self._spawn(self.shutdown("error"), "shutdown")
 
     async def _boot(self) -> None:
-        """Daemons (loaded) and spawn server (torch imported) side by side, then every engine slot."""
-        spawn = self.loop.create_task(self.start_spawn_server())
+        """Children a previous supervisor left are re-adopted (or stopped); then daemons (loaded) and
+        spawn server (torch imported) side by side, then every engine slot not adopted."""
+        adopted: set[str] = set()
+        if self.prev_records is not None:
+            plan = await adopt_children(self, self.prev_records)
+            adopted = {name for name, what in plan.slots.items() if what == "adopt"}
+        self.records_ready = True
+        self.write_state()
+        spawn = self.loop.create_task(self.start_spawn_server() if "spawn-server" not in adopted
+                                      else asyncio.sleep(0))
         try:
             if self.daemons:
                 await self.boot_daemons()
@@ -198,7 +221,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
                 spawn.cancel()
         await spawn
         for slot in self.engines.values():
-            self.start_engine(slot)
+            if slot.name not in adopted:
+                self.start_engine(slot)
         self.booted = True
 
     # ------------------------------------------------------------------ events
@@ -306,6 +330,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
             os.replace(tmp, self.rd / "state.json")
         except OSError as e:
             log.warning("cannot write state.json: %s", e)
+        if self.records_ready:
+            write_records(self.rd, snapshot(self))
 
     def log_path(self, name: str) -> Path:
         return self.rd / "logs" / f"{name}.log"

@@ -37,7 +37,8 @@ class DaemonOps:
     async def boot_daemons(self) -> None:
         """Start every rank's daemon and wait for its arena; a daemon dying here is a boot error."""
         for d in self.daemons:
-            self.start_daemon(d)
+            if d.state == State.STOPPED:  # not re-adopted from a previous supervisor
+                self.start_daemon(d)
         deadline = time.monotonic() + self.cfg.daemons.load_timeout_s
         while not all(d.state == State.READY for d in self.daemons):
             for d in self.daemons:
@@ -218,13 +219,14 @@ class DaemonOps:
         self.spawn_proc, self.spawn_client = proc, client
         watch_exit(self.loop, proc.pid, lambda pid: self._on_spawn_server_exit(proc))
         log.info("spawn server ready (pid %d)", proc.pid)
+        self.write_state()  # recorded in children.json: a restarted supervisor re-adopts it
 
     def _on_spawn_server_exit(self, proc: PopenHandle) -> None:
         """Engines it forked keep running (we adopt them); a new server takes the next spawns."""
         if self.stopping or self.spawn_proc is not proc:
             return
         log.warning("spawn server (pid %d) exited (%s); starting a new one", proc.pid,
-                    describe_returncode(proc.popen.poll()))
+                    describe_returncode(proc.exit_status()))
         self._spawn(self.start_spawn_server(), "spawn-server")
 
     async def stop_spawn_server(self) -> None:
@@ -233,10 +235,10 @@ class DaemonOps:
             return
         kill_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.failover.stop_timeout_s
-        while proc.popen.poll() is None and time.monotonic() < deadline:
+        while proc.running() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if proc.popen.poll() is None:
+        if proc.running():
             kill_group(proc.pid)
             await asyncio.sleep(0.05)
-            proc.popen.poll()
+            proc.exit_status()
         self.spawn_proc = None

@@ -24,7 +24,8 @@ class Harness:
     """``understudy serve -c CONFIG`` as a child, with a NOTIFY_SOCKET we own and an event log."""
 
     def __init__(self, workdir: Path, config_text: str, notify: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, held: dict[str, socket.socket] | None = None) -> None:
+        """``held``: listening sockets handed over as systemd socket activation does (name -> socket)."""
         self.workdir = workdir
         self.config = workdir / "understudy.yaml"
         self.config.write_text(config_text)
@@ -41,8 +42,13 @@ class Harness:
             env["NOTIFY_SOCKET"] = self.notify_path
             threading.Thread(target=self._read_notify, daemon=True).start()
         self._logf = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "-c", str(self.config)],
-                                     cwd=ROOT, stdout=self._logf, stderr=subprocess.STDOUT, env=env)
+        argv = [sys.executable, "-m", "supervisor", "serve", "-c", str(self.config)]
+        fds = [s.fileno() for s in (held or {}).values()]
+        if held:
+            from supervisor.socket_activation import handover_argv
+            argv = handover_argv(fds, list(held), argv)
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
+                                     pass_fds=fds)
         self.events: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
 
