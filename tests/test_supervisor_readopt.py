@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import socket
 import threading
@@ -156,3 +157,67 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def test_chaos_kill_supervisor_fault_restarts_it_on_its_own_sockets(tmp_path, tiny_model):
+    """The chaos fault `kill-supervisor` on a supervisor that bound its ports itself: chaos takes
+    copies of its listening sockets (pidfd_getfd), SIGKILLs it and starts it again on them."""
+    import asyncio
+
+    from supervisor.chaos.admin import AdminClient
+    from supervisor.chaos.faults import FaultInjector, replaced, settled
+    from supervisor.chaos.status_view import parse_status
+
+    h = Harness(tmp_path, CONFIG.format(rt=tmp_path / "rt", model=tiny_model), notify=False)
+    new_pid = None
+    try:
+        h.wait_booted()
+        before = h.wait_all_ready(120)
+        load = OpenLoad(h.router_url, tiny_model.name).start()
+        time.sleep(1.0)
+
+        async def inject():
+            admin = AdminClient(h.admin_url, h.token)
+            inj = FaultInjector(admin, ["kill-supervisor"], interval_s=0, ready_timeout_s=30, stop_release_s=30,
+                                log_dir=str(tmp_path / "chaos"))
+            sample = parse_status(await admin.status(), time.time())
+            fault = await inj._inject(0, "kill-supervisor", sample)
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    s = parse_status(await admin.status(), time.time())
+                    if settled(s) and replaced(s, fault):
+                        break
+                except Exception:  # noqa: BLE001 (the admin port answers once the new one runs)
+                    pass
+                await asyncio.sleep(0.1)
+            await admin.close()
+            return fault, s
+
+        fault, after_sample = asyncio.run(inject())
+        t_kill = fault.t
+        time.sleep(2.0)
+        load.stop()
+        assert fault.error is None, fault.error
+        assert fault.pid == before["pid"] and fault.detail["restarted_by"] == "chaos"
+        new_pid = fault.detail["new_pid"]
+        after = h.status()
+        assert after["pid"] == new_pid == after_sample.supervisor_pid
+        assert {e["name"]: e["pid"] for e in after["engines"]} == fault.detail["engine_pids"]  # 0 engine restarts
+        assert after["epoch"] == before["epoch"] and after["primary"] == before["primary"]
+        res = load.results
+        assert not [r for r in res if r[2] == "refused"], res
+        wall_offset = time.time() - time.monotonic()
+        lost = [r for r in res if r[2] != "ok"]
+        assert all(start + wall_offset < t_kill + 0.5 for start, _, _ in lost), lost
+        print(f"\nchaos kill-supervisor: {len(res)} requests, {len(lost)} lost, down {fault.detail['down_s']} s")
+    finally:
+        if new_pid is not None:  # the restarted supervisor is chaos's child, not the harness's
+            os.kill(new_pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and _alive(new_pid):
+                time.sleep(0.1)
+        h.stop()
+        if h.proc.returncode == -signal.SIGKILL and new_pid is None:
+            from supervisor.stale import check_and_clean
+            check_and_clean(tmp_path / "rt")
