@@ -124,6 +124,11 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
             raise BootError(f"socket activation: {e}") from None
         for name, sock in held.items():
             log.info("%s: listening socket handed over (fd %d, %s)", name, sock.fileno(), sock.getsockname())
+            want = self.cfg.router if name == "router" else self.cfg.admin
+            if want.port not in (0, sock.getsockname()[1]):
+                log.warning("%s: the handed-over socket listens on %s, the config says %s:%d; serving on the "
+                            "socket (keep ListenStream= and the config equal)", name, sock.getsockname(),
+                            want.host, want.port)
         self.router_sock = held.get("router") or bind_tcp(self.cfg.router.host, self.cfg.router.port, "router")
         try:
             self.admin_sock = held.get("admin") or bind_tcp(self.cfg.admin.host, self.cfg.admin.port, "admin")
