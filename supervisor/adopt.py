@@ -16,12 +16,12 @@ import psutil
 
 from daemon.cli import daemon_argv
 from daemon.runtime_dir import daemon_socket_path
-from supervisor.child_records import ChildRecord, ChildRecords, config_key, create_time
+from supervisor.child_records import ChildRecord, ChildRecords, config_key, create_time, same_process
 from supervisor.launch import AdoptedHandle, SpawnClient, SpawnedHandle, group_alive, kill_group, python_argv
 from supervisor.pidwatch import watch_exit
 from supervisor.reconcile import AdoptionPlan, Wanted, plan_adoption
 from supervisor.routing import Upstream
-from supervisor.states import Role, State
+from supervisor.states import RUNNING, Role, State
 
 if TYPE_CHECKING:
     from supervisor.arbiter import Supervisor
@@ -157,6 +157,33 @@ async def adopt_children(sup: "Supervisor", records: ChildRecords) -> AdoptionPl
                         "adopted": [r.name for r in plan.adopt], "stopped": [r.name for r, _ in plan.stop],
                         "primary": plan.primary, "epoch": sup.epoch})
     return plan
+
+
+async def adopt_or_clean(sup: "Supervisor", records: ChildRecords) -> AdoptionPlan | None:
+    """adopt_children; if that fails (a bug), SIGKILL every recorded child still alive (pid and start
+    time checked) and let the boot start everything afresh: never a crash loop on bad records."""
+    try:
+        return await adopt_children(sup, records)
+    except Exception:  # noqa: BLE001
+        log.exception("re-adoption failed; stopping the previous supervisor's children and starting afresh")
+    for slot in sup.all_slots():  # forget anything half adopted
+        if slot.cancel_watch is not None:
+            slot.cancel_watch()
+        slot.pid, slot.proc, slot.cancel_watch = None, None, None
+    sup.spawn_proc = sup.spawn_client = None
+    sup.table.set_primary(None, "starting: no engine READY yet")
+    pgids = [r.pid for r in records.children if same_process(r.create_time, create_time(r.pid))]
+    for pgid in pgids:
+        kill_group(pgid)
+    await _wait_groups_gone(pgids)
+    for slot in sup.all_slots():
+        if slot.state in RUNNING:
+            sup.transition(slot, State.FAILED, "re-adoption failed")
+        if slot.state != State.STOPPED:
+            sup.transition(slot, State.STOPPED, "re-adoption failed")
+        if hasattr(slot, "role"):
+            slot.role = Role.STANDBY
+    return None
 
 
 async def _wait_groups_gone(pgids: list[int]) -> None:

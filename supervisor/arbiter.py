@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from supervisor.admin import build_admin
 from supervisor.admin_ops import AdminOps
-from supervisor.adopt import adopt_children, snapshot, wanted
+from supervisor.adopt import adopt_or_clean, snapshot, wanted
 from supervisor.backoff import RestartPolicy
 from supervisor.canary import GoldenStore, model_fingerprint
 from supervisor.child_records import ChildRecords, read_records, write_records
@@ -41,6 +41,7 @@ from supervisor.launch import PopenHandle, SpawnClient, kill_group
 from supervisor.metrics import Metrics
 from supervisor.pidwatch import become_subreaper, is_exiting, reap_orphans
 from supervisor.router import build_router
+from supervisor.reconcile import AdoptionPlan
 from supervisor.routing import RoutingTable
 from supervisor.sdnotify import Notifier
 from supervisor.slots import DaemonSlot, EngineSlot, Slot
@@ -94,7 +95,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.rollout_state: dict[str, Any] | None = None
         self.announced = False  # "ready" printed and READY=1 sent
         self.final = False
-        self.prev_records: ChildRecords | None = None  # left by a previous supervisor: adopt_children
+        self.prev_records: ChildRecords | None = None  # left by a previous supervisor: adopt_or_clean
+        self.adoption: AdoptionPlan | None = None
         self.records_ready = False  # children.json is written once the previous one has been used
         self.create_times: dict[int, float | None] = {}
         self.adopted_daemon_info: dict[str, dict[str, Any]] = {}
@@ -154,6 +156,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.add_signal_handler(sig, self._signals.put_nowait, sig)
         become_subreaper()
+        if self.prev_records is not None:  # before serving: connections wait in the backlog meanwhile
+            self.adoption = await adopt_or_clean(self, self.prev_records)
         lvl = "warning" if self.cfg.log_level != "debug" else "info"
         r = self.cfg.router
         router_app = build_router(self.table, self.metrics, hold_timeout_s=self.cfg.failover.hold_timeout_s,
@@ -210,10 +214,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
     async def _boot(self) -> None:
         """Children a previous supervisor left are re-adopted (or stopped); then daemons (loaded) and
         spawn server (torch imported) side by side, then every engine slot not adopted."""
-        adopted: set[str] = set()
-        if self.prev_records is not None:
-            plan = await adopt_children(self, self.prev_records)
-            adopted = {name for name, what in plan.slots.items() if what == "adopt"}
+        adopted = {name for name, what in self.adoption.slots.items() if what == "adopt"} if self.adoption else set()
         self.records_ready = True
         self.write_state()
         spawn = self.loop.create_task(self.start_spawn_server() if "spawn-server" not in adopted

@@ -5,7 +5,7 @@ engines (same pids, roles, epoch), that no connection is refused, and that only 
 inside the dead process are lost."""
 from __future__ import annotations
 
-import errno
+import http.client
 import json
 import os
 import signal
@@ -13,7 +13,6 @@ import socket
 import threading
 import time
 
-import httpx
 import psutil
 
 from supervisor.testing import Harness
@@ -61,18 +60,24 @@ class OpenLoad:
             nxt += 1 / RATE
             time.sleep(max(0.0, nxt - time.monotonic()))
 
-    def _one(self) -> None:
+    def _one(self, max_tokens: int = 4) -> None:
+        """http.client on a fresh connection: light on CPU (this box also runs the node under test)."""
         t0 = time.monotonic()
-        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.0}
+        body = json.dumps({"model": self.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True})
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
         try:
-            r = httpx.post(self.url + "/v1/completions", json=body, timeout=30)
-            outcome = "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
-        except httpx.ConnectError as e:
-            refused = isinstance(e.__cause__, ConnectionRefusedError) or "refused" in str(e).lower() \
-                or getattr(e.__cause__, "errno", None) == errno.ECONNREFUSED
-            outcome = "refused" if refused else f"ConnectError: {e}"
-        except httpx.HTTPError as e:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            outcome = "ok" if r.status == 200 else f"HTTP {r.status}"
+        except ConnectionRefusedError:
+            outcome = "refused"
+        except (OSError, http.client.HTTPException) as e:
             outcome = f"{type(e).__name__}: {e}"
+        finally:
+            conn.close()
         self.results.append((t0, time.monotonic(), outcome))
 
     def stop(self) -> None:
@@ -97,12 +102,17 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         before = first.wait_all_ready(120)
         load = OpenLoad(url, tiny_model.name).start()
         time.sleep(2.0)
-        t_kill = time.monotonic()
+        long = threading.Thread(target=load._one, args=(120,))  # surely in flight in the process killed
+        long.start()
+        time.sleep(0.1)
+        assert long.is_alive()
+        t_kill, wall_kill = time.monotonic(), time.time()
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
         second = Harness(tmp_path / "b", cfg, notify=False, held=held)  # as systemd restarts it
         time.sleep(4.0)
         load.stop()
+        long.join(60)
         second.wait_booted(30)
         after = second.wait_all_ready(30)
 
@@ -123,12 +133,17 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         failed = [r for r in res if r[2] != "ok"]
         assert not refused, refused
         # only requests in flight inside the dead process are lost: every failure began before the kill
+        # (and the long one, in flight for sure, is one of them: losses are seen and counted)
         assert all(start < t_kill for start, _, _ in failed), (t_kill, failed)
+        assert any(t_kill - 0.2 < start < t_kill - 0.05 for start, _, _ in failed), (t_kill, failed)
         later = [end for start, end, out in res if out == "ok" and end > t_kill]
         assert later, res[-10:]
         gap = min(later) - t_kill  # SIGKILL -> first answer served by the new supervisor
+        stamp = line.split(" understudy ")[0]
+        adopted = time.mktime(time.strptime(stamp.split(",")[0], "%Y-%m-%d %H:%M:%S")) + int(stamp[-3:]) / 1000
         print(f"\nreadopt: {len(res)} requests at {RATE:g}/s, {len(failed)} lost (in flight in the killed "
-              f"supervisor), 0 refused, serving again {gap:.2f} s after SIGKILL")
+              f"supervisor), 0 refused, serving again {gap:.2f} s after SIGKILL (children "
+              f"re-adopted at +{adopted - wall_kill:.2f} s)")
         assert sum(out == "ok" for _, _, out in res) >= len(res) - len(failed)
         assert gap < 5.0, gap  # the target is 2 s; a 2-core CI box shared with other jobs gets slack
 

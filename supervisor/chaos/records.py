@@ -72,6 +72,7 @@ class StatusSample:
     engines: list[EngineView]
     daemons: list[EngineView]
     supervisor_pid: int | None = None
+    spawn_server_pid: int | None = None
 
     def active_count(self) -> int:
         """Engines that are primary and READY, i.e. serving traffic."""
