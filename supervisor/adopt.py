@@ -76,6 +76,8 @@ def snapshot(sup: "Supervisor") -> ChildRecords:
         add("daemon", d.name, d.pid, state=d.state.value, incarnation=d.incarnation)
     if sup.spawn_proc is not None:
         add("spawn_server", "spawn-server", sup.spawn_proc.pid, state="READY" if sup.spawn_client else "STARTING")
+    elif sup.spawn_starting is not None:
+        add("spawn_server", "spawn-server", sup.spawn_starting.pid, state="STARTING")
     for s in sup.engines.values():
         add("engine", s.name, s.pid, state=s.state.value, incarnation=s.incarnation, role=s.role.value,
             port=s.port, url=s.url, spawned=isinstance(s.proc, SpawnedHandle))
@@ -97,7 +99,8 @@ async def _check(sup: "Supervisor", rec: ChildRecord) -> str | None:
     """None if the child answers as the recorded one would; else why not."""
     try:
         if rec.kind == "engine":
-            if not _listens_on(rec.pid, rec.port):
+            # (an external engine may serve from a child process: its URL answering is the check)
+            if not sup.external and not _listens_on(rec.pid, rec.port):
                 return f"pid {rec.pid} does not listen on port {rec.port}"
             r = await sup.http.get(f"{rec.url}/health", timeout=CHECK_TIMEOUT_S)
             return None if r.status_code == 200 else f"GET {rec.url}/health answered {r.status_code}"

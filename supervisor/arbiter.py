@@ -91,6 +91,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.router_url: str | None = None
         self.admin_url: str | None = None
         self.spawn_proc: PopenHandle | None = None
+        self.spawn_starting: PopenHandle | None = None  # started, not answering yet
         self.spawn_client: SpawnClient | None = None
         self.rollout_state: dict[str, Any] | None = None
         self.announced = False  # "ready" printed and READY=1 sent

@@ -72,6 +72,7 @@ class DaemonOps:
         inc = d.incarnation
         d.cancel_watch = watch_exit(self.loop, handle.pid, lambda pid: self.on_daemon_exit(d, inc, pid))
         d.status_task = self._spawn(self._await_daemon(d, inc), f"status-{d.name}")
+        self.write_state()  # its pid in children.json while it loads (a restarted supervisor stops it)
 
     async def _await_daemon(self, d: DaemonSlot, inc: int) -> None:
         """Poll ``status`` until the arena is loaded; record resident bytes and fingerprint."""
@@ -207,6 +208,8 @@ class DaemonOps:
         proc = PopenHandle(python_argv("engines.spawn_server", "--socket", str(path)),
                            self.log_path("spawn-server"), child_env())
         client = SpawnClient(path)
+        self.spawn_starting = proc  # recorded (not adoptable) until it answers
+        self.write_state()
         try:
             await client.wait_ready(120.0, proc)
         except asyncio.CancelledError:
@@ -216,6 +219,8 @@ class DaemonOps:
             kill_group(proc.pid)
             from supervisor.logtail import last_line
             raise BootError(f"{e}: {last_line(self.log_path('spawn-server'))}") from None
+        finally:
+            self.spawn_starting = None
         self.spawn_proc, self.spawn_client = proc, client
         watch_exit(self.loop, proc.pid, lambda pid: self._on_spawn_server_exit(proc))
         log.info("spawn server ready (pid %d)", proc.pid)
