@@ -213,13 +213,11 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self._spawn(self.shutdown("error"), "shutdown")
 
     async def _boot(self) -> None:
-        """Children a previous supervisor left are re-adopted (or stopped); then daemons (loaded) and
-        spawn server (torch imported) side by side, then every engine slot not adopted."""
-        adopted = {name for name, what in self.adoption.slots.items() if what == "adopt"} if self.adoption else set()
+        """Daemons (loaded) and spawn server (torch imported) side by side, then every engine slot;
+        children re-adopted from a previous supervisor (run()) are not started again."""
         self.records_ready = True
         self.write_state()
-        spawn = self.loop.create_task(self.start_spawn_server() if "spawn-server" not in adopted
-                                      else asyncio.sleep(0))
+        spawn = self.loop.create_task(self.start_spawn_server() if self.spawn_proc is None else asyncio.sleep(0))
         try:
             if self.daemons:
                 await self.boot_daemons()
@@ -228,7 +226,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
                 spawn.cancel()
         await spawn
         for slot in self.engines.values():
-            if slot.name not in adopted:
+            if slot.state == State.STOPPED:  # not re-adopted
                 self.start_engine(slot)
         self.booted = True
 
