@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -85,13 +86,8 @@ def snapshot(sup: "Supervisor") -> ChildRecords:
     for pid in [p for p in sup.create_times if p not in live]:
         del sup.create_times[pid]
     p = sup.table.primary
-    return ChildRecords(supervisor_pid=_own_pid(), epoch=sup.epoch, primary=p.name if p else None,
+    return ChildRecords(supervisor_pid=os.getpid(), epoch=sup.epoch, primary=p.name if p else None,
                         children=children)
-
-
-def _own_pid() -> int:
-    import os
-    return os.getpid()
 
 
 # ---------------------------------------------------------------------------------- observe
