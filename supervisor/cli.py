@@ -12,7 +12,8 @@ DELEGATED = {
     "daemon": "daemon.cli",
 }
 BENCH = {"attach": "daemon.bench", "load": "daemon.bench", "decode": "engines.bench",
-         "restart": "engines.bench", "validate": "engines.bench", "failover": "supervisor.bench_failover"}
+         "restart": "engines.bench", "validate": "engines.bench", "failover": "supervisor.bench_failover",
+         "supervisor-restart": "supervisor.bench_readopt"}
 
 
 def _delegate(module: str, argv: list[str]) -> int:
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("engine")
             a.add_argument("--force", action="store_true", help="restart the primary even without a READY standby")
     for name, help_ in (("chaos", "fault injection (see `understudy chaos -h`)"),
-                        ("bench", "benchmarks: attach | load | decode | restart | validate | failover"),
+                        ("bench", "benchmarks: attach | load | decode | restart | validate | failover | supervisor-restart"),
                         ("make-model", "write a random HF checkpoint (DIR --preset tiny|small|1b)"),
                         ("daemon", "run one rank's weight cache daemon in the foreground")):
         sub.add_parser(name, help=help_, add_help=False)
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) < 2 or argv[1] not in BENCH:
             print(f"usage: understudy bench {{{'|'.join(BENCH)}}} ...", file=sys.stderr)
             return 2
-        return _delegate(BENCH[argv[1]], argv[1:] if BENCH[argv[1]] != "supervisor.bench_failover" else argv[2:])
+        own_argv = BENCH[argv[1]] in ("supervisor.bench_failover", "supervisor.bench_readopt")
+        return _delegate(BENCH[argv[1]], argv[2:] if own_argv else argv[1:])
     ns = build_parser().parse_args(argv)
     if ns.cmd == "serve":
         if ns.check:
