@@ -87,7 +87,7 @@ def snapshot(sup: "Supervisor") -> ChildRecords:
         del sup.create_times[pid]
     p = sup.table.primary
     return ChildRecords(supervisor_pid=os.getpid(), epoch=sup.epoch, primary=p.name if p else None,
-                        children=children)
+                        drained=sup.table.drained, stopped=sup.final, children=children)
 
 
 # ---------------------------------------------------------------------------------- observe
@@ -146,6 +146,10 @@ async def adopt_children(sup: "Supervisor", records: ChildRecords) -> AdoptionPl
         _adopt_daemon(sup, next(d for d in sup.daemons if d.name == name), rec)
     for name, rec in plan.adopted("engine").items():
         _adopt_engine(sup, sup.engines[name], rec)
+    if records.drained and not records.stopped:
+        sup.table.drained = True
+        log.warning("node still drained (by an admin before the previous supervisor died): /readyz fails "
+                    "until `understudy undrain`")
     if plan.primary is not None:
         _restore_primary(sup, plan, records)
     if plan.adopt:

@@ -48,6 +48,8 @@ class ChildRecords(BaseModel):
     supervisor_pid: int
     epoch: int = 0
     primary: str | None = None
+    drained: bool = False   # an operator's node drain outlives a supervisor crash (not a clean stop)
+    stopped: bool = False   # written by a supervisor that stopped cleanly
     children: list[ChildRecord] = []
 
 

@@ -41,6 +41,7 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         first.wait_booted()
         assert first.router_url == url  # the handed-over socket, not a new one
         before = first.wait_all_ready(120)
+        assert first.admin("POST", "/admin/drain").status_code == 200  # an operator's drain outlives the crash
         load = OpenLoad(url, tiny_model.name, RATE).start()
         time.sleep(2.0)
         long = threading.Thread(target=load.one, args=(120,))  # surely in flight in the process killed
@@ -63,6 +64,8 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
                     {d["name"]: d["pid"] for d in st["daemons"]}, st["spawn_server"], st["epoch"], st["primary"])
         assert ident(after) == ident(before), (json.dumps(before)[:2000], json.dumps(after)[:2000])
         assert after["pid"] == second.proc.pid != before["pid"]
+        assert after["drained"] and "node still drained" in second.log.read_text()
+        assert second.admin("POST", "/admin/undrain").status_code == 200
         text = second.log.read_text()  # (the "adopted" event goes out before a subscriber can join)
         line = next(ln for ln in text.splitlines() if "re-adopted from the previous supervisor" in ln)
         for name in ("daemon-rank0", "spawn-server", "a", "b"):
