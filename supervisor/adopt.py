@@ -154,12 +154,24 @@ async def adopt_children(sup: "Supervisor", records: ChildRecords) -> AdoptionPl
         _restore_primary(sup, plan, records)
     if plan.adopt:
         names = ", ".join(f"{r.name} (pid {r.pid})" for r in plan.adopt)
-        log.info("re-adopted from the previous supervisor (pid %d): %s; exit codes of adopted processes "
-                 "will be unknown (they are not our children)", records.supervisor_pid, names)
+        log.info("re-adopted from the previous supervisor (pid %d): %s, %.2f s after this process started; "
+                 "exit codes of adopted processes will be unknown (they are not our children)",
+                 records.supervisor_pid, names, _since_process_start())
     sup.events.publish({"type": "adopted", "previous_supervisor": records.supervisor_pid,
                         "adopted": [r.name for r in plan.adopt], "stopped": [r.name for r, _ in plan.stop],
                         "primary": plan.primary, "epoch": sup.epoch})
     return plan
+
+
+def _since_process_start() -> float:
+    """Seconds since this process started (/proc/self/stat starttime vs CLOCK_BOOTTIME)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rfind(b")") + 2:].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 async def adopt_or_clean(sup: "Supervisor", records: ChildRecords) -> AdoptionPlan | None:
