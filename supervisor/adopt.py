@@ -135,10 +135,15 @@ async def adopt_children(sup: "Supervisor", records: ChildRecords) -> AdoptionPl
     plan = plan_adoption(records, observed, sup.child_keys, failed)
     for rec, why in plan.gone:
         log.info("previous %s %s (pid %d): %s", rec.kind, rec.name, rec.pid, why)
+    strays = _spawned_strays(records, observed, {r.pid for r in plan.adopt})
     for rec, why in plan.stop:
         log.warning("previous %s %s (pid %d) stopped, not adopted: %s", rec.kind, rec.name, rec.pid, why)
         kill_group(rec.pid, signal.SIGKILL)
-    await _wait_groups_gone([r.pid for r, _ in plan.stop])
+    for pid in strays:
+        log.warning("engine pid %d, forked by the previous spawn server but in no record (its spawn was in "
+                    "flight), stopped", pid)
+        kill_group(pid, signal.SIGKILL)
+    await _wait_groups_gone([r.pid for r, _ in plan.stop] + strays)
     adopted = plan.adopted("spawn_server")
     if adopted:
         _adopt_spawn_server(sup, adopted["spawn-server"])
@@ -208,6 +213,28 @@ async def _wait_groups_gone(pgids: list[int]) -> None:
         while await asyncio.to_thread(group_alive, pgid) and time.monotonic() < deadline:
             kill_group(pgid)
             await asyncio.sleep(0.05)
+
+
+def _spawned_strays(records: ChildRecords, observed: dict[int, float | None], adopted: set[int]) -> list[int]:
+    """Live children of the recorded spawn server that are neither adopted nor recorded: engines whose
+    spawn the dead supervisor never heard the answer of. Nobody else would ever stop them."""
+    recorded = {r.pid for r in records.children}
+    out: list[int] = []
+    for rec in records.children:
+        if rec.kind != "spawn_server" or not same_process(rec.create_time, observed.get(rec.pid)):
+            continue
+        try:
+            kids = psutil.Process(rec.pid).children()
+        except psutil.Error:
+            continue
+        for kid in kids:
+            try:
+                leader = kid.status() != psutil.STATUS_ZOMBIE and os.getpgid(kid.pid) == kid.pid  # setsid done
+            except (psutil.Error, ProcessLookupError):
+                continue
+            if leader and kid.pid not in adopted and kid.pid not in recorded:
+                out.append(kid.pid)
+    return out
 
 
 def _adopt_spawn_server(sup: "Supervisor", rec: ChildRecord) -> None:

@@ -195,3 +195,40 @@ def test_bench_supervisor_restart_reports_the_contract(tmp_path, tiny_model, cap
     assert res["failed_requests"] == res["lost"] and rc == 0, res
     (kill,) = res["per_kill"]
     assert 0 < kill["adopted_s"] < 60 and 0 < kill["serving_again_s"] < 60, kill
+
+
+def test_an_engine_whose_spawn_was_in_flight_is_stopped_not_orphaned(tmp_path, tiny_model):
+    """A child of the spawn server that no record names (the supervisor died before the spawn's
+    answer) is stopped by the next supervisor; the recorded children are still re-adopted."""
+    from engines.config import EngineConfig
+    from engines.spawn_client import SpawnClient
+    rt = tmp_path / "rt"
+    h = Harness(tmp_path, CONFIG.format(rt=rt, model=tiny_model), notify=False)
+    second = None
+    try:
+        h.wait_booted()
+        before = h.wait_all_ready(120)
+        cfg = EngineConfig(name="stray", model_path=str(tiny_model), port=0, runtime_dir=str(rt),
+                           weight_cache_mode="client", kv_cache_bytes=4194304, max_num_seqs=8, max_model_len=128)
+        with SpawnClient(str(rt / "spawn.sock")) as sc:
+            stray = sc.spawn(cfg, str(tmp_path / "stray.log"))
+        assert _alive(stray)
+        h.proc.kill()
+        h.proc.wait()
+        (tmp_path / "b").mkdir()
+        second = Harness(tmp_path / "b", CONFIG.format(rt=rt, model=tiny_model), notify=False)
+        second.wait_booted()
+        after = second.wait_all_ready(60)
+        assert {e["name"]: e["pid"] for e in after["engines"]} == {e["name"]: e["pid"] for e in before["engines"]}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(stray):
+            time.sleep(0.05)
+        assert not _alive(stray)
+        assert f"engine pid {stray}, forked by the previous spawn server but in no record" in second.log.read_text()
+    finally:
+        if second is not None:
+            second.stop()
+        h.stop()
+        if second is None:
+            from supervisor.stale import check_and_clean
+            check_and_clean(rt)
