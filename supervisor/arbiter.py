@@ -24,8 +24,10 @@ import zmq.asyncio
 
 from supervisor.admin import build_admin
 from supervisor.admin_ops import AdminOps
+from supervisor.adopt import adopt_or_clean, snapshot, wanted
 from supervisor.backoff import RestartPolicy
 from supervisor.canary import GoldenStore, model_fingerprint
+from supervisor.child_records import ChildRecords, read_records, write_records
 from supervisor.config import UnderstudyConfig
 from supervisor.control import ControlChannel
 from supervisor.daemon_ops import DaemonOps
@@ -39,9 +41,11 @@ from supervisor.launch import PopenHandle, SpawnClient, kill_group
 from supervisor.metrics import Metrics
 from supervisor.pidwatch import become_subreaper, is_exiting, reap_orphans
 from supervisor.router import build_router
+from supervisor.reconcile import AdoptionPlan
 from supervisor.routing import RoutingTable
 from supervisor.sdnotify import Notifier
 from supervisor.slots import DaemonSlot, EngineSlot, Slot
+from supervisor.socket_activation import ActivationError, inherited_sockets
 from supervisor.states import Role, State
 from supervisor.token import ensure_token
 
@@ -87,10 +91,16 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.router_url: str | None = None
         self.admin_url: str | None = None
         self.spawn_proc: PopenHandle | None = None
+        self.spawn_starting: PopenHandle | None = None  # started, not answering yet
         self.spawn_client: SpawnClient | None = None
         self.rollout_state: dict[str, Any] | None = None
         self.announced = False  # "ready" printed and READY=1 sent
         self.final = False
+        self.prev_records: ChildRecords | None = None  # left by a previous supervisor: adopt_or_clean
+        self.adoption: AdoptionPlan | None = None
+        self.records_ready = False  # children.json is written once the previous one has been used
+        self.create_times: dict[int, float | None] = {}
+        self.adopted_daemon_info: dict[str, dict[str, Any]] = {}
 
     def _policy(self) -> RestartPolicy:
         f = self.cfg.failover
@@ -105,14 +115,26 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         except (OSError, ValueError, RuntimeError) as e:
             raise BootError(f"runtime_dir: {e}") from None
         from supervisor.stale import RuntimeDirInUse, check_and_clean
-        try:
-            check_and_clean(self.rd)
+        self.prev_records = read_records(self.rd)
+        try:  # with records, live children are re-adopted (or stopped) at boot instead of killed here
+            check_and_clean(self.rd, kill=self.prev_records is None)
         except RuntimeDirInUse as e:
             raise BootError(str(e)) from None
         (self.rd / "logs").mkdir(mode=0o700, exist_ok=True)
-        self.router_sock = bind_tcp(self.cfg.router.host, self.cfg.router.port, "router")
         try:
-            self.admin_sock = bind_tcp(self.cfg.admin.host, self.cfg.admin.port, "admin")
+            held = inherited_sockets()
+        except ActivationError as e:
+            raise BootError(f"socket activation: {e}") from None
+        for name, sock in held.items():
+            log.info("%s: listening socket handed over (fd %d, %s)", name, sock.fileno(), sock.getsockname())
+            want = self.cfg.router if name == "router" else self.cfg.admin
+            if want.port not in (0, sock.getsockname()[1]):
+                log.warning("%s: the handed-over socket listens on %s, the config says %s:%d; serving on the "
+                            "socket (keep ListenStream= and the config equal)", name, sock.getsockname(),
+                            want.host, want.port)
+        self.router_sock = held.get("router") or bind_tcp(self.cfg.router.host, self.cfg.router.port, "router")
+        try:
+            self.admin_sock = held.get("admin") or bind_tcp(self.cfg.admin.host, self.cfg.admin.port, "admin")
         except Exception:
             self.router_sock.close()
             raise
@@ -126,6 +148,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.events = EventBus(self.zctx, str(self.rd / "events.sock"))
         self.control = ControlChannel(self.azctx, str(self.rd / "control.sock"))
         self.http = httpx.AsyncClient(timeout=10.0)
+        self.child_keys = wanted(self)
 
     # ------------------------------------------------------------------ main
     async def run(self) -> int:
@@ -134,6 +157,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.add_signal_handler(sig, self._signals.put_nowait, sig)
         become_subreaper()
+        if self.prev_records is not None:  # before serving: connections wait in the backlog meanwhile
+            self.adoption = await adopt_or_clean(self, self.prev_records)
         lvl = "warning" if self.cfg.log_level != "debug" else "info"
         r = self.cfg.router
         router_app = build_router(self.table, self.metrics, hold_timeout_s=self.cfg.failover.hold_timeout_s,
@@ -188,8 +213,11 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self._spawn(self.shutdown("error"), "shutdown")
 
     async def _boot(self) -> None:
-        """Daemons (loaded) and spawn server (torch imported) side by side, then every engine slot."""
-        spawn = self.loop.create_task(self.start_spawn_server())
+        """Daemons (loaded) and spawn server (torch imported) side by side, then every engine slot;
+        children re-adopted from a previous supervisor (run()) are not started again."""
+        self.records_ready = True
+        self.write_state()
+        spawn = self.loop.create_task(self.start_spawn_server() if self.spawn_proc is None else asyncio.sleep(0))
         try:
             if self.daemons:
                 await self.boot_daemons()
@@ -198,7 +226,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
                 spawn.cancel()
         await spawn
         for slot in self.engines.values():
-            self.start_engine(slot)
+            if slot.state == State.STOPPED:  # not re-adopted
+                self.start_engine(slot)
         self.booted = True
 
     # ------------------------------------------------------------------ events
@@ -306,6 +335,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
             os.replace(tmp, self.rd / "state.json")
         except OSError as e:
             log.warning("cannot write state.json: %s", e)
+        if self.records_ready:
+            write_records(self.rd, snapshot(self))
 
     def log_path(self, name: str) -> Path:
         return self.rd / "logs" / f"{name}.log"

@@ -13,7 +13,7 @@ DELEGATED = {
 }
 BENCH = {"attach": "daemon.bench", "load": "daemon.bench", "decode": "engines.bench",
          "restart": "engines.bench", "validate": "engines.bench", "failover": "supervisor.bench_failover",
-         "serve": "supervisor.bench_serve"}
+         "serve": "supervisor.bench_serve", "supervisor-restart": "supervisor.bench_readopt"}
 
 
 def _delegate(module: str, argv: list[str]) -> int:
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("engine")
             a.add_argument("--force", action="store_true", help="restart the primary even without a READY standby")
     for name, help_ in (("chaos", "fault injection (see `understudy chaos -h`)"),
-                        ("bench", "benchmarks: attach | load | decode | restart | validate | failover | serve"),
+                        ("bench", "benchmarks: attach | load | decode | restart | validate | failover | serve | supervisor-restart"),
                         ("make-model", "write a random HF checkpoint (DIR --preset tiny|small|1b)"),
                         ("daemon", "run one rank's weight cache daemon in the foreground")):
         sub.add_parser(name, help=help_, add_help=False)

@@ -37,7 +37,8 @@ class DaemonOps:
     async def boot_daemons(self) -> None:
         """Start every rank's daemon and wait for its arena; a daemon dying here is a boot error."""
         for d in self.daemons:
-            self.start_daemon(d)
+            if d.state == State.STOPPED:  # not re-adopted from a previous supervisor
+                self.start_daemon(d)
         deadline = time.monotonic() + self.cfg.daemons.load_timeout_s
         while not all(d.state == State.READY for d in self.daemons):
             for d in self.daemons:
@@ -71,6 +72,7 @@ class DaemonOps:
         inc = d.incarnation
         d.cancel_watch = watch_exit(self.loop, handle.pid, lambda pid: self.on_daemon_exit(d, inc, pid))
         d.status_task = self._spawn(self._await_daemon(d, inc), f"status-{d.name}")
+        self.write_state()  # its pid in children.json while it loads (a restarted supervisor stops it)
 
     async def _await_daemon(self, d: DaemonSlot, inc: int) -> None:
         """Poll ``status`` until the arena is loaded; record resident bytes and fingerprint."""
@@ -206,6 +208,8 @@ class DaemonOps:
         proc = PopenHandle(python_argv("engines.spawn_server", "--socket", str(path)),
                            self.log_path("spawn-server"), child_env())
         client = SpawnClient(path)
+        self.spawn_starting = proc  # recorded (not adoptable) until it answers
+        self.write_state()
         try:
             await client.wait_ready(120.0, proc)
         except asyncio.CancelledError:
@@ -215,16 +219,19 @@ class DaemonOps:
             kill_group(proc.pid)
             from supervisor.logtail import last_line
             raise BootError(f"{e}: {last_line(self.log_path('spawn-server'))}") from None
+        finally:
+            self.spawn_starting = None
         self.spawn_proc, self.spawn_client = proc, client
         watch_exit(self.loop, proc.pid, lambda pid: self._on_spawn_server_exit(proc))
         log.info("spawn server ready (pid %d)", proc.pid)
+        self.write_state()  # recorded in children.json: a restarted supervisor re-adopts it
 
     def _on_spawn_server_exit(self, proc: PopenHandle) -> None:
         """Engines it forked keep running (we adopt them); a new server takes the next spawns."""
         if self.stopping or self.spawn_proc is not proc:
             return
         log.warning("spawn server (pid %d) exited (%s); starting a new one", proc.pid,
-                    describe_returncode(proc.popen.poll()))
+                    describe_returncode(proc.exit_status()))
         self._spawn(self.start_spawn_server(), "spawn-server")
 
     async def stop_spawn_server(self) -> None:
@@ -233,10 +240,10 @@ class DaemonOps:
             return
         kill_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.failover.stop_timeout_s
-        while proc.popen.poll() is None and time.monotonic() < deadline:
+        while proc.running() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if proc.popen.poll() is None:
+        if proc.running():
             kill_group(proc.pid)
             await asyncio.sleep(0.05)
-            proc.popen.poll()
+            proc.exit_status()
         self.spawn_proc = None

@@ -46,6 +46,13 @@ class PopenHandle:
         self.pid = self.popen.pid
         self.argv = argv
 
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def exit_status(self) -> int | None:
+        """The exit status if it has exited (negative = signal), else None."""
+        return self.popen.poll()
+
     async def returncode(self) -> int | None:
         """The exit status; waits out a teardown still in progress (a GPU process: ~100 ms+)."""
         deadline = time.monotonic() + EXIT_STATUS_WAIT_S
@@ -128,6 +135,24 @@ class SpawnedHandle:
             if rc is not None:
                 return rc
             await asyncio.sleep(0.02)
+        return None
+
+
+class AdoptedHandle:
+    """A child re-adopted from a previous supervisor: watched by pidfd, but not our child, so its
+    exit status is unknown (waitpid works only for a parent; it was re-parented to init)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def running(self) -> bool:
+        from supervisor.pidwatch import is_exiting
+        return not is_exiting(self.pid)
+
+    def exit_status(self) -> int | None:
+        return None
+
+    async def returncode(self) -> int | None:
         return None
 
 

@@ -25,9 +25,10 @@ def _alive_supervisor(pid: int) -> bool:
         return False
 
 
-def check_and_clean(rd: Path) -> list[int]:
+def check_and_clean(rd: Path, kill: bool = True) -> list[int]:
     """RuntimeDirInUse if a live supervisor owns ``rd``; otherwise SIGKILL the process groups of the
-    children the dead one recorded (only those whose command line names ``rd``); returns them."""
+    children the dead one recorded (only those whose command line names ``rd``); returns them.
+    ``kill=False``: only the check (the children are re-adopted or stopped by supervisor/adopt.py)."""
     try:
         st = json.loads((rd / "state.json").read_text())
     except (OSError, ValueError):
@@ -36,6 +37,8 @@ def check_and_clean(rd: Path) -> list[int]:
     if isinstance(pid, int) and pid != os.getpid() and _alive_supervisor(pid) and not st.get("stopped"):
         raise RuntimeDirInUse(f"runtime_dir {rd} is in use by a running supervisor (pid {pid}); "
                               "stop it first or set another runtime_dir")
+    if not kill:
+        return []
     pids = [e.get("pid") for e in st.get("engines", [])] + [d.get("pid") for d in st.get("daemons", [])]
     pids.append((st.get("spawn_server") or {}).get("pid"))
     killed = []

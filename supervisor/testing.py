@@ -24,7 +24,8 @@ class Harness:
     """``understudy serve -c CONFIG`` as a child, with a NOTIFY_SOCKET we own and an event log."""
 
     def __init__(self, workdir: Path, config_text: str, notify: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, held: dict[str, socket.socket] | None = None) -> None:
+        """``held``: listening sockets handed over as systemd socket activation does (name -> socket)."""
         self.workdir = workdir
         self.config = workdir / "understudy.yaml"
         self.config.write_text(config_text)
@@ -41,8 +42,13 @@ class Harness:
             env["NOTIFY_SOCKET"] = self.notify_path
             threading.Thread(target=self._read_notify, daemon=True).start()
         self._logf = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "-c", str(self.config)],
-                                     cwd=ROOT, stdout=self._logf, stderr=subprocess.STDOUT, env=env)
+        argv = [sys.executable, "-m", "supervisor", "serve", "-c", str(self.config)]
+        fds = [s.fileno() for s in (held or {}).values()]
+        if held:
+            from supervisor.socket_activation import handover_argv
+            argv = handover_argv(fds, list(held), argv)
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
+                                     pass_fds=fds)
         self.events: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
 
@@ -232,3 +238,64 @@ class Load:
         """Completion time of the first success served by ``engine`` that started after ``after``."""
         times = [end for start, end, code, eng in self.results if code == 200 and eng == engine and end >= after]
         return min(times) if times else None
+
+
+def listening(host: str = "127.0.0.1", backlog: int = 4096) -> socket.socket:
+    """A listening TCP socket on a free port, to hand over to a supervisor (``Harness(held=...)``)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    s.bind((host, 0))
+    s.listen(backlog)
+    return s
+
+
+class OpenLoad:
+    """Open-loop load: a completion every 1/rate s whatever the answers, each on a fresh connection
+    (so refused connections are seen), with http.client (light on CPU). ``results``: (start, end,
+    outcome) with outcome "ok", "refused", "HTTP <code>" or the error."""
+
+    def __init__(self, url: str, model: str, rate: float = 20.0, max_tokens: int = 4) -> None:
+        self.url, self.model, self.rate, self.max_tokens = url, model, rate, max_tokens
+        self.results: list[tuple[float, float, str]] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+
+    def start(self) -> "OpenLoad":
+        self._ticker.start()
+        return self
+
+    def _tick(self) -> None:
+        nxt = time.monotonic()
+        while not self._stop.is_set():
+            t = threading.Thread(target=self.one, daemon=True)
+            t.start()
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            nxt += 1 / self.rate
+            time.sleep(max(0.0, nxt - time.monotonic()))
+
+    def one(self, max_tokens: int | None = None) -> None:
+        """One request (``max_tokens`` generated, EOS ignored); its outcome is appended to results."""
+        import http.client
+        t0 = time.monotonic()
+        body = json.dumps({"model": self.model, "prompt": "Once upon a time", "temperature": 0.0,
+                           "max_tokens": max_tokens or self.max_tokens, "ignore_eos": True})
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            outcome = "ok" if r.status == 200 else f"HTTP {r.status}"
+        except ConnectionRefusedError:
+            outcome = "refused"
+        except (OSError, http.client.HTTPException) as e:
+            outcome = f"{type(e).__name__}: {e}"
+        finally:
+            conn.close()
+        self.results.append((t0, time.monotonic(), outcome))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._ticker.join(5)
+        for t in list(self._threads):
+            t.join(90)

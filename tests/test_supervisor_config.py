@@ -155,7 +155,7 @@ def test_systemd_unit_matches_the_design_and_the_default_timeouts():
     unit.optionxform = str
     unit.read_string((ROOT / "configs" / "understudy.service").read_text())
     svc = unit["Service"]
-    assert svc["Type"] == "notify" and svc["KillMode"] == "mixed" and svc["OOMPolicy"] == "continue"
+    assert svc["Type"] == "notify" and svc["KillMode"] == "process" and svc["OOMPolicy"] == "continue"
     assert svc["Restart"] == "on-failure" and "understudy serve" in svc["ExecStart"]
     f = load_config(None).failover
     assert int(svc["TimeoutStopSec"]) > f.drain_timeout_s + f.stop_timeout_s  # the drain is never cut short

@@ -187,6 +187,8 @@ def test_daemon_boot_error_halts_with_the_daemon_reason(tmp_path, tiny_model):
 
 
 def test_a_sigkilled_supervisor_leaves_no_orphans_after_the_next_start(tmp_path, tiny_model):
+    """The next start re-adopts the children that match its config and stops the others
+    (tests/test_supervisor_readopt.py covers the all-adopted case under load)."""
     import psutil
     text = (f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {tiny_model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n"
             "engines: {count: 1}\n")
@@ -194,19 +196,24 @@ def test_a_sigkilled_supervisor_leaves_no_orphans_after_the_next_start(tmp_path,
     try:
         first.wait_booted()
         st = first.wait_all_ready(90)
-        children = [st["engines"][0]["pid"], st["daemons"][0]["pid"], st["spawn_server"]["pid"]]
+        engine, daemon, spawn = st["engines"][0]["pid"], st["daemons"][0]["pid"], st["spawn_server"]["pid"]
         first.proc.kill()  # the supervisor itself dies: its children are orphans now
         first.proc.wait()
-        assert all(psutil.pid_exists(p) for p in children)
+        assert all(psutil.pid_exists(p) for p in (engine, daemon, spawn))
         (tmp_path / "again").mkdir()
-        second = Harness(tmp_path / "again", text, notify=False)  # same runtime dir, new work dir
+        changed = text.replace("{count: 1}", "{count: 1, max_num_seqs: 4}")  # the engine's config changed
+        second = Harness(tmp_path / "again", changed, notify=False)  # same runtime dir, new work dir
         try:
             second.wait_booted()
-            second.wait_all_ready(90)
-            for p in children:
-                assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
-            assert "killed 3 processes left by a previous supervisor" in second.tail(200)
+            st2 = second.wait_all_ready(90)
+            assert not psutil.pid_exists(engine) or psutil.Process(engine).status() == psutil.STATUS_ZOMBIE
+            assert st2["engines"][0]["pid"] != engine
+            assert st2["daemons"][0]["pid"] == daemon and st2["spawn_server"]["pid"] == spawn  # re-adopted
+            log = second.tail(200)
+            assert f"previous engine a (pid {engine}) stopped, not adopted: started with another config" in log
         finally:
             assert second.stop() == 0
+        for p in (engine, daemon, spawn):  # the normal stop ends adopted children too
+            assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
     finally:
         first.stop()

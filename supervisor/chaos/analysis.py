@@ -233,6 +233,9 @@ def checks(report: ChaosReport, active_problems: list[str], options: dict[str, A
     compared = [m for m in report.honest_metrics if m.agree is not None and m.comparable]
     disagree = [m.name for m in compared if not m.agree]
     detail = ("differ: " + ", ".join(disagree)) if disagree else "all compared figures within tolerance"
+    if any(f.kind == "kill-supervisor" and f.error is None for f in report.faults):
+        detail += " (kill-supervisor restarted the supervisor: its counters started again at 0, so the " \
+                  "supervisor's figures cover only the time since its last restart)"
     out.append(Check(name="supervisor metrics agree with the client", ok=bool(compared) and not disagree,
                      detail=detail if compared else "nothing compared (/metrics not read at both ends)"))
     return out

@@ -5,6 +5,7 @@ import asyncio
 import random
 import signal
 import time
+from pathlib import Path
 
 from .admin import AdminClient, AdminError
 from .records import EngineView, FaultRecord, StatusSample
@@ -31,6 +32,8 @@ def replaced(sample: StatusSample, fault: FaultRecord | None) -> bool:
     for a rollout). True when there is nothing to wait for (no fault, or it was not injected)."""
     if fault is None or fault.error is not None:
         return True
+    if fault.kind == "kill-supervisor":  # a new supervisor answers; the children are the same ones
+        return sample.supervisor_pid is not None and sample.supervisor_pid != fault.pid
     if fault.kind == "rollout":
         before = fault.detail.get("engine_pids", {})
         return all(e.pid != before.get(e.name) and e.state == "READY" for e in sample.engines)
@@ -72,8 +75,10 @@ class FaultInjector:
         ready_timeout_s: float,
         stop_release_s: float,
         seed: int = 0,
+        log_dir: str = ".",
     ) -> None:
         self.admin = admin
+        self.log_dir = log_dir  # where a supervisor restarted by chaos logs, if its stdout was no file
         self.plan = plan
         self.interval_s = interval_s
         self.ready_timeout_s = ready_timeout_s
@@ -130,7 +135,9 @@ class FaultInjector:
             primary = next((e for e in sample.engines if e.role == "primary"), None)
             fault.primary_before = primary.name if primary else None
         action, _, role = kind.partition("-")
-        if action in SIGNALS:
+        if kind == "kill-supervisor":
+            await self._kill_supervisor(fault, sample)
+        elif action in SIGNALS:
             self._signal(fault, action, role, sample)
         else:
             await self._api(fault, action, sample)
@@ -154,6 +161,23 @@ class FaultInjector:
             return
         if action == "stop":
             self._stopped[target.pid] = fault  # type: ignore[index]
+
+    async def _kill_supervisor(self, fault: FaultRecord, sample: StatusSample | None) -> None:
+        """SIGKILL the supervisor; restarted on its held sockets (supervisor_restart.py)."""
+        from .supervisor_restart import RestartError, kill_and_restart
+        pid = sample.supervisor_pid if sample is not None else None
+        if pid is None:
+            fault.error = "no supervisor pid in /status"
+            return
+        fault.target_role, fault.name, fault.pid = "supervisor", "supervisor", pid
+        if sample is not None:
+            fault.detail["engine_pids"] = {e.name: e.pid for e in sample.engines}
+        fault.t = time.time()
+        try:
+            fault.detail.update(await asyncio.to_thread(kill_and_restart, pid, self.admin.admin_url,
+                                                        Path(self.log_dir) / f"supervisor-{fault.index}.log"))
+        except RestartError as exc:
+            fault.error = str(exc)
 
     async def _api(self, fault: FaultRecord, action: str, sample: StatusSample | None) -> None:
         path = "/admin/promote" if action == "promote" else "/admin/rollout"

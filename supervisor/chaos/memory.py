@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import psutil
@@ -41,8 +42,9 @@ def gpu_used_bytes(timeout_s: float = 5.0) -> list[int] | None:
         return None
 
 
-def sample_tree(pid: int | None, t: float | None = None) -> MemorySample:
-    """RSS and PSS summed over `pid` and all its descendants, plus GPU memory."""
+def sample_tree(pid: int | None, t: float | None = None, also: Iterable[int] = ()) -> MemorySample:
+    """RSS and PSS summed over `pid` and all its descendants, plus GPU memory. `also`: more roots
+    (children a restarted supervisor re-adopted are not its descendants), each counted once."""
     sample = MemorySample(t=time.time() if t is None else t, gpu_used_bytes=gpu_used_bytes())
     if pid is None:
         sample.error = "supervisor pid unknown (not in /status, not found listening on the admin port)"
@@ -53,6 +55,15 @@ def sample_tree(pid: int | None, t: float | None = None) -> MemorySample:
     except psutil.Error as exc:
         sample.error = f"supervisor pid {pid}: {type(exc).__name__}"
         return sample
+    seen = {p.pid for p in procs}
+    for other in also:
+        try:
+            other_root = psutil.Process(other)
+            tree = [other_root, *other_root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        procs += [p for p in tree if p.pid not in seen]
+        seen.update(p.pid for p in tree)
     rss, pss, pss_ok = 0, 0, True
     for p in procs:
         try:

@@ -12,6 +12,7 @@ FAULT_KINDS = (
     "kill-primary", "kill-standby", "kill-daemon", "kill-random",
     "stop-primary", "stop-standby", "stop-daemon", "stop-random",
     "promote", "rollout",
+    "kill-supervisor",
 )
 ENDPOINTS = ("completion", "chat")
 

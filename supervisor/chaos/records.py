@@ -71,6 +71,8 @@ class StatusSample:
     epoch: int | None
     engines: list[EngineView]
     daemons: list[EngineView]
+    supervisor_pid: int | None = None
+    spawn_server_pid: int | None = None
 
     def active_count(self) -> int:
         """Engines that are primary and READY, i.e. serving traffic."""

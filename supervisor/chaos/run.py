@@ -20,7 +20,7 @@ from .metrics_text import MetricsParseError, MetricsSnapshot
 from .options import ChaosOptions
 from .poller import StatusPoller
 from .schema import ChaosReport
-from .status_view import events_endpoint, supervisor_pid
+from .status_view import events_endpoint, parse_status, supervisor_pid
 from .writer import write_report
 
 
@@ -99,19 +99,36 @@ async def _race(aw: Awaitable[Any], dead: asyncio.Event, timeout: float) -> None
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _memory_loop(opts: ChaosOptions, data: RunData, stop: asyncio.Event) -> None:
+async def _sample_tree(data: RunData, admin: AdminClient | None):
+    """The supervisor's tree; after a `kill-supervisor` fault, the new supervisor's, plus the children
+    it re-adopted (engines, daemons, spawn server as /status lists them: not its descendants)."""
+    also: list[int] = []
+    try:
+        if admin is None:  # the supervisor stopped answering
+            raise AdminError("not asked")
+        now = parse_status(await admin.status(), time.time())
+        if now.supervisor_pid:
+            data.memory.supervisor_pid = now.supervisor_pid
+        also = [v.pid for v in now.engines + now.daemons if v.pid] + \
+            ([now.spawn_server_pid] if now.spawn_server_pid else [])
+    except AdminError:
+        pass  # the supervisor's own tree only
+    return await asyncio.to_thread(sample_tree, data.memory.supervisor_pid, None, also)
+
+
+async def _memory_loop(opts: ChaosOptions, data: RunData, stop: asyncio.Event, admin: AdminClient) -> None:
     while not stop.is_set() and len(data.memory.samples) < 10_000:
         try:
             await asyncio.wait_for(stop.wait(), timeout=opts.memory_every_s)
             return
         except asyncio.TimeoutError:
-            data.memory.samples.append(await asyncio.to_thread(sample_tree, data.memory.supervisor_pid))
+            data.memory.samples.append(await _sample_tree(data, admin))
 
 
 async def _run(opts: ChaosOptions, data: RunData, admin: AdminClient, deadline: float) -> None:
     model = await _preflight(opts, admin, data)
     data.metrics_before = await _metrics(admin, data, "start")
-    data.memory.start = await asyncio.to_thread(sample_tree, data.memory.supervisor_pid)
+    data.memory.start = await _sample_tree(data, admin)
     stop, stop_load = asyncio.Event(), asyncio.Event()
     max_polls = int(opts.duration_s / opts.status_poll_s) + 10
     poller = StatusPoller(admin, opts.status_poll_s, opts.dead_after_s, max_polls)
@@ -121,8 +138,8 @@ async def _run(opts: ChaosOptions, data: RunData, admin: AdminClient, deadline: 
                          timeout_s=opts.request_timeout_s, seed=opts.seed)
     injector = FaultInjector(admin, opts.fault_plan(), interval_s=opts.interval_s,
                              ready_timeout_s=opts.ready_timeout_s, stop_release_s=opts.stop_release_s,
-                             seed=opts.seed)
-    background = [asyncio.create_task(poller.run(stop)), asyncio.create_task(_memory_loop(opts, data, stop))]
+                             seed=opts.seed, log_dir=opts.out_dir)
+    background = [asyncio.create_task(poller.run(stop)), asyncio.create_task(_memory_loop(opts, data, stop, admin))]
     if listener is not None:
         background.append(asyncio.create_task(listener.run(stop)))
     load_task = asyncio.create_task(load.run(stop_load, deadline))
@@ -138,7 +155,7 @@ async def _run(opts: ChaosOptions, data: RunData, admin: AdminClient, deadline: 
         injector.release_stopped(older_than=0.0)
         if not poller.dead.is_set():
             data.metrics_after = await _metrics(admin, data, "end")
-        data.memory.end = await asyncio.to_thread(sample_tree, data.memory.supervisor_pid)
+        data.memory.end = await _sample_tree(data, None if poller.dead.is_set() else admin)
         stop.set()
         await asyncio.wait(background, timeout=5.0)
         for task in [load_task, *background]:

@@ -45,7 +45,8 @@ def parse_status(body: dict[str, Any], t: float) -> StatusSample:
         for d in _items(body.get("daemons"), "name")
     ]
     epoch = body.get("epoch")
-    return StatusSample(t=t, epoch=epoch if isinstance(epoch, int) else None, engines=engines, daemons=daemons)
+    return StatusSample(t=t, epoch=epoch if isinstance(epoch, int) else None, engines=engines, daemons=daemons,
+                        supervisor_pid=supervisor_pid(body), spawn_server_pid=_pid(body.get("spawn_server") or {}))
 
 
 def supervisor_pid(body: dict[str, Any]) -> int | None:
