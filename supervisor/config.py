@@ -176,7 +176,7 @@ class UnderstudyConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu_ids: list[int] = Field(default_factory=list, description="rank i on cuda:gpu_ids[i]; empty = 0..tp-1")
     runtime_dir: str | None = Field(default=None, description="null = $XDG_RUNTIME_DIR/understudy or /tmp/understudy-$UID")
-    cache_dir: str | None = Field(default=None, description="null = $XDG_CACHE_HOME/understudy or ~/.cache/understudy")
+    cache_dir: str | None = Field(default=None, description="null = $UNDERSTUDY_CACHE_DIR, else $XDG_CACHE_HOME/understudy or ~/.cache/understudy")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     model: ModelSection = Field(default_factory=ModelSection)
     engines: EnginesSection = Field(default_factory=EnginesSection)
@@ -205,6 +205,8 @@ class UnderstudyConfig(_Section):
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
+        if os.environ.get("UNDERSTUDY_CACHE_DIR"):  # as daemon/fingerprint.py
+            return Path(os.environ["UNDERSTUDY_CACHE_DIR"])
         xdg = os.environ.get("XDG_CACHE_HOME")
         return (Path(xdg) if xdg else Path.home() / ".cache") / "understudy"
 
