@@ -49,14 +49,27 @@ engines:
   count: {count}
   external: {{command: "{command}", url: "http://127.0.0.1:{{port}}"}}
 failover: {{probe_interval_s: 0.3, probe_timeout_s: 2, hold_timeout_s: {hold}, backoff_base_s: 0.05,
-           backoff_max_s: 0.2, flap_max: {flap}, flap_window_s: 60, drain_timeout_s: 5, stop_timeout_s: 3}}
+           backoff_max_s: 0.2, flap_max: {flap}, flap_window_s: 60, drain_timeout_s: 5, stop_timeout_s: 3{extra}}}
 router: {{port: 0}}
 admin: {{port: 0}}
 """
 
 
-def harness(tmp, command: str, count: int = 2, flap: int = 50, hold: float = 10) -> Harness:
-    return Harness(tmp, BASE.format(rt=tmp / "rt", command=command, count=count, flap=flap, hold=hold))
+def harness(tmp, command: str, count: int = 2, flap: int = 50, hold: float = 10, extra: str = "",
+            env: dict[str, str] | None = None) -> Harness:
+    return Harness(tmp, BASE.format(rt=tmp / "rt", command=command, count=count, flap=flap, hold=hold, extra=extra),
+                   env=env)
+
+
+CRASHY = textwrap.dedent('''
+    """Exits 5 while FLAG exists (a broken install, a missing file), else becomes the engine script."""
+    import os, sys
+    flag, script = sys.argv[1], sys.argv[2]
+    if os.path.exists(flag):
+        print("crashy: cannot start: " + flag + " is present", file=sys.stderr)
+        sys.exit(5)
+    os.execv(sys.executable, [sys.executable, script, *sys.argv[3:]])
+''')
 
 
 @pytest.fixture(scope="module")
@@ -110,30 +123,72 @@ def test_failing_probes_of_a_live_primary_cause_a_failover(tmp_path, script):
         assert h.stop() == 0, h.tail()
 
 
-def test_always_crashing_engine_backs_off_then_goes_fatal_until_admin_restart(tmp_path):
-    crash = f"{sys.executable} -c 'import sys; sys.exit(5)'"
-    h = harness(tmp_path, crash, count=1, flap=3, hold=0.5)
+def test_crash_loop_backs_off_forever_for_the_last_engine_then_recovers(tmp_path, script):
+    """Both engines crash at start: one goes FATAL, the last one standing is retried with capped
+    backoff (never FATAL), /readyz and `understudy status` say why, the watchdog stays fed (retries
+    are progress); once the cause is gone it serves, and an admin restart brings the FATAL one back."""
+    flag = tmp_path / "broken"
+    flag.touch()
+    crashy = tmp_path / "crashy.py"
+    crashy.write_text(CRASHY)
+    h = harness(tmp_path, f"{sys.executable} {crashy} {flag} {script} {{port}} {{name}} same", flap=2, hold=0.5,
+                env={"WATCHDOG_USEC": "200000"})
     try:
         h.wait_booted()
-        ev = h.wait_event(lambda e: e.get("to") == "FATAL", timeout_s=30)
-        kinds = [(e["from"], e["to"]) for e in h.events if e["type"] == "transition"]
-        assert ("EXITED", "BACKOFF") in kinds and kinds.index(("EXITED", "BACKOFF")) < len(kinds) - 1
-        assert "flapping: 3 failures" in ev["reason"]
+        fatal = h.wait_event(lambda e: e.get("to") == "FATAL", timeout_s=30)["engine"]
+        last = next(n for n in ("a", "b") if n != fatal)
+        exits = lambda: sum(e.get("engine") == last and e.get("to") == "EXITED" for e in h.events)
+        deadline = time.monotonic() + 30
+        while exits() < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert exits() >= 5, h.tail()
+        assert not any(e.get("engine") == last and e.get("to") == "FATAL" for e in h.events)
         st = h.status()
-        (eng,) = st["engines"]
-        assert eng["state"] == "FATAL" and eng["last_exit"] == "exit code 5" and st["primary"] is None
-        assert 'understudy_engine_state{engine="a",state="FATAL"} 1.0' in h.metrics()
-        assert httpx.get(h.router_url + "/healthz").status_code == 200
-        rz = httpx.get(h.router_url + "/readyz")
-        assert rz.status_code == 503 and rz.json()["ready"] is False
-        r = httpx.post(h.router_url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
-        assert r.status_code == 503 and r.headers["retry-after"]
+        eng = {e["name"]: e for e in st["engines"]}
+        assert eng[fatal]["state"] == "FATAL" and eng[last]["crash_loop"] and st["primary"] is None
+        reason = ""
+        for _ in range(100):  # /readyz may catch the slot mid-spawn; the crash loop shows between spawns
+            rz = httpx.get(h.router_url + "/readyz")
+            assert rz.status_code == 503
+            reason = rz.json()["reason"]
+            if "crash loop" in reason:
+                break
+            time.sleep(0.02)
+        assert f"engine {last}: crash loop, next try in " in reason and \
+            f"last exit: exit code 5 (crashy: cannot start: {flag} is present)" in reason, reason
+        assert f"engine {fatal}: FATAL: flapping: 2 failures" in reason
+        cli = subprocess.run([sys.executable, "-m", "supervisor", "status", "-c", str(h.config)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=30)
+        assert cli.returncode == 0 and "NOT READY: " in cli.stdout and f"engine {fatal}: FATAL" in cli.stdout
+        fed = h.notify_msgs.count("WATCHDOG=1")
         time.sleep(0.5)
-        assert h.status()["engines"][0]["state"] == "FATAL", "FATAL stays FATAL"
-        mark = len(h.events)
-        assert h.admin("POST", "/admin/engines/a/restart").status_code == 200
-        h.wait_event(lambda e: e.get("to") == "STARTING", since=mark)
-        h.wait_event(lambda e: e.get("to") == "FATAL", since=mark, timeout_s=30)
+        assert h.notify_msgs.count("WATCHDOG=1") > fed, "a node that keeps retrying is not stuck"
+        flag.unlink()  # the cause is removed: the next retry serves
+        h.wait_for(lambda s: s["primary"] == last, 30, "the crash-looping engine serves")
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-understudy-engine"] == last
+        assert httpx.get(h.router_url + "/readyz").status_code == 200
+        assert h.engines()[fatal]["state"] == "FATAL", "an extra slot stays FATAL until an admin restart"
+        assert h.admin("POST", f"/admin/engines/{fatal}/restart").status_code == 200
+        h.wait_all_ready(30)
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
+def test_a_node_stuck_without_progress_stops_feeding_the_watchdog(tmp_path):
+    """An engine that never listens, with a startup timeout far away: nothing moves for
+    stuck_after_s, so WATCHDOG=1 stops (systemd would restart the node) and status says so."""
+    h = harness(tmp_path, "sleep 60", count=1, extra=", startup_timeout_s: 60, stuck_after_s: 1",
+                env={"WATCHDOG_USEC": "200000"})
+    try:
+        h.wait_booted()
+        h.wait_for(lambda s: s["watchdog"]["stuck"], 15, "stuck")
+        n = h.notify_msgs.count("WATCHDOG=1")
+        assert n >= 1, "fed while the start was fresh"
+        assert any("STATUS=stuck: no READY primary and no progress" in m for m in h.notify_msgs)
+        time.sleep(0.6)
+        assert h.notify_msgs.count("WATCHDOG=1") == n
+        assert "engine a: STARTING for" in httpx.get(h.router_url + "/readyz").json()["reason"]
     finally:
         assert h.stop() == 0, h.tail()
 
