@@ -193,6 +193,41 @@ def test_a_node_stuck_without_progress_stops_feeding_the_watchdog(tmp_path):
         assert h.stop() == 0, h.tail()
 
 
+def test_admin_and_router_hygiene_drain_and_token(tmp_path, script):
+    """Bearer scheme in any case; errors in one shape; one date/server header on proxied responses;
+    drain = /readyz 503 while requests are still served; `understudy token` for curl."""
+    h = harness(tmp_path, f"{sys.executable} {script} {{port}} {{name}} same", count=1)
+    try:
+        h.wait_booted()
+        h.wait_all_ready(60)
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            assert httpx.get(h.admin_url + "/status", headers={"authorization": f"{scheme} {h.token}"}).status_code == 200
+        for bad in (f"Basic {h.token}", f"Bearer {h.token.upper()}x", "Bearer", ""):
+            r = httpx.get(h.admin_url + "/status", headers={"authorization": bad})
+            assert r.status_code == 401 and "bearer token" in r.json()["error"]
+        assert h.admin("GET", "/nowhere").json() == {"error": "Not Found"}
+        r = h.admin("POST", "/admin/engines/a/restart?force=maybe")
+        assert r.status_code == 400 and r.json()["error"].startswith("query.force: "), r.text
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"})
+        assert r.status_code == 200
+        assert len(r.headers.get_list("date")) == 1 and len(r.headers.get_list("server")) == 1, r.headers
+        for method, path, code in (("OPTIONS", "/v1/completions", 405), ("GET", "/nowhere", 404)):
+            r = httpx.request(method, h.router_url + path)
+            assert r.status_code == code and set(r.json()) == {"error"} and r.json()["error"]["message"]
+        cli = lambda *a: subprocess.run([sys.executable, "-m", "supervisor", *a, "-c", str(h.config)], cwd=ROOT,
+                                        capture_output=True, text=True, timeout=30)
+        tok = cli("token")
+        assert tok.returncode == 0 and tok.stdout.strip() == h.token
+        assert cli("drain").returncode == 0
+        rz = httpx.get(h.router_url + "/readyz")
+        assert rz.status_code == 503 and rz.json()["reason"] == "node is drained"
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"})
+        assert r.status_code == 200, "a drained node still serves what arrives (load balancer lag)"
+        assert cli("undrain").returncode == 0 and httpx.get(h.router_url + "/readyz").status_code == 200
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
 def test_canary_mismatch_is_never_promoted(tmp_path, script):
     h = harness(tmp_path, f"{sys.executable} {script} {{port}} {{name}} vary", flap=3)
     try:
