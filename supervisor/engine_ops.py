@@ -47,7 +47,9 @@ class EngineOps:
             slot.timer = None
         slot.retry_at = None
         slot.incarnation += 1
-        self.log_path(f"{slot.name}-{slot.incarnation - KEEP_LOGS}").unlink(missing_ok=True)
+        old_log = self.log_path(f"{slot.name}-{slot.incarnation - KEEP_LOGS}")
+        old_log.unlink(missing_ok=True)
+        old_log.with_name(old_log.name + ".1").unlink(missing_ok=True)  # its previous run's (rotate_log)
         slot.port = free_port()
         slot.url = f"http://127.0.0.1:{slot.port}"
         slot.stop_requested = slot.restart_after_stop = False
