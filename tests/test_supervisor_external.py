@@ -300,3 +300,43 @@ def test_a_sigkilled_supervisor_leaves_no_orphans_after_the_next_start(tmp_path,
             assert second.stop() == 0
     finally:
         first.stop()
+
+
+def test_boot_error_of_the_last_engine_after_serving_is_retried_until_fixed(tmp_path, tiny_model):
+    """The checkpoint breaks under a serving node (one engine) and the engine dies: every restart
+    is a boot error (exit 3), yet the node keeps retrying with capped backoff and says why; once
+    the file is restored the next retry serves again."""
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    good = weights.read_bytes()
+    h = Harness(tmp_path, f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {model}}}\nrouter: {{port: 0}}\n"
+                          "admin: {port: 0}\nengines: {count: 1, kv_cache_bytes: 4194304, max_model_len: 128}\n"
+                          "failover: {backoff_base_s: 0.05, backoff_max_s: 0.3, flap_max: 2, hold_timeout_s: 1}\n",
+                notify=False)
+    try:
+        h.wait_booted()
+        h.wait_all_ready(90)
+        weights.write_bytes(good[: len(good) // 2])
+        mark = len(h.events)
+        os.kill(h.engines()["a"]["pid"], signal.SIGKILL)
+        h.wait_for(lambda s: s["engines"][0]["recent_failures"] >= 4, 90, "four failures in a row")
+        assert not any(e.get("to") == "FATAL" for e in h.events[mark:])
+        eng = h.engines()["a"]
+        assert eng["crash_loop"] and "exit code 3" in eng["last_exit"] + eng["reason"], eng
+        reason = ""
+        for _ in range(300):  # between spawns, /readyz shows the crash loop and the log line of the last exit
+            reason = httpx.get(h.router_url + "/readyz").json()["reason"]
+            if "crash loop" in reason:
+                break
+            time.sleep(0.02)
+        assert "engine a: crash loop, next try in " in reason and "last exit: exit code 3 (" in reason \
+            and "model.safetensors" in reason, reason
+        weights.write_bytes(good)
+        h.wait_for(lambda s: s["primary"] == "a", 90, "served again")
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "model", "prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200 and h.engines()["a"]["weights_source"] == "cache_hit"
+    finally:
+        assert h.stop() == 0, h.tail()
