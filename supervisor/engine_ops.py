@@ -321,8 +321,8 @@ class EngineOps:
             (log.warning if slot.policy.consecutive <= slot.policy.max_failures else log.info)("%s: %s", slot.name, why)
         else:
             why = f"restart in {delay:.2f}s (last: {slot.reason})"
+        slot.retry_at = time.monotonic() + delay  # before the transition: state.json and STATUS show it
         self.transition(slot, State.BACKOFF, why)
-        slot.retry_at = time.monotonic() + delay
         slot.timer = self.loop.call_later(delay, self._backoff_done, slot)
 
     def last_standing(self, slot: EngineSlot) -> bool:
