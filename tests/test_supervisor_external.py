@@ -1,6 +1,8 @@
 """External engines (command template + URL, no weight sharing) judged ready by the same canary;
-an always-crashing engine goes BACKOFF then FATAL until an admin restart; a mismatching canary is
-never promoted; an engine boot error halts the supervisor instead of looping."""
+crash loops back off: extra slots go FATAL until an admin restart, the last engine standing is
+retried forever and serves once the cause is gone; a node stuck without progress stops feeding the
+watchdog; a mismatching canary is never promoted; an engine boot error before anything served halts
+the supervisor instead of looping; admin/router hygiene (bearer case, error shapes, headers, drain)."""
 from __future__ import annotations
 
 import os
