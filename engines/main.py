@@ -30,6 +30,7 @@ from .runner import KVBudgetError, ModelRunner, init_distributed
 from .core_link import CoreLink, endpoints
 from .frontend import run_frontend
 from .startup import StartupTimer
+from .teardown import TEARDOWN_BUDGET_S, exit_deadline, leave_group
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import load_rank_weights
 
@@ -131,7 +132,8 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     if cfg.cuda_graphs and device.type == "cuda":
         runner.capture_graphs()
     runner.worker_loop()
-    dist.destroy_process_group()
+    exit_deadline(0)
+    leave_group(group)  # with rank 0, at once (NCCL's destroy is collective: engines/teardown.py)
     return 0
 
 
@@ -223,12 +225,15 @@ def run_engine(cfg: EngineConfig) -> int:
         if link is not None:
             link.close()
     shutting_down.set()
+    deadline = exit_deadline(rc) if group is not None else None
     runner.shutdown()
-    for pid in ranks:
-        _wait_pid(pid, timeout=30)
     if group is not None:
-        dist.destroy_process_group()
+        leave_group(group)  # before waiting for the workers: they are in the same collective destroy
+    for pid in ranks:
+        _wait_pid(pid, timeout=TEARDOWN_BUDGET_S)
     control.close()
+    if deadline is not None:
+        deadline.cancel()
     return rc
 
 

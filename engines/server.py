@@ -16,6 +16,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .engine_client import EngineClient
@@ -230,6 +231,14 @@ def build_app(srv: OpenAIServer) -> FastAPI:
         where = ".".join(loc) or "body"
         return error_response(400, f"{where}: {err.get('msg')} (got {_short(err.get('input'))})",
                               loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own errors (unknown path 404, wrong method 405, unparsable body 400), OpenAI-style."""
+        resp = error_response(exc.status_code, f"{exc.detail} ({request.method} {request.url.path})",
+                              code="not_found" if exc.status_code == 404 else None)
+        resp.headers.update(exc.headers or {})
+        return resp
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

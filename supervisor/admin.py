@@ -5,6 +5,8 @@ import hmac
 from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 
 from supervisor.status_page import StatusPage
@@ -30,12 +32,13 @@ class AdminTarget(Protocol):
 
 def build_admin(target: AdminTarget, token: str) -> FastAPI:
     """The admin app; every route needs ``Authorization: Bearer <token>``."""
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
 
     async def auth(request: Request) -> None:
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
-            raise AdminError(401, "missing or wrong bearer token (see admin.token_file)")
+        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), expected)
+        if not ok:  # the scheme is case-insensitive (RFC 9110), the token is not
+            raise AdminError(401, "missing or wrong bearer token (see admin.token_file, or `understudy token`)")
 
     page = StatusPage(lambda: target.status_dict()["events"],  # /ui and /events (status_page.py)
                       stopping=lambda: bool(getattr(target, "stopping", False)))
@@ -47,6 +50,16 @@ def build_admin(target: AdminTarget, token: str) -> FastAPI:
     async def _admin_error(_: Request, exc: AdminError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "request"
+        return JSONResponse({"error": f"{where}: {err.get('msg')} (got {err.get('input')!r})"}, status_code=400)
 
     @app.get("/status")
     async def status() -> dict:

@@ -1,10 +1,14 @@
-"""CLI side of the admin API: URL and token from the same config (or state.json when port 0)."""
+"""CLI side of the admin API: URL and token from the same config, or from the running supervisor's
+state.json (its real admin URL and token file, wherever its runtime dir is)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
+from supervisor.config import UnderstudyConfig
 from supervisor.config_load import ConfigError, load_config
 
 
@@ -12,29 +16,68 @@ class ClientError(Exception):
     pass
 
 
+SYSTEM_CONFIG = "/etc/understudy/understudy.yaml"  # where configs/understudy.service points
+SYSTEM_RUNTIME_DIR = "/run/understudy"  # RuntimeDirectory= of configs/understudy.service
+
+
+def config_path_for_cli(config_path: str | None) -> str | None:
+    """``-c``, else $UNDERSTUDY_CONFIG, else the systemd unit's config if present, else the embedded default."""
+    if config_path:
+        return config_path
+    if os.environ.get("UNDERSTUDY_CONFIG"):
+        return os.environ["UNDERSTUDY_CONFIG"]
+    return SYSTEM_CONFIG if Path(SYSTEM_CONFIG).is_file() else None
+
+
+def find_state(cfg: UnderstudyConfig) -> tuple[Path, dict[str, Any] | None]:
+    """The runtime dir of the running supervisor and its state.json (None if none runs). With
+    ``runtime_dir: null`` the supervisor's dir depends on ITS environment ($XDG_RUNTIME_DIR, e.g.
+    /run under systemd), so the caller's own default and the systemd one are both looked at."""
+    dirs = [cfg.resolved_runtime_dir()]
+    if not cfg.runtime_dir:
+        dirs += [Path(SYSTEM_RUNTIME_DIR), Path(f"/tmp/understudy-{os.getuid()}")]
+    for rd in dict.fromkeys(dirs):
+        try:
+            st = json.loads((rd / "state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(st, dict) and not st.get("stopped") and _alive(st.get("pid")):
+            return rd, st
+    return dirs[0], None
+
+
 def admin_endpoint(config_path: str | None) -> tuple[str, str]:
-    """(admin base URL, token)."""
+    """(admin base URL, token): the config's, or the running supervisor's state.json (real port, token file)."""
     from supervisor.token import TokenError, read_token
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path_for_cli(config_path))
     except ConfigError as e:
         raise ClientError(f"invalid config: {e}") from None
+    rd, st = find_state(cfg)
     url = f"http://{cfg.admin.host}:{cfg.admin.port}"
-    if cfg.admin.port == 0:  # the real port is in state.json
-        state = cfg.resolved_runtime_dir() / "state.json"
-        try:
-            st = json.loads(state.read_text())
-            url = st["admin_url"]
-        except (OSError, ValueError, KeyError):
-            raise ClientError(f"admin.port is 0 and {state} has no admin_url: is the supervisor running?") from None
-        if st.get("stopped") or not _alive(st.get("pid")):
-            raise ClientError(f"no supervisor is running for {cfg.resolved_runtime_dir()} "
-                              f"(the last one, pid {st.get('pid')}, has exited)")
+    if st is not None and st.get("admin_url"):
+        url = st["admin_url"]
+    elif cfg.admin.port == 0:
+        raise ClientError(f"admin.port is 0 and no running supervisor wrote {rd / 'state.json'}: "
+                          "is the supervisor running (with this config: -c)?")
+    token_file = Path(st["token_file"]) if st and st.get("token_file") else (
+        cfg.resolved_token_file() if cfg.admin.token_file else rd / "admin.token")
     try:
-        token = read_token(cfg.resolved_token_file())
+        token = read_token(token_file)
     except TokenError as e:
         raise ClientError(str(e)) from None
     return url, token
+
+
+def print_token(config_path: str | None) -> int:
+    """`understudy token`: the admin token on stdout, for curl and friends."""
+    try:
+        _, token = admin_endpoint(config_path)
+    except ClientError as e:
+        print(f"understudy: {e}", file=sys.stderr)
+        return 2
+    print(token)
+    return 0
 
 
 def call(config_path: str | None, method: str, path: str, timeout_s: float = 30.0) -> tuple[int, Any]:
@@ -65,6 +108,14 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"{d['name']:17} {d['state']:10} {d['pid'] or '-':>8}  {mb}")
     for f in st["recent_failovers"][-5:]:
         lines.append(f"failover {f['from']} -> {f['to']} ({f['reason']}) {f['seconds'] * 1000:.1f} ms, epoch {f['epoch']}")
+    if st.get("not_ready"):
+        lines += ["", f"NOT READY: {st['not_ready']}"]
+    if (st.get("watchdog") or {}).get("stuck"):
+        lines.append(f"STUCK: no progress for {st['watchdog']['since_progress_s']:.0f}s: the systemd watchdog "
+                     "is no longer fed")
+    for e in st["engines"]:
+        if e["state"] != "READY" and len(e["reason"]) > 60:
+            lines.append(f"{e['name']}: {e['reason']}")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ class AdminOps:
             "drained": self.table.drained, "stopping": self.stopping, "stopped": self.final,
             "router_url": self.router_url, "admin_url": self.admin_url,
             "runtime_dir": str(self.rd), "events": f"ipc://{self.rd}/events.sock",
+            "token_file": str(getattr(self, "token_file", "")) or None,
             "model": {"path": str(self.model_path), "name": self.model_name, "device": self.device,
                       "dtype": self.cfg.model.dtype, "tp_size": self.cfg.model.tp_size,
                       "fingerprint": self.fingerprint},
@@ -38,6 +39,9 @@ class AdminOps:
             "spawn_server": {"pid": self.spawn_proc.pid} if self.spawn_proc else None,
             "recent_failovers": list(self.failovers)[-10:],
             "rollout": self.rollout_state,
+            "not_ready": None if p is not None else self.table.not_ready_reason,
+            "watchdog": {"stuck": self.stuck, "stuck_after_s": self.watchdog_gate.stuck_after_s,
+                         "since_progress_s": round(now - self.watchdog_gate.last_progress, 3)},
         }
 
     def _engine_view(self, s: EngineSlot, now: float) -> dict[str, Any]:
@@ -47,7 +51,9 @@ class AdminOps:
                 "state_for_s": round(now - s.state_since, 3),
                 "heartbeat_age_s": round(now - s.last_heartbeat, 3) if s.last_heartbeat else None,
                 "heartbeat": {k: v for k, v in s.heartbeat.items()}, "reason": s.reason,
-                "last_exit": s.last_exit, "recent_failures": len(s.policy.failures)}
+                "last_exit": s.last_exit, "recent_failures": len(s.policy.failures),
+                "crash_loop": s.crash_loop,
+                "next_try_in_s": round(max(s.retry_at - now, 0.0), 3) if s.retry_at is not None else None}
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()

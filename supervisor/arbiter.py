@@ -48,6 +48,8 @@ from supervisor.slots import DaemonSlot, EngineSlot, Slot
 from supervisor.socket_activation import ActivationError, inherited_sockets
 from supervisor.states import Role, State
 from supervisor.token import ensure_token
+from supervisor.watchdog import WatchdogGate
+from supervisor.why import not_ready_text
 
 log = logging.getLogger("understudy")
 
@@ -88,6 +90,9 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.pending_reap: set[int] = set()  # exited children whose status a task is still reading
         self.started_wall = time.time()
         self.table = RoutingTable()
+        self.table.explain = lambda: not_ready_text(self.engines.values(), time.monotonic())
+        self.watchdog_gate = WatchdogGate(cfg.failover.stuck_window_s(), time.monotonic())
+        self.stuck = False
         self.router_url: str | None = None
         self.admin_url: str | None = None
         self.spawn_proc: PopenHandle | None = None
@@ -275,10 +280,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         else:
             for slot in self.engines.values():
                 self.check_drain_timeout(slot, now)
-        wd = self.notifier.watchdog_interval_s
-        if wd is not None and now - self._last_watchdog >= wd:
-            self._last_watchdog = now
-            self.notifier.watchdog()
+        self.feed_watchdog(now)
         if now - self._last_reap >= 1.0:
             self._last_reap = now
             known = {s.pid for s in self.all_slots() if s.pid} | self.pending_reap
@@ -287,6 +289,29 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
                 known.add(sp.pid)
             for pid, rc in reap_orphans(known):
                 log.debug("reaped adopted process %d (%s)", pid, rc)
+
+    def serving(self) -> bool:
+        """A READY primary is routed."""
+        p = self.table.primary
+        slot = self.engines.get(p.name) if p is not None else None
+        return slot is not None and slot.state == State.READY
+
+    def feed_watchdog(self, now: float) -> None:
+        """WATCHDOG=1 every WATCHDOG_USEC/2 while the node serves or progresses (supervisor/watchdog.py);
+        a stuck node is said so once, and left for systemd to restart."""
+        feed = self.stopping or self.watchdog_gate.should_feed(now, self.serving())
+        if not feed and not self.stuck:
+            secs = self.watchdog_gate.stuck_for(now, False)
+            why = f"stuck: no READY primary and no progress for {secs:.0f}s ({self.table.not_ready_reason})"
+            log.error("%s; no longer feeding the systemd watchdog", why)
+            self.notifier.status(why[:400])
+        if self.stuck != (not feed):
+            self.stuck = not feed
+            self.write_state()
+        wd = self.notifier.watchdog_interval_s
+        if feed and wd is not None and now - self._last_watchdog >= wd:
+            self._last_watchdog = now
+            self.notifier.watchdog()
 
     # ------------------------------------------------------------------ shared helpers
     def all_slots(self) -> list[Slot]:
@@ -299,6 +324,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         old = slot.set_state(new)
         if reason:
             slot.reason = reason
+        if new != State.FATAL:
+            self.watchdog_gate.progress(time.monotonic())
         role = getattr(slot, "role", None)
         rtxt = f" ({role.value})" if role else ""
         log.info("%s%s: %s -> %s%s", slot.name, rtxt, old.value, new.value, f": {reason}" if reason else "")
@@ -316,13 +343,14 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.metrics.active_engines.set(len(serving) if self.table.primary else 0)
         self.metrics.standby_ready.set(len(standby))
         self.metrics.epoch.set(self.epoch)
-        if self.booted or serving:
+        if (self.booted or serving) and not self.stuck:
             self.notifier.status(self.roles_text())
 
     def roles_text(self) -> str:
         parts = [f"{s.name}={s.role.value}/{s.state.value}" for s in self.engines.values()]
         drained = " drained" if self.table.drained else ""
-        return f"epoch {self.epoch}: " + " ".join(parts) + drained
+        why = "" if self.table.primary is not None else f"; not ready: {self.table.not_ready_reason}"
+        return (f"epoch {self.epoch}: " + " ".join(parts) + drained + why)[:400]
 
     def write_state(self) -> None:
         """``state.json`` by atomic rename (0600)."""

@@ -1,14 +1,18 @@
-"""Restart policy: exponential backoff, and FATAL when a slot flaps."""
+"""Restart policy: capped exponential backoff, and a flapping verdict (FATAL for extra slots only:
+the supervisor keeps retrying the last engine standing with the capped delay, forever)."""
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+MAX_DOUBLINGS = 32  # 2**32 x base is past any cap: stop growing the exponent there
+
 
 @dataclass
 class RestartPolicy:
-    """Per-slot failure memory. ``record_failure`` answers the delay, or None for FATAL."""
+    """Per-slot failure memory: ``record_failure`` answers the delay before the next start,
+    ``flapping`` says whether the slot failed ``max_failures`` times within ``window_s``."""
 
     base_s: float
     max_s: float
@@ -17,16 +21,19 @@ class RestartPolicy:
     failures: deque[float] = field(default_factory=deque)
     consecutive: int = 0
 
-    def record_failure(self, now: float | None = None) -> float | None:
-        """Count a failure; the delay before the next start, or None if the slot now flaps."""
+    def record_failure(self, now: float | None = None) -> float:
+        """Count a failure; the delay before the next start (base x 2^(n-1), at most ``max_s``)."""
         now = time.monotonic() if now is None else now
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.window_s:
             self.failures.popleft()
         self.consecutive += 1
-        if len(self.failures) >= self.max_failures:
-            return None
-        return min(self.base_s * (2 ** (self.consecutive - 1)), self.max_s)
+        return min(self.base_s * 2.0 ** min(self.consecutive - 1, MAX_DOUBLINGS), self.max_s)
+
+    @property
+    def flapping(self) -> bool:
+        """``max_failures`` failures within ``window_s`` (as of the last one recorded)."""
+        return len(self.failures) >= self.max_failures
 
     def record_success(self) -> None:
         """The slot became READY: the next failure starts the backoff from the base again."""

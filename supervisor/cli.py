@@ -34,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="validate the config and exit")
     for name, help_ in (("status", "show engines, roles, daemons, failovers"),
                         ("promote", "planned switchover to the READY standby"),
-                        ("drain", "fail /readyz so the load balancer moves traffic away"),
+                        ("drain", "/readyz answers 503 so the load balancer stops sending traffic; "
+                                  "requests that still arrive are served (none refused)"),
                         ("undrain", "undo drain"),
                         ("rollout", "restart every engine in turn, zero failed requests"),
-                        ("restart", "restart one engine (resets FATAL)")):
+                        ("restart", "restart one engine (resets FATAL)"),
+                        ("token", "print the admin token (e.g. curl -H \"authorization: Bearer $(understudy token)\")")):
         a = sub.add_parser(name, help=help_)
         a.add_argument("-c", "--config", help="the config the supervisor runs with (admin URL, token)")
         a.add_argument("--json", action="store_true", help="print the raw JSON reply")
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         from supervisor.serve import serve
         return serve(ns.config)
     from supervisor.admin_client import run_command
+    if ns.cmd == "token":
+        from supervisor.admin_client import print_token
+        return print_token(ns.config)
     if ns.cmd == "status":
         return run_command(ns.config, "GET", "/status", ns.json)
     paths = {"promote": "/admin/promote", "drain": "/admin/drain", "undrain": "/admin/undrain",

@@ -115,6 +115,13 @@ class FailoverSection(_Section):
     backoff_max_s: float = Field(default=30.0, gt=0)
     flap_window_s: float = Field(default=120.0, gt=0)
     flap_max: int = Field(default=5, ge=1)
+    stuck_after_s: float | None = Field(default=None, gt=0, description="no READY primary and no progress "
+                                        "for this long = stuck: the systemd watchdog is no longer fed; "
+                                        "null = startup_timeout_s + 4 x backoff_max_s")
+
+    def stuck_window_s(self) -> float:
+        """``stuck_after_s``, or its default."""
+        return self.stuck_after_s if self.stuck_after_s is not None else self.startup_timeout_s + 4 * self.backoff_max_s
 
 
 class CanarySection(_Section):
@@ -141,6 +148,26 @@ class AdminSection(ListenSection):
 
     port: int = Field(default=8001, ge=0, le=65535)
     token_file: str | None = Field(default=None, description="null = {runtime_dir}/admin.token")
+    allow_remote: bool = Field(default=False, description="allow a non-loopback admin.host")
+
+    @model_validator(mode="after")
+    def _loopback_unless_allowed(self) -> "AdminSection":
+        if not self.allow_remote and not is_loopback(self.host):
+            raise ValueError(f"host: {self.host!r} is not a loopback address; the admin API has full control "
+                             "of the node (promote, drain, restart): bind it to 127.0.0.1 or ::1, or set "
+                             "admin.allow_remote: true to expose it (the bearer token is then its only guard)")
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class UnderstudyConfig(_Section):
@@ -149,7 +176,7 @@ class UnderstudyConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu_ids: list[int] = Field(default_factory=list, description="rank i on cuda:gpu_ids[i]; empty = 0..tp-1")
     runtime_dir: str | None = Field(default=None, description="null = $XDG_RUNTIME_DIR/understudy or /tmp/understudy-$UID")
-    cache_dir: str | None = Field(default=None, description="null = $XDG_CACHE_HOME/understudy or ~/.cache/understudy")
+    cache_dir: str | None = Field(default=None, description="null = $UNDERSTUDY_CACHE_DIR, else $XDG_CACHE_HOME/understudy or ~/.cache/understudy")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     model: ModelSection = Field(default_factory=ModelSection)
     engines: EnginesSection = Field(default_factory=EnginesSection)
@@ -178,6 +205,8 @@ class UnderstudyConfig(_Section):
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
+        if os.environ.get("UNDERSTUDY_CACHE_DIR"):  # as daemon/fingerprint.py
+            return Path(os.environ["UNDERSTUDY_CACHE_DIR"])
         xdg = os.environ.get("XDG_CACHE_HOME")
         return (Path(xdg) if xdg else Path.home() / ".cache") / "understudy"
 

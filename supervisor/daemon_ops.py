@@ -76,7 +76,7 @@ class DaemonOps:
 
     async def _await_daemon(self, d: DaemonSlot, inc: int) -> None:
         """Poll ``status`` until the arena is loaded; record resident bytes and fingerprint."""
-        last_pct = -1
+        last_pct, last_bytes = -1, None
         while d.incarnation == inc and d.state == State.STARTING:
             try:
                 reply = await asyncio.to_thread(daemon_status, d.socket_path)
@@ -93,6 +93,9 @@ class DaemonOps:
                 log.error("%s: %s", d.name, reply.get("message") or info.get("error"))
             elif prog.get("bytes_total"):
                 pct = int(100 * prog.get("bytes_done", 0) / prog["bytes_total"])
+                if prog.get("bytes_done") != last_bytes:  # the load advances: not stuck
+                    last_bytes = prog.get("bytes_done")
+                    self.watchdog_gate.progress(time.monotonic())
                 if pct // 25 != last_pct // 25:
                     last_pct = pct
                     log.info("%s: loading %d%% (%.2f GB/s)", d.name, pct, prog.get("gbps", 0.0))
@@ -172,7 +175,7 @@ class DaemonOps:
         if self.stopping:
             return
         delay = d.policy.record_failure()
-        if delay is None:
+        if d.policy.flapping:  # engines keep serving from their mappings: a daemon is never the last one
             self.transition(d, State.FATAL, f"flapping (last: {d.reason}); engines keep their mappings, "
                             "restarts load from disk")
             return

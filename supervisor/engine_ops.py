@@ -9,13 +9,14 @@ import signal
 import time
 from typing import Any
 
+from daemon.framing import FrameError
 from engines.config import BOOT_ERROR_EXIT, EngineConfig
 from engines.loopback import free_port
 from supervisor.config import template_fields
 from supervisor.canary import compare, is_listening, run_canary
 from supervisor.control import EngineMessage
 from supervisor.exitstatus import describe_returncode
-from supervisor.launch import PopenHandle, child_env, group_alive, kill_group, python_argv
+from supervisor.launch import PopenHandle, child_env, group_alive, kill_group, python_argv, rotate_log
 from supervisor.logtail import last_line
 from supervisor.pidwatch import watch_exit
 from supervisor.slots import EngineSlot, served_count
@@ -25,6 +26,7 @@ log = logging.getLogger("understudy")
 
 READY_POLL_S = 0.05
 KEEP_LOGS = 20  # per slot, the logs of the last incarnations (runtime_dir is often a tmpfs)
+SPAWN_SERVER_WAIT_S = 30.0  # a start waits this long for a spawn server being restarted, then execs directly
 
 
 ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
@@ -43,8 +45,11 @@ class EngineOps:
         if slot.timer is not None:
             slot.timer.cancel()
             slot.timer = None
+        slot.retry_at = None
         slot.incarnation += 1
-        self.log_path(f"{slot.name}-{slot.incarnation - KEEP_LOGS}").unlink(missing_ok=True)
+        old_log = self.log_path(f"{slot.name}-{slot.incarnation - KEEP_LOGS}")
+        old_log.unlink(missing_ok=True)
+        old_log.with_name(old_log.name + ".1").unlink(missing_ok=True)  # its previous run's (rotate_log)
         slot.port = free_port()
         slot.url = f"http://127.0.0.1:{slot.port}"
         slot.stop_requested = slot.restart_after_stop = False
@@ -89,8 +94,24 @@ class EngineOps:
             return PopenHandle(argv, log_path, {**child_env(), **ext.env})
         ec = self.engine_config(slot)
         if self.cfg.engines.spawn == "server":
-            return await self.spawn_client.spawn(ec.model_dump(), log_path)
+            client = await self.wait_spawn_client(SPAWN_SERVER_WAIT_S)
+            if client is not None:
+                rotate_log(log_path)
+                try:
+                    return await client.spawn(ec.model_dump(), log_path)
+                except (OSError, FrameError) as e:  # it went away meanwhile (rollout, crash): not this slot's fault
+                    log.warning("%s: spawn server unavailable (%s); starting the engine directly", slot.name, e)
+            else:
+                log.warning("%s: no spawn server within %gs; starting the engine directly", slot.name,
+                            SPAWN_SERVER_WAIT_S)
         return PopenHandle(python_argv("engines", "--config-json", ec.model_dump_json()), log_path, child_env())
+
+    async def wait_spawn_client(self, timeout_s: float):
+        """The spawn server's client, waiting while one is being (re)started (rollout, crash)."""
+        deadline = time.monotonic() + timeout_s
+        while self.spawn_client is None and time.monotonic() < deadline and not self.stopping:
+            await asyncio.sleep(0.05)
+        return self.spawn_client
 
     def engine_config(self, slot: EngineSlot) -> EngineConfig:
         e, m = self.cfg.engines, self.cfg.model
@@ -153,6 +174,7 @@ class EngineOps:
     def on_engine_ready(self, slot: EngineSlot) -> None:
         now = time.monotonic()
         slot.policy.record_success()
+        slot.crash_loop = False
         slot.last_progress = slot.last_probe = now
         slot.probe_served = served_count(slot)
         self.transition(slot, State.READY, f"canary passed in {now - slot.started_at:.2f}s after spawn"
@@ -183,12 +205,14 @@ class EngineOps:
             self.metrics.record_heartbeat(slot.name, hb, slot.heartbeat)
             slot.heartbeat = hb
         elif msg.type == "state":
+            self.watchdog_gate.progress(now)
             st = str(msg.get("state", ""))
             slot.engine_state = st
             target = ENGINE_STATES.get(st)
             if target is not None and slot.state in (State.STARTING, State.ATTACHING) and slot.state != target:
                 self.transition(slot, target, "reported by engine")
         elif msg.type == "phase":
+            self.watchdog_gate.progress(now)
             slot.phases[str(msg.get("phase"))] = float(msg.get("seconds") or 0.0)
             if msg.get("source"):
                 slot.weights_source = str(msg.get("source"))
@@ -260,12 +284,13 @@ class EngineOps:
             return
         if slot.state == State.EXITED:
             slot.reason = text
-        if rc == BOOT_ERROR_EXIT and not self.external:
+        slot.log_line = last_line(logf)
+        if rc == BOOT_ERROR_EXIT and not self.external and not (self.epoch > 0 and self.last_standing(slot)):
             self.transition(slot, State.FATAL, f"boot error ({text}): restarting will not help; "
-                            f"{last_line(logf)}")
+                            f"{slot.log_line}")
             self.check_all_fatal()
             return
-        self.schedule_restart(slot)
+        self.schedule_restart(slot)  # a boot error of the last engine of a node that served: retried
 
     async def _wait_group_gone(self, pgid: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -277,21 +302,36 @@ class EngineOps:
             await asyncio.sleep(0.05)
 
     def schedule_restart(self, slot: EngineSlot) -> None:
-        """Backoff restart, or FATAL when the slot flaps."""
+        """Backoff restart. A slot that flaps goes FATAL, unless it is the last engine standing:
+        that one is retried with the capped backoff forever (the node never gives up serving)."""
         if self.stopping:
             return
         delay = slot.policy.record_failure()
-        if delay is None:
-            n, w = len(slot.policy.failures), self.cfg.failover.flap_window_s
+        n, w = len(slot.policy.failures), self.cfg.failover.flap_window_s
+        slot.crash_loop = False
+        if slot.policy.flapping and not self.last_standing(slot):
             self.transition(slot, State.FATAL, f"flapping: {n} failures within {w:g}s "
                             f"(last: {slot.reason}); `understudy restart {slot.name}` resets it")
             self.events.publish({"type": "fatal", "engine": slot.name, "reason": slot.reason})
             return
-        self.transition(slot, State.BACKOFF, f"restart in {delay:.2f}s (last: {slot.reason})")
+        if slot.policy.flapping:
+            slot.crash_loop = True
+            why = (f"crash loop ({n} failures within {w:g}s), last engine standing: retried with backoff "
+                   f"up to {self.cfg.failover.backoff_max_s:g}s; restart in {delay:.2f}s (last: {slot.reason})")
+            (log.warning if slot.policy.consecutive <= slot.policy.max_failures else log.info)("%s: %s", slot.name, why)
+        else:
+            why = f"restart in {delay:.2f}s (last: {slot.reason})"
+        slot.retry_at = time.monotonic() + delay  # before the transition: state.json and STATUS show it
+        self.transition(slot, State.BACKOFF, why)
         slot.timer = self.loop.call_later(delay, self._backoff_done, slot)
+
+    def last_standing(self, slot: EngineSlot) -> bool:
+        """Every other engine slot is FATAL: nothing else would ever serve if this one stopped."""
+        return all(o.state == State.FATAL for o in self.engines.values() if o is not slot)
 
     def _backoff_done(self, slot: EngineSlot) -> None:
         slot.timer = None
+        slot.retry_at = None
         if slot.state == State.BACKOFF and not self.stopping:
             self.start_engine(slot)
 
@@ -300,6 +340,7 @@ class EngineOps:
         if slot.timer is not None:
             slot.timer.cancel()
             slot.timer = None
+        slot.retry_at = None
         if slot.state not in RUNNING or (slot.pid is None and slot.state != State.STARTING):
             if slot.state != State.STOPPED:
                 self.transition(slot, State.STOPPED, "stopped on request")

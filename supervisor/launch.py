@@ -27,9 +27,21 @@ class ProcHandle(Protocol):
         """Exit status once the process has exited (negative = signal); None if unknown."""
 
 
+def rotate_log(path: Path) -> None:
+    """Before a new process writes ``path``: the previous run's log becomes ``path.1`` (an older
+    ``.1`` is dropped), so logs never grow across runs and the last one is kept."""
+    try:
+        os.replace(path, path.with_name(path.name + ".1"))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot rotate %s: %s", path, e)
+
+
 def open_log(path: Path) -> int:
-    """Append-mode log fd, 0600."""
+    """A fresh log fd (0600, append mode); the previous file at ``path`` is kept as ``path.1``."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    rotate_log(path)
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
 
 

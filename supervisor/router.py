@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 
 from supervisor.metrics import Metrics
@@ -32,6 +33,7 @@ ASGIApp = Callable[[dict, Receive, Send], Awaitable[None]]
 
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}  # our own server (uvicorn) sends its date and server headers
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})  # no HEAD: the FastAPI route had none
 RETRY_STATUSES = {502, 503}  # engine refusing (draining) or not there: another primary may serve
 SAME_PRIMARY_RETRY_S = 0.25
@@ -62,6 +64,13 @@ def _probes_app(table: RoutingTable, client: Client) -> FastAPI:
 
     app = FastAPI(title="understudy data plane", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown path (404) or method (405), in the same error shape as the OpenAI endpoints."""
+        body = _error_body(f"{exc.detail} ({request.method} {request.url.path})", "invalid_request_error",
+                           exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -101,7 +110,8 @@ class Proxy:
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["method"] not in METHODS:  # as FastAPI answered for the old route
-            await _send_whole(send, _json_reply(405, {"detail": "Method Not Allowed"},
+            await _send_whole(send, _json_reply(405, _error_body(f"method {scope['method']} is not allowed",
+                                                                 "invalid_request_error", 405),
                                                 [(b"allow", ", ".join(sorted(METHODS)).encode())]))
             return
         body = await _read_body(receive)
@@ -156,7 +166,7 @@ class Proxy:
                 continue
             if held:
                 metrics.router_hold.observe(time.monotonic() - start)
-            out = [(k, v) for k, v in resp.headers if k not in HOP_BY_HOP]
+            out = [(k, v) for k, v in resp.headers if k not in NOT_RELAYED]
             out += [(b"x-understudy-engine", up.name.encode()), (b"x-understudy-epoch", str(up.epoch).encode())]
             if content is None:
                 return Reply(resp.status, out, stream=resp, epoch=up.epoch)
@@ -230,6 +240,11 @@ async def _disconnected(receive: Receive) -> None:
     """Returns once our client has disconnected."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _error_body(message: str, type_: str, code: int) -> dict:
+    """OpenAI's error shape, as the engines answer."""
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
 def _json_reply(status: int, content: dict, headers: Headers | None = None) -> Reply:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,11 +29,22 @@ class RoutingTable:
         self.primary: Upstream | None = None
         self.drained = False
         self.stopping = False
-        self.not_ready_reason = "starting: no engine READY yet"
+        self._not_ready = "starting: no engine READY yet"
+        self.explain: Callable[[], str] | None = None  # what each engine is doing (supervisor/why.py)
         self._changed = asyncio.Event()
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
         self._calls: dict[int, set[asyncio.Task]] = {}  # epoch -> calls in flight to that primary
+
+    @property
+    def not_ready_reason(self) -> str:
+        """Why there is no primary: the last event (boot, failover), then each engine's obstacle."""
+        detail = self.explain() if self.explain is not None else ""
+        return f"{self._not_ready}; {detail}" if detail else self._not_ready
+
+    @not_ready_reason.setter
+    def not_ready_reason(self, reason: str) -> None:
+        self._not_ready = reason
 
     def mark_lost(self, epoch: int) -> None:
         """The primary of `epoch` was fenced: requests still waiting on it are retried elsewhere

@@ -28,6 +28,9 @@ class Slot:
     restart_after_stop: bool = False   # ... and should be followed by a fresh start
     cancel_watch: Callable[[], None] | None = None
     timer: Any = None                  # asyncio.TimerHandle of a pending backoff restart
+    retry_at: float | None = None      # monotonic time of that restart
+    crash_loop: bool = False           # flapping, yet retried: the last engine standing
+    log_line: str = ""                 # the telling line of the last exited process's log
 
     def set_state(self, new: State) -> State:
         """Apply an allowed transition; returns the old state."""

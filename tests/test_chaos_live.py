@@ -72,6 +72,19 @@ def test_sigkills_under_load(live: Harness, tmp_path: Path) -> None:
     assert checks["no failed non-streaming request"] and checks["exactly one active engine outside failovers"]
 
 
+def test_sigstop_primary_is_detected_as_hung_fenced_and_failed_over(live: Harness, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    code = main(["-c", str(live.config), "--out", str(out), "--faults", "stop-primary:1", "--rate", "10",
+                 "--interval", "1", "--warmup", "1", "--settle", "20", "--duration", "60", "--stop-release", "30"])
+    report = _report(out)
+    assert code == EXIT_OK, report["checks"]
+    (f,) = report["faults"]
+    assert f["kind"] == "stop-primary" and f["error"] is None and f["target_role"] == "primary"
+    assert f["new_primary"] not in (None, f["target"]) and 0 < f["failover_s"] < 15 and f["recovery_s"] is not None
+    assert not any("chaos sent SIGCONT" in n for n in report["notes"]), "the stopped primary was fenced (SIGKILL)"
+    assert any(e.get("type") == "failover" and e.get("reason") == "hang" for e in live.events)
+
+
 def test_supervisor_stopping_mid_run_gives_a_partial_report(live: Harness, tmp_path: Path) -> None:
     out = tmp_path / "r"
     timer = threading.Timer(4.0, live.proc.send_signal, args=(signal.SIGTERM,))

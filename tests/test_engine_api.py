@@ -214,3 +214,15 @@ def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:
         assert procs[name].proc.wait(60) == 3
         log = (tmp_path / f"{name}.log").read_text()
         assert re.search(rf"engine {name}( rank \d+)?: failed to start:", log) and message in log, log
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("POST", "/v1/completions", b"\xff\xfe{", 400),  # not decodable: FastAPI's own 400 "error parsing the body"
+    ("GET", "/v1/nowhere", None, 404),
+    ("GET", "/v1/completions", None, 405),
+])
+def test_framework_errors_use_the_openai_error_shape(engine, client, model_name, method, path, body, status) -> None:
+    r = httpx.request(method, engine.url + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and r.json()["error"]["message"] and r.json()["error"]["type"]
+    assert greedy(client, model_name, "still there?", n=2).choices[0].finish_reason == "length"

@@ -1,6 +1,8 @@
 """External engines (command template + URL, no weight sharing) judged ready by the same canary;
-an always-crashing engine goes BACKOFF then FATAL until an admin restart; a mismatching canary is
-never promoted; an engine boot error halts the supervisor instead of looping."""
+crash loops back off: extra slots go FATAL until an admin restart, the last engine standing is
+retried forever and serves once the cause is gone; a node stuck without progress stops feeding the
+watchdog; a mismatching canary is never promoted; an engine boot error before anything served halts
+the supervisor instead of looping; admin/router hygiene (bearer case, error shapes, headers, drain)."""
 from __future__ import annotations
 
 import os
@@ -49,14 +51,27 @@ engines:
   count: {count}
   external: {{command: "{command}", url: "http://127.0.0.1:{{port}}"}}
 failover: {{probe_interval_s: 0.3, probe_timeout_s: 2, hold_timeout_s: {hold}, backoff_base_s: 0.05,
-           backoff_max_s: 0.2, flap_max: {flap}, flap_window_s: 60, drain_timeout_s: 5, stop_timeout_s: 3}}
+           backoff_max_s: 0.2, flap_max: {flap}, flap_window_s: 60, drain_timeout_s: 5, stop_timeout_s: 3{extra}}}
 router: {{port: 0}}
 admin: {{port: 0}}
 """
 
 
-def harness(tmp, command: str, count: int = 2, flap: int = 50, hold: float = 10) -> Harness:
-    return Harness(tmp, BASE.format(rt=tmp / "rt", command=command, count=count, flap=flap, hold=hold))
+def harness(tmp, command: str, count: int = 2, flap: int = 50, hold: float = 10, extra: str = "",
+            env: dict[str, str] | None = None) -> Harness:
+    return Harness(tmp, BASE.format(rt=tmp / "rt", command=command, count=count, flap=flap, hold=hold, extra=extra),
+                   env=env)
+
+
+CRASHY = textwrap.dedent('''
+    """Exits 5 while FLAG exists (a broken install, a missing file), else becomes the engine script."""
+    import os, sys
+    flag, script = sys.argv[1], sys.argv[2]
+    if os.path.exists(flag):
+        print("crashy: cannot start: " + flag + " is present", file=sys.stderr)
+        sys.exit(5)
+    os.execv(sys.executable, [sys.executable, script, *sys.argv[3:]])
+''')
 
 
 @pytest.fixture(scope="module")
@@ -110,30 +125,107 @@ def test_failing_probes_of_a_live_primary_cause_a_failover(tmp_path, script):
         assert h.stop() == 0, h.tail()
 
 
-def test_always_crashing_engine_backs_off_then_goes_fatal_until_admin_restart(tmp_path):
-    crash = f"{sys.executable} -c 'import sys; sys.exit(5)'"
-    h = harness(tmp_path, crash, count=1, flap=3, hold=0.5)
+def test_crash_loop_backs_off_forever_for_the_last_engine_then_recovers(tmp_path, script):
+    """Both engines crash at start: one goes FATAL, the last one standing is retried with capped
+    backoff (never FATAL), /readyz and `understudy status` say why, the watchdog stays fed (retries
+    are progress); once the cause is gone it serves, and an admin restart brings the FATAL one back."""
+    flag = tmp_path / "broken"
+    flag.touch()
+    crashy = tmp_path / "crashy.py"
+    crashy.write_text(CRASHY)
+    h = harness(tmp_path, f"{sys.executable} {crashy} {flag} {script} {{port}} {{name}} same", flap=2, hold=0.5,
+                env={"WATCHDOG_USEC": "200000"})
     try:
         h.wait_booted()
-        ev = h.wait_event(lambda e: e.get("to") == "FATAL", timeout_s=30)
-        kinds = [(e["from"], e["to"]) for e in h.events if e["type"] == "transition"]
-        assert ("EXITED", "BACKOFF") in kinds and kinds.index(("EXITED", "BACKOFF")) < len(kinds) - 1
-        assert "flapping: 3 failures" in ev["reason"]
+        fatal = h.wait_event(lambda e: e.get("to") == "FATAL", timeout_s=30)["engine"]
+        last = next(n for n in ("a", "b") if n != fatal)
+        exits = lambda: sum(e.get("engine") == last and e.get("to") == "EXITED" for e in h.events)
+        deadline = time.monotonic() + 30
+        while exits() < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert exits() >= 5, h.tail()
+        assert not any(e.get("engine") == last and e.get("to") == "FATAL" for e in h.events)
         st = h.status()
-        (eng,) = st["engines"]
-        assert eng["state"] == "FATAL" and eng["last_exit"] == "exit code 5" and st["primary"] is None
-        assert 'understudy_engine_state{engine="a",state="FATAL"} 1.0' in h.metrics()
-        assert httpx.get(h.router_url + "/healthz").status_code == 200
-        rz = httpx.get(h.router_url + "/readyz")
-        assert rz.status_code == 503 and rz.json()["ready"] is False
-        r = httpx.post(h.router_url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
-        assert r.status_code == 503 and r.headers["retry-after"]
+        eng = {e["name"]: e for e in st["engines"]}
+        assert eng[fatal]["state"] == "FATAL" and eng[last]["crash_loop"] and st["primary"] is None
+        reason = ""
+        for _ in range(100):  # /readyz may catch the slot mid-spawn; the crash loop shows between spawns
+            rz = httpx.get(h.router_url + "/readyz")
+            assert rz.status_code == 503
+            reason = rz.json()["reason"]
+            if "crash loop" in reason:
+                break
+            time.sleep(0.02)
+        assert f"engine {last}: crash loop, next try in " in reason and \
+            f"last exit: exit code 5 (crashy: cannot start: {flag} is present)" in reason, reason
+        assert f"engine {fatal}: FATAL: flapping: 2 failures" in reason
+        cli = subprocess.run([sys.executable, "-m", "supervisor", "status", "-c", str(h.config)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=30)
+        assert cli.returncode == 0 and "NOT READY: " in cli.stdout and f"engine {fatal}: FATAL" in cli.stdout
+        fed = h.notify_msgs.count("WATCHDOG=1")
         time.sleep(0.5)
-        assert h.status()["engines"][0]["state"] == "FATAL", "FATAL stays FATAL"
-        mark = len(h.events)
-        assert h.admin("POST", "/admin/engines/a/restart").status_code == 200
-        h.wait_event(lambda e: e.get("to") == "STARTING", since=mark)
-        h.wait_event(lambda e: e.get("to") == "FATAL", since=mark, timeout_s=30)
+        assert h.notify_msgs.count("WATCHDOG=1") > fed, "a node that keeps retrying is not stuck"
+        flag.unlink()  # the cause is removed: the next retry serves
+        h.wait_for(lambda s: s["primary"] == last, 30, "the crash-looping engine serves")
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-understudy-engine"] == last
+        assert httpx.get(h.router_url + "/readyz").status_code == 200
+        assert h.engines()[fatal]["state"] == "FATAL", "an extra slot stays FATAL until an admin restart"
+        assert h.admin("POST", f"/admin/engines/{fatal}/restart").status_code == 200
+        h.wait_all_ready(30)
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
+def test_a_node_stuck_without_progress_stops_feeding_the_watchdog(tmp_path):
+    """An engine that never listens, with a startup timeout far away: nothing moves for
+    stuck_after_s, so WATCHDOG=1 stops (systemd would restart the node) and status says so."""
+    h = harness(tmp_path, "sleep 60", count=1, extra=", startup_timeout_s: 60, stuck_after_s: 1",
+                env={"WATCHDOG_USEC": "200000"})
+    try:
+        h.wait_booted()
+        h.wait_for(lambda s: s["watchdog"]["stuck"], 15, "stuck")
+        n = h.notify_msgs.count("WATCHDOG=1")
+        assert n >= 1, "fed while the start was fresh"
+        assert any("STATUS=stuck: no READY primary and no progress" in m for m in h.notify_msgs)
+        time.sleep(0.6)
+        assert h.notify_msgs.count("WATCHDOG=1") == n
+        assert "engine a: STARTING for" in httpx.get(h.router_url + "/readyz").json()["reason"]
+    finally:
+        assert h.stop() == 0, h.tail()
+
+
+def test_admin_and_router_hygiene_drain_and_token(tmp_path, script):
+    """Bearer scheme in any case; errors in one shape; one date/server header on proxied responses;
+    drain = /readyz 503 while requests are still served; `understudy token` for curl."""
+    h = harness(tmp_path, f"{sys.executable} {script} {{port}} {{name}} same", count=1)
+    try:
+        h.wait_booted()
+        h.wait_all_ready(60)
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            assert httpx.get(h.admin_url + "/status", headers={"authorization": f"{scheme} {h.token}"}).status_code == 200
+        for bad in (f"Basic {h.token}", f"Bearer {h.token.upper()}x", "Bearer", ""):
+            r = httpx.get(h.admin_url + "/status", headers={"authorization": bad})
+            assert r.status_code == 401 and "bearer token" in r.json()["error"]
+        assert h.admin("GET", "/nowhere").json() == {"error": "Not Found"}
+        r = h.admin("POST", "/admin/engines/a/restart?force=maybe")
+        assert r.status_code == 400 and r.json()["error"].startswith("query.force: "), r.text
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"})
+        assert r.status_code == 200
+        assert len(r.headers.get_list("date")) == 1 and len(r.headers.get_list("server")) == 1, r.headers
+        for method, path, code in (("OPTIONS", "/v1/completions", 405), ("GET", "/nowhere", 404)):
+            r = httpx.request(method, h.router_url + path)
+            assert r.status_code == code and set(r.json()) == {"error"} and r.json()["error"]["message"]
+        cli = lambda *a: subprocess.run([sys.executable, "-m", "supervisor", *a, "-c", str(h.config)], cwd=ROOT,
+                                        capture_output=True, text=True, timeout=30)
+        tok = cli("token")
+        assert tok.returncode == 0 and tok.stdout.strip() == h.token
+        assert cli("drain").returncode == 0
+        rz = httpx.get(h.router_url + "/readyz")
+        assert rz.status_code == 503 and rz.json()["reason"] == "node is drained"
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "ext-model", "prompt": "x"})
+        assert r.status_code == 200, "a drained node still serves what arrives (load balancer lag)"
+        assert cli("undrain").returncode == 0 and httpx.get(h.router_url + "/readyz").status_code == 200
     finally:
         assert h.stop() == 0, h.tail()
 
@@ -217,3 +309,43 @@ def test_a_sigkilled_supervisor_leaves_no_orphans_after_the_next_start(tmp_path,
             assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
     finally:
         first.stop()
+
+
+def test_boot_error_of_the_last_engine_after_serving_is_retried_until_fixed(tmp_path, tiny_model):
+    """The checkpoint breaks under a serving node (one engine) and the engine dies: every restart
+    is a boot error (exit 3), yet the node keeps retrying with capped backoff and says why; once
+    the file is restored the next retry serves again."""
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    good = weights.read_bytes()
+    h = Harness(tmp_path, f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {model}}}\nrouter: {{port: 0}}\n"
+                          "admin: {port: 0}\nengines: {count: 1, kv_cache_bytes: 4194304, max_model_len: 128}\n"
+                          "failover: {backoff_base_s: 0.05, backoff_max_s: 0.3, flap_max: 2, hold_timeout_s: 1}\n",
+                notify=False)
+    try:
+        h.wait_booted()
+        h.wait_all_ready(90)
+        weights.write_bytes(good[: len(good) // 2])
+        mark = len(h.events)
+        os.kill(h.engines()["a"]["pid"], signal.SIGKILL)
+        h.wait_for(lambda s: s["engines"][0]["recent_failures"] >= 4, 90, "four failures in a row")
+        assert not any(e.get("to") == "FATAL" for e in h.events[mark:])
+        eng = h.engines()["a"]
+        assert eng["crash_loop"] and "exit code 3" in eng["last_exit"] + eng["reason"], eng
+        reason = ""
+        for _ in range(300):  # between spawns, /readyz shows the crash loop and the log line of the last exit
+            reason = httpx.get(h.router_url + "/readyz").json()["reason"]
+            if "crash loop" in reason:
+                break
+            time.sleep(0.02)
+        assert "engine a: crash loop, next try in " in reason and "last exit: exit code 3 (" in reason \
+            and "model.safetensors" in reason, reason
+        weights.write_bytes(good)
+        h.wait_for(lambda s: s["primary"] == "a", 90, "served again")
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": "model", "prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200 and h.engines()["a"]["weights_source"] == "cache_hit"
+    finally:
+        assert h.stop() == 0, h.tail()

@@ -266,6 +266,26 @@ def test_admin_operations_under_load_fail_no_request(sup):
     assert len({r[3] for r in load.results}) == 2 and len(streams.results) > 5
 
 
+def test_rollout_racing_a_kill_is_not_a_failure_of_the_engine(sup):
+    """An engine restart while the rollout replaces the spawn server waits for the new server (or
+    starts directly) instead of failing with 'NoneType has no attribute spawn' and counting toward FATAL."""
+    import threading
+    sup.wait_all_ready()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=sup.admin("POST", "/admin/rollout", timeout=300)))
+    t.start()
+    sup.wait_for(lambda s: s["spawn_server"] is None, 30, "the spawn server being replaced")
+    victim = sup.standby()
+    mark = len(sup.events)
+    os.kill(victim["pid"], signal.SIGKILL)
+    t.join(300)
+    assert result["r"].status_code == 200, result["r"].text
+    sup.wait_all_ready(120)
+    reasons = [e.get("reason", "") for e in sup.events[mark:] if e.get("engine") == victim["name"]]
+    assert not any("start failed" in r for r in reasons), reasons
+    assert sup.engines()[victim["name"]]["recent_failures"] <= 1
+
+
 def test_cli_talks_to_the_admin_api(sup):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "supervisor", *args, "-c", str(sup.config)], cwd=ROOT,

@@ -38,13 +38,14 @@ def test_refused_transitions(src, dst):
         check_transition(src, dst)
 
 
-def test_backoff_grows_then_flapping_is_fatal():
+def test_backoff_grows_to_its_cap_and_flapping_is_a_verdict_not_an_end():
     p = RestartPolicy(base_s=0.5, max_s=3.0, window_s=60.0, max_failures=5)
     delays = [p.record_failure(now=float(i)) for i in range(4)]
-    assert delays == [0.5, 1.0, 2.0, 3.0]
-    assert p.record_failure(now=4.0) is None  # 5 failures within 60 s
+    assert delays == [0.5, 1.0, 2.0, 3.0] and not p.flapping
+    assert p.record_failure(now=4.0) == 3.0 and p.flapping  # 5 failures within 60 s
+    assert [p.record_failure(now=5.0 + i) for i in range(200)] == [3.0] * 200  # capped, forever
     p.reset()
-    assert p.record_failure(now=5.0) == 0.5
+    assert p.record_failure(now=300.0) == 0.5 and not p.flapping
 
 
 def test_failures_outside_the_window_are_forgotten_and_success_resets_the_delay():
@@ -171,3 +172,84 @@ def test_is_exiting_sees_a_killed_process_before_it_is_reaped():
         child.kill()
         child.wait()
     assert is_exiting(child.pid)  # reaped: gone
+
+
+def test_watchdog_is_fed_while_serving_or_progressing_and_not_when_stuck():
+    from supervisor.watchdog import WatchdogGate
+    g = WatchdogGate(stuck_after_s=10.0, last_progress=100.0)
+    assert g.should_feed(105.0, serving=False)           # starting: progress 5 s ago
+    assert not g.should_feed(111.0, serving=False)       # no primary, no progress for 11 s: stuck
+    assert g.stuck_for(111.0, serving=False) == 11.0
+    assert g.should_feed(500.0, serving=True) and g.stuck_for(500.0, serving=True) == 0.0
+    g.progress(111.0)                                    # a spawn, a phase, a transition
+    assert g.should_feed(120.0, serving=False)
+    g.progress(50.0)                                     # an older report never moves it back
+    assert g.last_progress == 111.0
+
+
+def test_stuck_window_defaults_to_startup_timeout_plus_four_backoff_caps():
+    from supervisor.config import FailoverSection
+    assert FailoverSection().stuck_window_s() == 300 + 4 * 30
+    assert FailoverSection(stuck_after_s=7).stuck_window_s() == 7
+
+
+def test_not_ready_text_says_what_each_engine_is_doing():
+    from supervisor.slots import EngineSlot
+    from supervisor.why import not_ready_text
+    policy = RestartPolicy(0.5, 30, 120, 5)
+    a = EngineSlot("a", policy, state=State.BACKOFF, crash_loop=True, retry_at=130.0, last_exit="exit code 1",
+                   log_line="engine a: failed to start: CheckpointError: model.safetensors truncated")
+    b = EngineSlot("b", policy, state=State.FATAL, reason="flapping: 5 failures within 120s")
+    c = EngineSlot("c", policy, state=State.WARMING, started_at=95.0, incarnation=3)
+    d = EngineSlot("d", policy, state=State.READY)
+    text = not_ready_text([a, b, c, d], now=100.0)
+    assert text == ("engine a: crash loop, next try in 30 s, last exit: exit code 1 (engine a: failed to start: "
+                    "CheckpointError: model.safetensors truncated); engine b: FATAL: flapping: 5 failures within "
+                    "120s; engine c: WARMING for 5 s (incarnation 3)")
+    a.log_line, a.crash_loop = "(empty log)", False
+    assert not_ready_text([a], 100.0) == "engine a: restarting, next try in 30 s, last exit: exit code 1"
+
+
+@pytest.mark.parametrize("host, ok", [("127.0.0.1", True), ("::1", True), ("localhost", True), ("127.0.0.2", True),
+                                      ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("myhost", False)])
+def test_admin_host_must_be_loopback_unless_allowed(host, ok):
+    from supervisor.config_load import ConfigError, parse_config
+    text = f"admin: {{host: '{host}', port: 9001}}\n"
+    if ok:
+        assert parse_config(text, "c.yaml").admin.host == host
+        return
+    with pytest.raises(ConfigError, match=r"c.yaml: admin.host: '.*' is not a loopback address.*admin.allow_remote: true"):
+        parse_config(text, "c.yaml")
+    assert parse_config(f"admin: {{host: '{host}', allow_remote: true}}\n", "c.yaml").admin.allow_remote
+
+
+def test_logs_are_rotated_per_start_never_appended_across_runs(tmp_path):
+    import os
+    from supervisor.launch import open_log
+    log = tmp_path / "logs" / "a-1.log"
+    for run in ("first", "second", "third"):
+        fd = open_log(log)
+        os.write(fd, f"{run} run\n".encode())
+        os.close(fd)
+    assert log.read_text() == "third run\n"
+    assert (tmp_path / "logs" / "a-1.log.1").read_text() == "second run\n"
+    assert sorted(p.name for p in log.parent.iterdir()) == ["a-1.log", "a-1.log.1"]
+    assert log.stat().st_mode & 0o777 == 0o600
+
+
+def test_tests_never_write_the_users_cache():
+    import os
+    from supervisor.config import UnderstudyConfig
+    home_cache = os.path.join(os.path.expanduser("~"), ".cache")
+    assert not os.environ["UNDERSTUDY_CACHE_DIR"].startswith(home_cache)
+    assert str(UnderstudyConfig().resolved_cache_dir()) == os.environ["UNDERSTUDY_CACHE_DIR"]
+    from daemon.fingerprint import default_cache_dir
+    assert str(default_cache_dir()) == os.environ["UNDERSTUDY_CACHE_DIR"]
+
+
+def test_readme_links_exist_in_the_clone():
+    import re
+    from supervisor.testing import ROOT
+    text = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)\)", text) + re.findall(r"`([\w./-]+\.md)`", text):
+        assert (ROOT / target).is_file(), f"README.md links {target}, which a clone does not have"
