@@ -22,7 +22,7 @@ import torch
 from .control import ControlChannel
 from .inflight import InFlight
 from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams, make_generator, to_device
+from .sampling import Sampler, SamplingParams, ensure_seed, to_device
 from .scheduler import Scheduler
 from .sequence import Output, Sequence
 from .tokenizer import Tokenizer
@@ -57,11 +57,12 @@ class LLMEngine:
         self._pending: dict[int, tuple[int, int]] = {}  # seq_id -> (launch, row) of its unread token
 
     # ---- API (any thread) ------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None]) -> int:
-        """Queue a sequence; `emit` is called from the loop thread with each Output. Returns its id."""
-        seq = Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, self.max_model_len, emit)
-        if not params.greedy:
-            seq.generator = make_generator(params.seed, self._device)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
+               replayed: int = 0) -> int:
+        """Queue a sequence; `emit` is called from the loop thread with each Output. Returns its id.
+        `replayed`: the last ids of `prompt_ids` are generated tokens of a continued request."""
+        seq = Sequence(prompt_ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len, emit,
+                       replayed=replayed)
         self.inbox.put(("add", seq))
         return seq.seq_id
 
@@ -97,9 +98,8 @@ class LLMEngine:
         self._bind_device()
         seqs = []
         for ids in prompts:
-            seq = Sequence(ids, params, self.tokenizer, self.eos_ids, self.max_model_len, lambda o: None)
-            if not params.greedy:
-                seq.generator = make_generator(params.seed, self._device)
+            seq = Sequence(ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len,
+                           lambda o: None)
             self.scheduler.add(seq)
             seqs.append(seq)
         while self.has_work:
@@ -185,7 +185,7 @@ class LLMEngine:
         new = sched.admit()
         for seq in new:
             logits = self.runner.prefill(seq.prompt_ids, seq.slot)
-            launches.append(self._sample([seq], logits))
+            launches.append(self._sample([seq], logits, [seq.num_tokens]))
         admitted = {s.seq_id for s in new}
         batch = [s for s in sched.running if s.seq_id not in admitted and self._may_grow(s)]
         if batch:
@@ -193,7 +193,7 @@ class LLMEngine:
             lag = [int(s.seq_id in self._pending) for s in batch]
             logits = self.runner.decode(ids, [s.num_tokens - 1 + d for s, d in zip(batch, lag)],
                                         [s.slot for s in batch])
-            launches.append(self._sample(batch, logits))
+            launches.append(self._sample(batch, logits, [s.num_tokens + d for s, d in zip(batch, lag)]))
         self._read_back()
         self._inflight = launches
         self._pending = {s.seq_id: (i, row) for i, f in enumerate(launches) for row, s in enumerate(f.seqs)}
@@ -228,6 +228,7 @@ class LLMEngine:
                     seq.append(tok)
         self._inflight, self._pending = [], {}
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> InFlight:
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int]) -> InFlight:
+        """Launch the draw of each sequence's token at `positions` (its length before the token)."""
+        tokens = self.sampler(logits, [s.params for s in seqs], positions)
         return InFlight.launch(seqs, tokens)
