@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -27,6 +28,10 @@ from .sequence import Output
 from .tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("engines.server")
+
+# Fault injection for tests and chaos runs only: a pause after each stream chunk, so a test can kill
+# an engine at the k-th chunk of a stream deterministically. Unset (0) in production.
+CHUNK_DELAY_S = float(os.environ.get("UNDERSTUDY_TEST_CHUNK_DELAY_S") or 0)
 
 
 class APIError(Exception):
@@ -262,6 +267,8 @@ class OpenAIServer:
         async def body() -> AsyncIterator[str]:
             async for data in chunks:
                 yield f"data: {data}\n\n"
+                if CHUNK_DELAY_S:
+                    await asyncio.sleep(CHUNK_DELAY_S)
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -63,13 +63,13 @@ class Migrator:
         call = _Call(self, req, target, headers, send)
         await call.run()
 
-    def count(self, result: str, req: Tracked, stall_s: float | None = None) -> None:
+    def count(self, result: str, req: Tracked, stall_s: float | None = None, replayed: int | None = None) -> None:
         self._results[result].inc()
         if stall_s is not None:
             self.proxy.metrics.migration_stall.observe(stall_s)
         if self.publish is not None:
             self.publish({"type": "migration", "result": result, "request_id": req.rid or "",
-                          "tokens_replayed": len(req.output_ids), "stall_s": stall_s, "ts": time.time()})
+                          "tokens_replayed": len(req.output_ids) if replayed is None else replayed, "stall_s": stall_s, "ts": time.time()})
 
 
 class _Call:
@@ -82,6 +82,7 @@ class _Call:
         self.migrating_since: float | None = None  # last_sent when the current continuation began
         self.failed_epochs: set[int] = set()  # primaries lost with this request, since its last new token
         self.migrations = 0
+        self.replayed = 0  # tokens the current continuation replays
         self.epoch = 0
         self.began_at: float | None = None
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
@@ -137,7 +138,7 @@ class _Call:
             if (why := self._why_not(up.epoch)) is not None:
                 return await self._give_up(*why)
             self.migrations += 1
-            self.migrating_since = self.last_sent
+            self.migrating_since, self.replayed = self.last_sent, len(self.req.output_ids)
             deadline = time.monotonic() + proxy.hold_timeout_s
 
     def _why_not(self, epoch: int) -> tuple[str, int, str] | None:
@@ -173,7 +174,7 @@ class _Call:
                 out = req.feed(chunk)
                 now = time.monotonic()
                 if self.migrating_since is not None and (req.progress or req.finish_reason or req.done):
-                    self.m.count("continued", req, now - self.migrating_since)
+                    self.m.count("continued", req, now - self.migrating_since, self.replayed)
                     self.migrating_since = None
                 if req.client_stream:
                     if out:
