@@ -6,7 +6,9 @@ Rules (DESIGN.md §4, issues 11 and 12):
   primary gets the continuation (prompt + emitted ids, same seed), at most `max_migrations` times
   and `max_replay_tokens` long;
 - a request in flight at two failures of different primaries (epochs) with no new token in between
-  is quarantined: failed with a clear error, never sent to a third engine (a poison request);
+  is quarantined: failed with a clear error, never sent to a third engine (a poison request). In
+  flight means the engine had taken it (answered its stream's head): a request that a dead or
+  frozen engine never answered did not kill it;
 - a request that cannot be continued ends explicitly: an SSE error event and an aborted connection
   once bytes went to the client, an HTTP error before. Never a silent truncation.
 """
@@ -81,6 +83,7 @@ class _Call:
         self.last_sent = time.monotonic()  # our client's last byte (a non-streaming one: last chunk read)
         self.migrating_since: float | None = None  # last_sent when the current continuation began
         self.failed_epochs: set[int] = set()  # primaries lost with this request, since its last new token
+        self.answered = False  # the current attempt's engine took the request (its stream began)
         self.migrations = 0
         self.replayed = 0  # tokens the current continuation replays
         self.epoch = 0
@@ -129,25 +132,30 @@ class _Call:
                 failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} {e}".strip()
                 if isinstance(e, ConnectError):  # never reached the engine: a plain retry
                     continue
+            if self.answered:
+                self._lost_with(up.epoch)
             if self.req.done:
                 return await self._finish()
             if self.req.finish_reason is not None:  # lost after its last token: nothing to continue
                 if self.req.client_stream:
                     await self._body(self.req.finish_locally())
                 return await self._finish()
-            if (why := self._why_not(up.epoch)) is not None:
+            if (why := self._why_not()) is not None:
                 return await self._give_up(*why)
             self.migrations += 1
             self.migrating_since, self.replayed = self.last_sent, len(self.req.output_ids)
             deadline = time.monotonic() + proxy.hold_timeout_s
 
-    def _why_not(self, epoch: int) -> tuple[str, int, str] | None:
-        """Why this request must not be sent again after losing the primary of `epoch`, if so."""
-        req, cfg = self.req, self.m.cfg
-        if req.progress:
+    def _lost_with(self, epoch: int) -> None:
+        """The primary of `epoch` failed while working on this request."""
+        if self.req.progress:
             self.failed_epochs.clear()
-            req.progress = False
         self.failed_epochs.add(epoch)
+
+    def _why_not(self) -> tuple[str, int, str] | None:
+        """Why this request must not be sent again after losing its primary, if so."""
+        req, cfg = self.req, self.m.cfg
+        req.progress = False
         if len(self.failed_epochs) >= 2:
             return ("quarantined", 502, f"request quarantined: it was in flight when {len(self.failed_epochs)} "
                                         f"engines failed, with no token generated in between (a request that "
@@ -164,10 +172,12 @@ class _Call:
     async def _attempt(self, up: Upstream) -> None:
         """Send the request (or its continuation) to `up` and relay its stream until [DONE]."""
         proxy, req = self.m.proxy, self.req
+        self.answered = False
         resp = await proxy.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
         try:
             if resp.status != 200 or not resp.is_event_stream:
                 raise _Refused(resp.status, resp.headers, await resp.read())
+            self.answered = True
             engine_headers = [(b"x-understudy-engine", up.name.encode()),
                               (b"x-understudy-epoch", str(up.epoch).encode())]
             async for chunk in resp.stream():

@@ -26,7 +26,7 @@ from supervisor.continuation import Tracked, error_event
 from supervisor.metrics import Metrics
 from supervisor.migrating import Migrator, Publish
 from supervisor.routing import PrimaryLost, RoutingTable, Upstream
-from supervisor.upstream import Client, ConnectError, Headers, UpstreamError, UpstreamTimeout
+from supervisor.upstream import Client, Headers, UpstreamError, UpstreamTimeout
 from supervisor.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("understudy.router")
@@ -153,7 +153,6 @@ class Proxy:
         start = time.monotonic()
         deadline = start + self.hold_timeout_s
         failed_epoch: int | None = None
-        lost_with: set[int] = set()  # primaries that failed with this request in flight
         last_error = "no primary"
         held = False
         table, metrics = self.table, self.metrics
@@ -176,13 +175,6 @@ class Proxy:
                 return self._timeout(up.name)
             except (UpstreamError, PrimaryLost) as e:
                 failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} {e}".strip()
-                if not isinstance(e, ConnectError):
-                    lost_with.add(up.epoch)
-                    if len(lost_with) >= 2:  # a poison request is not sent to a third engine
-                        metrics.migrations.labels(result="quarantined").inc()
-                        return _json_reply(502, {"error": {"message": (
-                            f"request quarantined: it was in flight when {len(lost_with)} engines failed "
-                            f"(last: {last_error})"), "type": "migration_failed", "code": 502}})
                 continue
             if resp.status in RETRY_STATUSES and time.monotonic() < deadline:
                 resp.close()

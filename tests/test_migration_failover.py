@@ -2,7 +2,7 @@
 engines on the tiny model (CPU, fp32). A stream is read up to its k-th chunk, then the primary's
 process group is SIGKILLed; what the client gets must be byte-identical to an uninterrupted run.
 The engines pause after each stream chunk (UNDERSTUDY_TEST_CHUNK_DELAY_S) so "at chunk k" is exact.
-A request in flight at two failures without a new token in between is quarantined (issue 12)."""
+Quarantine (issue 12) needs engines that die on a request: tests/test_migration_router.py."""
 from __future__ import annotations
 
 import json
@@ -229,27 +229,6 @@ def test_killed_again_during_its_continuation_it_continues_again(sup):
     check_same(s.result(), ref)
     evs = [e for e in migrations(sup, mark) if e["result"] == "continued"]
     assert len(evs) == 2 and evs[1]["tokens_replayed"] > evs[0]["tokens_replayed"]
-
-
-def test_a_request_killing_two_engines_without_progress_is_quarantined(sup):
-    sup.wait_all_ready()
-    a, b = sup.primary(), sup.standby()
-    mark = len(sup.events)
-    os.killpg(b["pid"], signal.SIGSTOP)  # B will take the continuation and make nothing of it
-    os.killpg(a["pid"], signal.SIGSTOP)
-    s = Stream(sup.router_url, "/v1/completions", GREEDY)
-    time.sleep(0.5)
-    os.killpg(a["pid"], signal.SIGKILL)
-    sup.wait_event(lambda e: e["type"] == "failover" and e["to"] == b["name"], since=mark, timeout_s=30)
-    time.sleep(0.5)
-    os.killpg(b["pid"], signal.SIGKILL)
-    s.result()
-    assert s.status == 502 and not s.done, (s.status, s.chunks)
-    ev = wait_migration(sup, mark, "quarantined")
-    assert ev["tokens_replayed"] == 0
-    sup.wait_all_ready(90)
-    r = httpx.post(sup.router_url + "/v1/completions", json=GREEDY, timeout=60)  # the node serves on
-    assert r.status_code == 200
 
 
 def test_a_stream_that_cannot_be_continued_ends_with_an_error_event(sup):
