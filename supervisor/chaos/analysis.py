@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .active import active_engines, unexpected
-from .events import Event, RecoveredEvent
+from .events import Event, MigrationEvent, RecoveredEvent
 from .honest import honest_metrics
 from .matching import EventIndex, SuccessIndex, fault_window, outcome
 from .memory import growth_pct
@@ -43,6 +43,29 @@ class RunData:
 
 
 PLANNED = ("promote", "rollout")
+
+
+def greedy_differ(requests: Sequence[RequestRecord]) -> int:
+    """Successful outputs unlike the most common one of their endpoint (the load is greedy, one
+    prompt: every output of an endpoint must be the same, streamed or not, migrated or not)."""
+    out = 0
+    for endpoint in {r.endpoint for r in requests}:
+        texts = Counter(r.text for r in requests if r.ok and r.endpoint == endpoint and r.text is not None)
+        if texts:
+            out += sum(texts.values()) - texts.most_common(1)[0][1]
+    return out
+
+
+def migration_stalls(requests: Sequence[RequestRecord], events: Sequence[Event]) -> tuple[list[float], list[float]]:
+    """(client, router) stall of each stream the router continued: the client's longest wait for a
+    chunk, and the stall_s of the router's `continued` events for that completion id."""
+    stalls: dict[str, float] = {}
+    for e in events:
+        if isinstance(e, MigrationEvent) and e.result == "continued" and e.stall_s is not None and e.request_id:
+            stalls[e.request_id] = max(stalls.get(e.request_id, 0.0), e.stall_s)
+    pairs = [(r.max_gap_s, stalls[r.response_id]) for r in requests
+             if r.stream and r.response_id in stalls and r.max_gap_s is not None]
+    return [c for c, _ in pairs], [s for _, s in pairs]
 
 
 def epoch_changes(requests: Sequence[RequestRecord]) -> int:
@@ -163,7 +186,12 @@ def build_report(data: RunData) -> ChaosReport:
         streaming=count([r for r in data.requests if r.stream]),
         non_streaming=count([r for r in data.requests if not r.stream]),
         not_sent_client_busy=data.not_sent,
+        cut_streams=sum(1 for r in data.requests if r.stream and r.cut),
+        greedy_differ=greedy_differ(data.requests),
+        migrations=dict(Counter(e.result for e in data.events if isinstance(e, MigrationEvent))),
     )
+    client_stall, router_stall = migration_stalls(data.requests, data.events)
+    requests.stall_client, requests.stall_router = summarize(client_stall), summarize(router_stall)
     cache = cache_from_status(data.samples, data.events)
     active = active_engines(data.samples, data.events, windows, data.t0, data.t_end)
     unplanned = [o for o in outcomes if o.kind not in PLANNED]
@@ -216,6 +244,11 @@ def checks(report: ChaosReport, active_problems: list[str], options: dict[str, A
               + "".join(f"; #{f.index} {f.kind}: {f.error}" for f in report.faults if f.error)[:300]),
         Check(name="no failed non-streaming request", ok=report.requests.non_streaming.failed == 0,
               detail=f"{report.requests.non_streaming.failed} failed of {report.requests.non_streaming.sent}"),
+        Check(name="no cut stream", ok=report.requests.cut_streams == 0,
+              detail=f"{report.requests.cut_streams} of {report.requests.streaming.sent} streams cut; "
+                     f"migrations: {report.requests.migrations or 'none'}"),
+        Check(name="every greedy output identical to its uninterrupted run", ok=report.requests.greedy_differ == 0,
+              detail=f"{report.requests.greedy_differ} of {report.requests.all.succeeded} outputs differ"),
         Check(name="exactly one active engine outside failovers", ok=not active_problems,
               detail="; ".join(active_problems) or "never more than one; zero only inside fault windows"),
     ]
