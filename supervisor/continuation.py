@@ -48,6 +48,7 @@ class Tracked:
         self.role_sent = False
         self.done = False  # [DONE] seen
         self.progress = False  # new token ids since the flag was last cleared
+        self.chunks_sent = 0  # data chunks given to a streaming client
         self._buf = b""
 
     @classmethod
@@ -139,6 +140,7 @@ class Tracked:
         if not self.client_stream or (role and self.role_sent):  # a continuation's role chunk
             return None
         self.role_sent = self.role_sent or role
+        self.chunks_sent += 1
         return b"data: " + _dump(c) + b"\n\n"
 
     # ---- endings made by the router -------------------------------------------------------------

@@ -65,13 +65,16 @@ class Migrator:
         call = _Call(self, req, target, headers, send)
         await call.run()
 
-    def count(self, result: str, req: Tracked, stall_s: float | None = None, replayed: int | None = None) -> None:
+    def count(self, result: str, req: Tracked, stall_s: float | None = None, replayed: int | None = None,
+              chunks_before: int | None = None) -> None:
         self._results[result].inc()
         if stall_s is not None:
             self.proxy.metrics.migration_stall.observe(stall_s)
         if self.publish is not None:
             self.publish({"type": "migration", "result": result, "request_id": req.rid or "",
-                          "tokens_replayed": len(req.output_ids) if replayed is None else replayed, "stall_s": stall_s, "ts": time.time()})
+                          "tokens_replayed": len(req.output_ids) if replayed is None else replayed, "stall_s": stall_s,
+                          "chunks_before": req.chunks_sent if chunks_before is None else chunks_before,
+                          "ts": time.time()})
 
 
 class _Call:
@@ -86,6 +89,7 @@ class _Call:
         self.answered = False  # the current attempt's engine took the request (its stream began)
         self.migrations = 0
         self.replayed = 0  # tokens the current continuation replays
+        self.chunks_before = 0  # data chunks our client had when the current continuation began
         self.epoch = 0
         self.began_at: float | None = None
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
@@ -144,6 +148,7 @@ class _Call:
                 return await self._give_up(*why)
             self.migrations += 1
             self.migrating_since, self.replayed = self.last_sent, len(self.req.output_ids)
+            self.chunks_before = self.req.chunks_sent
             deadline = time.monotonic() + proxy.hold_timeout_s
 
     def _lost_with(self, epoch: int) -> None:
@@ -184,7 +189,7 @@ class _Call:
                 out = req.feed(chunk)
                 now = time.monotonic()
                 if self.migrating_since is not None and (req.progress or req.finish_reason or req.done):
-                    self.m.count("continued", req, now - self.migrating_since, self.replayed)
+                    self.m.count("continued", req, now - self.migrating_since, self.replayed, self.chunks_before)
                     self.migrating_since = None
                 if req.client_stream:
                     if out:
@@ -217,7 +222,8 @@ class _Call:
                 *self.headers_out]})
             await self.send({"type": "http.response.body", "body": body})
             self.began_at = time.monotonic()
-        proxy.served(self.epoch, 200, self.began_at)
+        if not self.migrations:  # a continued request is not the new primary's first success
+            proxy.served(self.epoch, 200, self.began_at)
 
     async def _body(self, data: bytes) -> None:
         if not self.started:

@@ -57,15 +57,19 @@ def greedy_differ(requests: Sequence[RequestRecord]) -> int:
 
 
 def migration_stalls(requests: Sequence[RequestRecord], events: Sequence[Event]) -> tuple[list[float], list[float]]:
-    """(client, router) stall of each stream the router continued: the client's longest wait for a
-    chunk, and the stall_s of the router's `continued` events for that completion id."""
-    stalls: dict[str, float] = {}
+    """(client, router) stall of each continuation of a stream: the client's wait for its chunk
+    number `chunks_before` (the first after the seam), and the router's `stall_s`."""
+    by_id = {r.response_id: r for r in requests if r.stream and r.response_id}
+    client, router = [], []
     for e in events:
-        if isinstance(e, MigrationEvent) and e.result == "continued" and e.stall_s is not None and e.request_id:
-            stalls[e.request_id] = max(stalls.get(e.request_id, 0.0), e.stall_s)
-    pairs = [(r.max_gap_s, stalls[r.response_id]) for r in requests
-             if r.stream and r.response_id in stalls and r.max_gap_s is not None]
-    return [c for c, _ in pairs], [s for _, s in pairs]
+        if not (isinstance(e, MigrationEvent) and e.result == "continued" and e.stall_s is not None
+                and e.chunks_before is not None and (r := by_id.get(e.request_id)) is not None):
+            continue
+        n, times = e.chunks_before, r.chunk_times
+        if n < len(times):
+            client.append(times[n] - (times[n - 1] if n else r.t_start))
+            router.append(e.stall_s)
+    return client, router
 
 
 def epoch_changes(requests: Sequence[RequestRecord]) -> int:

@@ -56,6 +56,7 @@ class MigrationEvent(_Event):
     request_id: str = ""
     tokens_replayed: int | None = None
     stall_s: float | None = None
+    chunks_before: int | None = None  # data chunks the client had when the continuation began
 
 
 Event = Annotated[Union[TransitionEvent, FailoverEvent, RecoveredEvent, MigrationEvent], Field(discriminator="type")]

@@ -78,8 +78,8 @@ def _stall(before: MetricsSnapshot, after: MetricsSnapshot, report: ChaosReport,
     c, r = report.requests.stall_client, report.requests.stall_router
     if c is not None and r is not None and c.n:
         out.append(compare("migration stall, continued streams (mean)", r.mean, c.mean, tol,
-                           f"{c.n} streams; router: last chunk sent -> first chunk of the continuation "
-                           f"(events); client: longest wait for a chunk of the same stream"))
+                           f"{c.n} continuations; router: last chunk sent -> first chunk of the continuation "
+                           f"(events); client: the wait for that same chunk"))
     if after.has(f"{P}migration_stall_seconds_count"):
         h = _hist(before, after, "migration_stall_seconds")
         n = after.increase_since(before, f"{P}migrations_total", result="continued")

@@ -163,6 +163,8 @@ class LoadGenerator:
             now = time.time()
             rec.max_gap_s, last = max(rec.max_gap_s, now - last), now
             data = line[5:].strip()
+            if len(rec.chunk_times) < 4096:
+                rec.chunk_times.append(now)
             if data == "[DONE]":
                 done = True
                 break
