@@ -15,11 +15,15 @@ chunks handled whole, so a replay always matches the text the client has.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
+# The extension fields as the engine writes them (compact JSON). A literal `,"` never occurs inside
+# a JSON string (its quote would be escaped), so this cannot cut into text.
+_STRIP = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
 
 
 def _dump(obj: Any) -> bytes:
@@ -29,8 +33,8 @@ def _dump(obj: Any) -> bytes:
 class Tracked:
     """A request the router can continue on another engine."""
 
-    def __init__(self, kind: str, req: dict) -> None:
-        self.kind, self.req = kind, req
+    def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62) -> None:
+        self.kind, self.req, self.max_ids = kind, req, max_ids
         self.client_stream = bool(req.get("stream"))
         self.client_ids = bool(req.get("return_token_ids"))
         opts = req.get("stream_options")
@@ -42,6 +46,8 @@ class Tracked:
         self.model: str | None = None
         self.prompt_ids: list[int] | None = None
         self.output_ids: list[int] = []
+        self.n_output = 0  # generated tokens so far (output_ids is dropped past max_ids)
+        self.overflow = False  # too long to replay: ids no longer kept (unless the client wants them)
         self.text: list[str] = []  # for a client that wants one whole response
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -52,7 +58,7 @@ class Tracked:
         self._buf = b""
 
     @classmethod
-    def parse(cls, path: str, body: bytes) -> "Tracked | None":
+    def parse(cls, path: str, body: bytes, max_ids: int = 1 << 62) -> "Tracked | None":
         """A Tracked for a request the router can continue exactly, else None (passed through as is:
         not JSON, n > 1, several prompts, a continuation already, odd types the engine will refuse)."""
         kind = PATHS.get(path)
@@ -73,11 +79,11 @@ class Tracked:
         if kind == "completions" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
                 and len(prompt) != 1:
             return None
-        return cls(kind, req)
+        return cls(kind, req, max_ids)
 
     @property
     def replay_tokens(self) -> int:
-        return len(self.prompt_ids or ()) + len(self.output_ids)
+        return len(self.prompt_ids or ()) + self.n_output
 
     def upstream_body(self) -> bytes:
         """What to send the engine: the request as a stream with ids; a continuation once the
@@ -110,15 +116,20 @@ class Tracked:
         c = json.loads(payload)
         if self.rid is None:
             self.rid, self.created, self.model = c.get("id"), c.get("created"), c.get("model")
-        else:
+        same = c.get("id") == self.rid and c.get("created") == self.created  # not a continuation's chunk
+        if not same:
             c["id"], c["created"] = self.rid, self.created
         prompt = c.get("prompt_token_ids")
         role = False
         for ch in c.get("choices") or ():
             prompt = prompt or ch.get("prompt_token_ids")
             if ids := ch.get("token_ids"):
-                self.output_ids += ids
+                self.n_output += len(ids)
                 self.progress = True
+                if not self.overflow:
+                    self.output_ids += ids
+                    if self.replay_tokens > self.max_ids and not (self.client_ids and not self.client_stream):
+                        self.overflow, self.output_ids = True, []  # memory stays bounded
             if self.kind == "chat":
                 delta = ch.get("delta") or {}
                 text, role = delta.get("content") or "", bool(delta.get("role"))
@@ -128,24 +139,28 @@ class Tracked:
                 self.text.append(text)
             if ch.get("finish_reason") is not None:
                 self.finish_reason = ch["finish_reason"]
-            if not self.client_ids:
-                for k in _IDS:
-                    ch.pop(k, None)
         if prompt is not None and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
         if c.get("usage"):
             self.usage = c["usage"]
-        if not self.client_ids:
-            c.pop("prompt_token_ids", None)
         if not self.client_stream or (role and self.role_sent):  # a continuation's role chunk
             return None
         self.role_sent = self.role_sent or role
         self.chunks_sent += 1
+        if same:  # the engine's own bytes, less what the client did not ask for
+            out = payload if self.client_ids else _STRIP.sub(b"", payload)
+            if self.client_ids or b'token_ids"' not in out:  # (else not compact JSON: re-serialise)
+                return b"data: " + out + b"\n\n"
+        if not self.client_ids:
+            c.pop("prompt_token_ids", None)
+            for ch in c.get("choices") or ():
+                for k in _IDS:
+                    ch.pop(k, None)
         return b"data: " + _dump(c) + b"\n\n"
 
     # ---- endings made by the router -------------------------------------------------------------
     def _usage(self) -> dict:
-        p, n = len(self.prompt_ids or ()), len(self.output_ids)
+        p, n = len(self.prompt_ids or ()), self.n_output
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     def finish_locally(self) -> bytes:

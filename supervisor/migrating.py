@@ -72,7 +72,7 @@ class Migrator:
             self.proxy.metrics.migration_stall.observe(stall_s)
         if self.publish is not None:
             self.publish({"type": "migration", "result": result, "request_id": req.rid or "",
-                          "tokens_replayed": len(req.output_ids) if replayed is None else replayed, "stall_s": stall_s,
+                          "tokens_replayed": req.n_output if replayed is None else replayed, "stall_s": stall_s,
                           "chunks_before": req.chunks_sent if chunks_before is None else chunks_before,
                           "ts": time.time()})
 
@@ -147,7 +147,7 @@ class _Call:
             if (why := self._why_not()) is not None:
                 return await self._give_up(*why)
             self.migrations += 1
-            self.migrating_since, self.replayed = self.last_sent, len(self.req.output_ids)
+            self.migrating_since, self.replayed = self.last_sent, self.req.n_output
             self.chunks_before = self.req.chunks_sent
             deadline = time.monotonic() + proxy.hold_timeout_s
 
@@ -222,8 +222,8 @@ class _Call:
                 *self.headers_out]})
             await self.send({"type": "http.response.body", "body": body})
             self.began_at = time.monotonic()
-        if not self.migrations:  # a continued request is not the new primary's first success
-            proxy.served(self.epoch, 200, self.began_at)
+        if not (self.migrations and req.client_stream):  # a continued stream shows its first engine's
+            proxy.served(self.epoch, 200, self.began_at)  # headers: not the new primary's first success
 
     async def _body(self, data: bytes) -> None:
         if not self.started:

@@ -123,7 +123,7 @@ class Proxy:
         if body is None:  # our client left before sending its request whole
             return
         if self.migrator.cfg.enabled and scope["method"] == "POST" \
-                and (tracked := Tracked.parse(scope["path"], body)) is not None:
+                and (tracked := Tracked.parse(scope["path"], body, self.migrator.cfg.max_replay_tokens)) is not None:
             await self._tracked(scope, tracked, receive, send)
             return
         reply = await self._forward(scope, body)
