@@ -92,6 +92,7 @@ class _Call:
         self.chunks_before = 0  # data chunks our client had when the current continuation began
         self.epoch = 0
         self.began_at: float | None = None
+        self.head_epoch: int | None = None  # whose headers our client got (None: not sent yet)
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
 
     async def run(self) -> None:
@@ -195,7 +196,7 @@ class _Call:
                     if out:
                         if not self.started:
                             self.started = True
-                            self.began_at = now
+                            self.began_at, self.head_epoch = now, up.epoch
                             proxy.count_status(200)
                             await self.send({"type": "http.response.start", "status": 200,
                                              "headers": SSE_HEADERS + engine_headers})
@@ -221,9 +222,9 @@ class _Call:
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 *self.headers_out]})
             await self.send({"type": "http.response.body", "body": body})
-            self.began_at = time.monotonic()
-        if not (self.migrations and req.client_stream):  # a continued stream shows its first engine's
-            proxy.served(self.epoch, 200, self.began_at)  # headers: not the new primary's first success
+            self.began_at, self.head_epoch = time.monotonic(), self.epoch
+        if self.head_epoch == self.epoch:  # a stream continued after its head went out shows the first
+            proxy.served(self.epoch, 200, self.began_at)  # engine's headers: not the new primary's success
 
     async def _body(self, data: bytes) -> None:
         if not self.started:
