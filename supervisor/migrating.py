@@ -91,8 +91,6 @@ class _Call:
         self.replayed = 0  # tokens the current continuation replays
         self.chunks_before = 0  # data chunks our client had when the current continuation began
         self.epoch = 0
-        self.began_at: float | None = None
-        self.head_epoch: int | None = None  # whose headers our client got (None: not sent yet)
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
 
     async def run(self) -> None:
@@ -196,10 +194,10 @@ class _Call:
                     if out:
                         if not self.started:
                             self.started = True
-                            self.began_at, self.head_epoch = now, up.epoch
                             proxy.count_status(200)
                             await self.send({"type": "http.response.start", "status": 200,
                                              "headers": SSE_HEADERS + engine_headers})
+                            proxy.served(up.epoch, 200, now)  # as the client times it: its first chunk
                         await self.send({"type": "http.response.body", "body": out, "more_body": True})
                         self.last_sent = now
                 else:
@@ -222,9 +220,7 @@ class _Call:
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 *self.headers_out]})
             await self.send({"type": "http.response.body", "body": body})
-            self.began_at, self.head_epoch = time.monotonic(), self.epoch
-        if self.head_epoch == self.epoch:  # a stream continued after its head went out shows the first
-            proxy.served(self.epoch, 200, self.began_at)  # engine's headers: not the new primary's success
+            proxy.served(self.epoch, 200)
 
     async def _body(self, data: bytes) -> None:
         if not self.started:
