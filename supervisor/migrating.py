@@ -14,7 +14,6 @@ Rules (DESIGN.md §4, issues 11 and 12):
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time

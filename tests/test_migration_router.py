@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import textwrap
 
 import httpx
 import pytest
 
-from engines.loopback import free_port
 from supervisor.config import MigrationSection
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
