@@ -6,7 +6,7 @@ detokenizes. Apart, neither one's Python work waits for the other's GIL: serving
 streams no longer slows the steps, and a huge request being tokenized never delays a heartbeat.
 
 Messages are JSON (never pickle). Front end -> core: `add` (key, prompt ids, sampling params,
-group), `abort` (key), `ready` (port). Core -> front end: `out` (one step's outputs: key and the
+group, replayed), `abort` (key), `ready` (port). Core -> front end: `out` (one step's outputs: key and the
 Output fields; and the stats after the step), `stats` (every heartbeat), `serve` (start listening; the startup summary),
 `drain` (refuse new requests), `stop` (finish and exit).
 """
@@ -101,7 +101,8 @@ class CoreLink:
                 op = msg["op"]
                 if op == "add":
                     params = SamplingParams(**msg["params"])
-                    self._keys[msg["key"]] = self.engine.submit(msg["prompt"], params, Route(msg["key"]), msg["group"])
+                    self._keys[msg["key"]] = self.engine.submit(msg["prompt"], params, Route(msg["key"]), msg["group"],
+                                                                msg.get("replayed", 0))
                 elif op == "abort":
                     seq_id = self._keys.pop(msg["key"], None)
                     if seq_id is not None:

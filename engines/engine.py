@@ -24,7 +24,7 @@ from .control import ControlChannel
 from .inflight import InFlight
 from .block_manager import BlockManager
 from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams, make_generator
+from .sampling import Sampler, SamplingParams, ensure_seed
 from .scheduler import Scheduled, Scheduler
 from .sequence import Output, Sequence
 from .tokenizer import Tokenizer
@@ -65,14 +65,13 @@ class LLMEngine:
 
     # ---- API (any thread) ------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
-               group: int | None = None) -> int:
+               group: int | None = None, replayed: int = 0) -> int:
         """Queue a sequence; `emit` is called with each Output, on the loop thread unless `deliver`
         is set (then once per step, in one batch). Returns its id. Sequences of one request share a
-        `group` (they take turns with other requests)."""
-        seq = Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, self.max_model_len,
-                       lambda out: self._outbox.append((emit, out)), group)
-        if not params.greedy:
-            seq.generator = make_generator(params.seed, self._device)
+        `group` (they take turns with other requests). `replayed`: the last ids of `prompt_ids` are
+        generated tokens of a continued request."""
+        seq = Sequence(prompt_ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len,
+                       lambda out: self._outbox.append((emit, out)), group, replayed=replayed)
         self.inbox.put(("add", seq))
         return seq.seq_id
 
@@ -112,9 +111,8 @@ class LLMEngine:
         self._bind_device()
         seqs = []
         for ids in prompts:
-            seq = Sequence(ids, params, self.tokenizer, self.eos_ids, self.max_model_len, lambda o: None)
-            if not params.greedy:
-                seq.generator = make_generator(params.seed, self._device)
+            seq = Sequence(ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len,
+                           lambda o: None)
             self.scheduler.add(seq)
             seqs.append(seq)
         while self.has_work:
@@ -237,8 +235,9 @@ class LLMEngine:
         self._inflight, self._pending = None, {}
 
     def _sample(self, work: list[Scheduled], logits: torch.Tensor) -> InFlight:
+        """Launch the draw of each sequence's next token: a function of (seed, its position)."""
         seqs = [w.seq for w in work]
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self.sampler(logits, [s.params for s in seqs], [w.start + w.num_new for w in work])
         for s in seqs:
             s.unread += 1
         return InFlight.launch(seqs, tokens)

@@ -41,12 +41,12 @@ class EngineClient:
 
     # ---- the LLMEngine surface the HTTP server uses -----------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
-               group: int | None = None) -> int:
+               group: int | None = None, replayed: int = 0) -> int:
         """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key."""
         key = next(self._keys)
         self._emits[key] = emit
         self._send({"op": "add", "key": key, "prompt": prompt_ids, "params": dataclasses.asdict(params),
-                    "group": group})
+                    "group": group, "replayed": replayed})
         return key
 
     def abort(self, key: int) -> None:

@@ -14,6 +14,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Continuation(BaseModel):
+    """Understudy's extension: continue a request another engine began. The new sequence is
+    `prompt_token_ids + output_token_ids` (chat: the templated prompt; `messages` are then not
+    rendered again), `output_token_ids` being the tokens the other engine reported (each chunk's
+    `token_ids`); `max_tokens` and `seed` stay the original request's, usage counts the whole
+    completion, and the text that follows is what the other engine would have sent next."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token_ids: list[int] = Field(min_length=1)
+    output_token_ids: list[int] = Field(default_factory=list)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; ranges as OpenAI documents them."""
 
@@ -35,6 +48,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: prompt ids and each choice's new ids
+    continuation: Continuation | None = None
 
     @field_validator("stop")
     @classmethod
@@ -52,6 +67,8 @@ class _SamplingFields(BaseModel):
             raise ValueError("presence_penalty and frequency_penalty are not supported (must be 0)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.continuation is not None and self.n != 1:
+            raise ValueError("continuation needs n=1")
         return self
 
 
@@ -121,6 +138,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None
+    prompt_token_ids: list[int] | None = None  # return_token_ids only (streams: first chunk)
+    token_ids: list[int] | None = None  # return_token_ids only
 
 
 class CompletionResponse(BaseModel):
@@ -142,6 +161,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # return_token_ids only
 
 
 class ChatCompletionResponse(BaseModel):
@@ -151,6 +171,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # return_token_ids only
 
 
 class Delta(BaseModel):
@@ -163,6 +184,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids only
 
 
 class ChatCompletionChunk(BaseModel):
@@ -172,6 +194,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids only, first chunk
 
 
 class ModelCard(BaseModel):

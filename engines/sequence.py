@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
-
-import torch
 
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -15,20 +13,31 @@ _ids = itertools.count()
 
 @dataclass
 class Output:
-    """What the client side receives after each step: new text, and the finish reason once done."""
+    """What the client side receives after each step: new text, and the finish reason once done.
+
+    `token_ids` are the ids generated since the previous Output, including those whose text is
+    still held back: every Output is a consistent snapshot (all ids so far, the text released so
+    far), which is what a continuation on another engine replays (`Sequence(replayed=...)`)."""
 
     seq_id: int
     delta: str
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     prompt_tokens: int
     completion_tokens: int
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Sequence:
-    """A prompt plus its generated tokens. Text is held back while it may still become a stop string."""
+    """A prompt plus its generated tokens. Text is held back while it may still become a stop string.
+
+    A continued request (`replayed` > 0) ends its prompt with tokens another engine generated and
+    reported: its text state (detokenizer, held-back text, stop-string window) is rebuilt from them
+    as the other engine had it, and usage counts them as completion tokens, so what follows is
+    what the other engine would have emitted."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 eos_ids: set[int], max_model_len: int, emit: Callable[[Output], None], group: int | None = None):
+                 eos_ids: set[int], max_model_len: int, emit: Callable[[Output], None], group: int | None = None,
+                 replayed: int = 0):
         self.seq_id = next(_ids)
         self.group = self.seq_id if group is None else group  # the request it belongs to (fair scheduling)
         self.prompt_ids = prompt_ids
@@ -40,14 +49,17 @@ class Sequence:
         self.num_cached = 0  # of those, how many came from the prefix cache
         self.unread = 0  # sampled tokens still on their way from the device (0, 1, or 2 mid-step)
         self.finish_reason: str | None = None
-        self.generator: torch.Generator | None = None
         self.emit = emit
         self.max_model_len = max_model_len
+        self.replayed = replayed
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids[:len(prompt_ids) - replayed])
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._text = ""
-        self._sent = 0
+        for token in prompt_ids[len(prompt_ids) - replayed:]:
+            self._text += self._detok.add(token)
+        self._sent = max(0, len(self._text) - self._holdback)  # what the other engine had released
+        self._unreported: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +91,7 @@ class Sequence:
     def append(self, token: int) -> None:
         """Record a sampled token, apply every stop rule, and emit the text that is now final."""
         self.output_ids.append(token)
+        self._unreported.append(token)
         if token in self._stop_ids:
             self.finish_reason = "stop"
         else:
@@ -103,4 +116,6 @@ class Sequence:
         self.emit(self.output(""))
 
     def output(self, delta: str) -> Output:
-        return Output(self.seq_id, delta, self.finish_reason, len(self.prompt_ids), len(self.output_ids))
+        ids, self._unreported = self._unreported, []
+        return Output(self.seq_id, delta, self.finish_reason, len(self.prompt_ids) - self.replayed,
+                      len(self.output_ids) + self.replayed, ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -17,18 +18,22 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .engine_client import EngineClient
 from .metrics import render as render_metrics
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta,
                        ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
-from .sampling import SamplingParams
+from .sampling import SamplingParams, ensure_seed
 from .sequence import Output
 from .tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("engines.server")
+
+# Fault injection for tests and chaos runs only: a pause after each stream chunk, so a test can kill
+# an engine at the k-th chunk of a stream deterministically. Unset (0) in production.
+CHUNK_DELAY_S = float(os.environ.get("UNDERSTUDY_TEST_CHUNK_DELAY_S") or 0)
 
 
 class APIError(Exception):
@@ -106,15 +111,27 @@ class OpenAIServer:
             if bad:
                 raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param)
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, index: int,
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, replayed: int, index: int,
                 queue: asyncio.Queue, group: int) -> int:
-        return self.engine.submit(prompt_ids, params, lambda out: queue.put_nowait((index, out)), group)
+        return self.engine.submit(prompt_ids, params, lambda out: queue.put_nowait((index, out)), group, replayed)
 
-    async def _run(self, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, Output]]:
-        """Submit every (prompt, params) job; yield (choice index, Output) until all finish; abort on exit."""
+    def _continued(self, req, cont, param: str) -> list[tuple[list[int], SamplingParams, int]]:
+        """The one job of a continuation: the original prompt's limits, minus the replayed tokens."""
+        prompt, done = list(cont.prompt_token_ids), list(cont.output_token_ids)
+        self._check_ids([prompt + done], "continuation")
+        params = ensure_seed(self._params(req, len(prompt), param))
+        if len(done) >= params.max_tokens:
+            raise APIError(400, f"continuation.output_token_ids holds {len(done)} tokens: max_tokens="
+                                f"{params.max_tokens} leaves nothing to generate", "continuation")
+        params.max_tokens -= len(done)
+        return [(prompt + done, params, len(done))]
+
+    async def _run(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> AsyncIterator[tuple[int, Output]]:
+        """Submit every (prompt, params, replayed) job; yield (choice index, Output) until all finish;
+        abort on exit."""
         queue: asyncio.Queue = asyncio.Queue()
         group = id(queue)  # the request's sequences take turns with other requests
-        ids = [self._submit(p, sp, i, queue, group) for i, (p, sp) in enumerate(jobs)]
+        ids = [self._submit(p, sp, r, i, queue, group) for i, (p, sp, r) in enumerate(jobs)]
         live = set(range(len(jobs)))
         try:
             while live:
@@ -129,32 +146,54 @@ class OpenAIServer:
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest):
         self._accept(req.model)
-        prompts = self._prompt_ids(req.prompt)
-        self._check_ids(prompts, "prompt")
-        jobs = [(p, _nth_seed(self._params(req, len(p), "prompt"), j)) for p in prompts for j in range(req.n)]
+        if req.continuation is not None:
+            jobs = self._continued(req, req.continuation, "prompt")
+            prompts = [list(req.continuation.prompt_token_ids)]
+        else:
+            prompts = self._prompt_ids(req.prompt)
+            self._check_ids(prompts, "prompt")
+            jobs = [(p, _nth_seed(ensure_seed(self._params(req, len(p), "prompt")), j), 0)
+                    for p in prompts for j in range(req.n)]
         prompt_tokens = sum(len(p) for p in prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        ids = req.return_token_ids
+        prompt_of = [prompts[i // req.n] for i in range(len(jobs))]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(self._completion_chunks(jobs, req.model, rid, created, prompt_tokens, include_usage))
+            return self._sse(self._completion_chunks(jobs, req.model, rid, created, prompt_tokens, include_usage,
+                                                     prompt_of if ids and req.continuation is None else None,
+                                                     ids))
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+        new_ids: list[list[int]] = [[] for _ in jobs]
         async for i, out in self._run(jobs):
             texts[i] += out.delta
+            new_ids[i] += out.token_ids
             reasons[i], completion[i] = out.finish_reason, out.completion_tokens
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i]) for i in range(len(jobs))]
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
+                                    prompt_token_ids=prompt_of[i] if ids else None,
+                                    token_ids=new_ids[i] if ids else None) for i in range(len(jobs))]
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
                       total_tokens=prompt_tokens + sum(completion))
-        return CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+        resp = CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+        return _json(resp.model_dump_json(exclude=None if ids else _CHOICE_IDS))
 
     async def _completion_chunks(self, jobs, model: str, rid: str, created: int, prompt_tokens: int,
-                                 include_usage: bool) -> AsyncIterator[str]:
+                                 include_usage: bool, prompt_of: list[list[int]] | None,
+                                 ids: bool) -> AsyncIterator[str]:
         completion = [0] * len(jobs)
+        exclude: dict = {} if include_usage else {"usage": True}
+        if not ids:
+            exclude.update(_CHOICE_IDS)
+        first = set(range(len(jobs))) if prompt_of is not None else set()
         async for i, out in self._run(jobs):
             completion[i] = out.completion_tokens
             if out.delta or out.finish_reason:
                 chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
-                    CompletionChoice(index=i, text=out.delta, finish_reason=out.finish_reason)])
-                yield chunk.model_dump_json(exclude=set() if include_usage else {"usage"})
+                    CompletionChoice(index=i, text=out.delta, finish_reason=out.finish_reason,
+                                     prompt_token_ids=prompt_of[i] if i in first else None,  # type: ignore[index]
+                                     token_ids=out.token_ids if ids else None)])
+                first.discard(i)
+                yield chunk.model_dump_json(exclude=exclude or None)
         if include_usage:
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
                           total_tokens=prompt_tokens + sum(completion))
@@ -162,44 +201,61 @@ class OpenAIServer:
 
     async def chat_completions(self, req: ChatCompletionRequest):
         self._accept(req.model)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        try:
-            prompt = self.tokenizer.encode_chat(messages)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "messages") from None
-        self._check_ids([prompt], "messages")
-        params = self._params(req, len(prompt), "messages")
-        jobs = [(prompt, _nth_seed(params, j)) for j in range(req.n)]
+        if req.continuation is not None:
+            prompt = list(req.continuation.prompt_token_ids)
+            jobs = self._continued(req, req.continuation, "messages")
+        else:
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from None
+            try:
+                prompt = self.tokenizer.encode_chat(messages)
+            except ChatTemplateError as e:
+                raise APIError(400, str(e), "messages") from None
+            self._check_ids([prompt], "messages")
+            params = ensure_seed(self._params(req, len(prompt), "messages"))
+            jobs = [(prompt, _nth_seed(params, j), 0) for j in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        ids = req.return_token_ids
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(self._chat_chunks(jobs, req.model, rid, created, len(prompt), include_usage))
+            return self._sse(self._chat_chunks(jobs, req.model, rid, created, len(prompt), include_usage,
+                                               prompt if ids and req.continuation is None else None, ids))
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+        new_ids: list[list[int]] = [[] for _ in jobs]
         async for i, out in self._run(jobs):
             texts[i] += out.delta
+            new_ids[i] += out.token_ids
             reasons[i], completion[i] = out.finish_reason, out.completion_tokens
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=reasons[i])
-                   for i in range(len(jobs))]
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=reasons[i],
+                              token_ids=new_ids[i] if ids else None) for i in range(len(jobs))]
         usage = Usage(prompt_tokens=len(prompt), completion_tokens=sum(completion),
                       total_tokens=len(prompt) + sum(completion))
-        return ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+        resp = ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage,
+                                      prompt_token_ids=prompt if ids else None)
+        return _json(resp.model_dump_json(exclude=None if ids else {"prompt_token_ids": True, **_CHOICE_IDS}))
 
     async def _chat_chunks(self, jobs, model: str, rid: str, created: int, prompt_tokens: int,
-                           include_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices, usage=None) -> str:
-            c = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
-            return c.model_dump_json(exclude=set() if include_usage else {"usage"})
+                           include_usage: bool, prompt: list[int] | None, ids: bool) -> AsyncIterator[str]:
+        exclude: dict = {} if include_usage else {"usage": True}
+        if not ids:
+            exclude.update({"prompt_token_ids": True, **_CHOICE_IDS})
+
+        def chunk(choices, usage=None, prompt_ids=None) -> str:
+            c = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage,
+                                    prompt_token_ids=prompt_ids)
+            return c.model_dump_json(exclude=exclude or None)
         for i in range(len(jobs)):
-            yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+            yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""),
+                                         token_ids=[] if ids else None)], prompt_ids=prompt)
         completion = [0] * len(jobs)
         async for i, out in self._run(jobs):
             completion[i] = out.completion_tokens
             if out.delta or out.finish_reason:
                 delta = Delta(content=out.delta) if out.delta else Delta()
-                yield chunk([ChatChunkChoice(index=i, delta=delta, finish_reason=out.finish_reason)])
+                yield chunk([ChatChunkChoice(index=i, delta=delta, finish_reason=out.finish_reason,
+                                             token_ids=out.token_ids if ids else None)])
         if include_usage:
             yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
                                   total_tokens=prompt_tokens + sum(completion)))
@@ -208,6 +264,8 @@ class OpenAIServer:
         async def body() -> AsyncIterator[str]:
             async for data in chunks:
                 yield f"data: {data}\n\n"
+                if CHUNK_DELAY_S:
+                    await asyncio.sleep(CHUNK_DELAY_S)
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -285,8 +343,17 @@ def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
     merged: dict[int, Output] = {}
     for index, out in items:
         prev = merged.get(index)
-        merged[index] = out if prev is None else dataclasses.replace(out, delta=prev.delta + out.delta)
+        merged[index] = out if prev is None else dataclasses.replace(
+            out, delta=prev.delta + out.delta, token_ids=prev.token_ids + out.token_ids)
     return list(merged.items())
+
+
+_CHOICE_IDS = {"choices": {"__all__": {"prompt_token_ids": True, "token_ids": True}}}
+
+
+def _json(body: str) -> Response:
+    """A response already serialised (so extension fields the client did not ask for can be left out)."""
+    return Response(body, media_type="application/json")
 
 
 def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:

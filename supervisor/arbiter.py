@@ -168,7 +168,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         r = self.cfg.router
         router_app = build_router(self.table, self.metrics, hold_timeout_s=self.cfg.failover.hold_timeout_s,
                                   retry_after_s=self.cfg.failover.retry_after_s,
-                                  upstream_timeout_s=r.upstream_timeout_s, max_connections=r.max_connections)
+                                  upstream_timeout_s=r.upstream_timeout_s, max_connections=r.max_connections,
+                                  migration=r.migration, publish=self.events.publish)
         self.servers = [make_server(router_app, self.router_sock, lvl),
                         make_server(build_admin(self, self.token), self.admin_sock, lvl)]
         self._spawn(self.servers[0].serve(sockets=[self.router_sock]), "router")

@@ -136,11 +136,22 @@ class ListenSection(_Section):
     port: int = Field(default=8000, ge=0, le=65535)
 
 
+class MigrationSection(_Section):
+    """Continuing in-flight requests on the new primary when the primary is lost mid-response."""
+
+    enabled: bool = Field(default=True, description="false: requests pass through untouched (a stream cut "
+                          "mid-response ends with an error event)")
+    max_migrations: int = Field(default=3, ge=0, description="continuations of one request at most")
+    max_replay_tokens: int = Field(default=32768, ge=1, description="prompt + emitted tokens a continuation "
+                                   "may replay at most; a longer request ends with an explicit error")
+
+
 class RouterSection(ListenSection):
     """The data plane."""
 
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=1024, ge=1)
+    migration: MigrationSection = Field(default_factory=MigrationSection)
 
 
 class AdminSection(ListenSection):

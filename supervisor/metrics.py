@@ -28,6 +28,10 @@ class Metrics:
         self.router_retries = Counter("understudy_router_retries", "Requests retried on another primary", registry=r)
         self.router_hold = Histogram("understudy_router_hold_seconds", "Time requests waited for a primary",
                                      buckets=_FAST, registry=r)
+        self.migrations = Counter("understudy_migrations", "Requests whose primary was lost mid-request, by "
+                                  "result (continued, failed, quarantined, unsupported, limit)", ["result"], registry=r)
+        self.migration_stall = Histogram("understudy_migration_stall_seconds", "Gap a client sees in its "
+                                         "response across a continuation", buckets=_FAST, registry=r)
         self.daemon_resident = Gauge("understudy_daemon_resident_bytes", "Bytes held by each rank's daemon",
                                      ["rank"], registry=r)
         self.engine_state = Gauge("understudy_engine_state", "1 for the current state of each engine slot",

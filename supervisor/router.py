@@ -1,6 +1,8 @@
 """Data plane: OpenAI endpoints proxied to the primary, streams passed through; a request whose
 upstream failed before the first response byte is retried on the (new) primary; requests wait for
-a primary during a failover, then get 503 + Retry-After. Never parses request bodies.
+a primary during a failover, then get 503 + Retry-After. Completions and chat completions (n=1) are
+continued on the new primary when theirs is lost mid-request (supervisor/migrating.py); only their
+bodies are parsed.
 
 ``/v1/*`` is served by a bare ASGI callable and the lean client of supervisor/upstream.py: every
 request pays for this path, so no framework routing or request/response objects on it. The probes
@@ -20,7 +22,10 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 
+from supervisor.config import MigrationSection
+from supervisor.continuation import Tracked, error_event
 from supervisor.metrics import Metrics
+from supervisor.migrating import Migrator, Publish
 from supervisor.routing import PrimaryLost, RoutingTable, Upstream
 from supervisor.upstream import Client, Headers, UpstreamError, UpstreamTimeout
 from supervisor.upstream import Response as UpstreamResponse
@@ -40,11 +45,13 @@ SAME_PRIMARY_RETRY_S = 0.25
 
 
 def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float, retry_after_s: int,
-                 upstream_timeout_s: float, max_connections: int = 1024) -> ASGIApp:
-    """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else (probes, lifespan) to FastAPI."""
+                 upstream_timeout_s: float, max_connections: int = 1024, migration: MigrationSection | None = None,
+                 publish: Publish | None = None) -> ASGIApp:
+    """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else (probes, lifespan) to FastAPI.
+    ``publish`` gets the migration events."""
     client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections)
     proxy = Proxy(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
-                  upstream_timeout_s=upstream_timeout_s)
+                  upstream_timeout_s=upstream_timeout_s, migration=migration, publish=publish)
     probes = _probes_app(table, client)
 
     async def app(scope: dict, receive: Receive, send: Send) -> None:
@@ -102,11 +109,19 @@ class Proxy:
     """``/v1/*`` as a bare ASGI callable."""
 
     def __init__(self, table: RoutingTable, metrics: Metrics, client: Client, *, hold_timeout_s: float,
-                 retry_after_s: int, upstream_timeout_s: float) -> None:
+                 retry_after_s: int, upstream_timeout_s: float, migration: MigrationSection | None = None,
+                 publish: Publish | None = None) -> None:
         self.table, self.metrics, self.client = table, metrics, client
         self.hold_timeout_s, self.retry_after_s = hold_timeout_s, retry_after_s
         self.upstream_timeout_s = upstream_timeout_s
         self._by_code: dict[int, Any] = {}  # status -> router_requests child (labels() is not free)
+        self.migrator = Migrator(self, migration or MigrationSection(), publish)
+
+    def count_status(self, status: int) -> None:
+        counter = self._by_code.get(status)
+        if counter is None:
+            counter = self._by_code[status] = self.metrics.router_requests.labels(code=str(status))
+        counter.inc()
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["method"] not in METHODS:  # as FastAPI answered for the old route
@@ -117,23 +132,34 @@ class Proxy:
         body = await _read_body(receive)
         if body is None:  # our client left before sending its request whole
             return
+        if self.migrator.cfg.enabled and scope["method"] == "POST" \
+                and (tracked := Tracked.parse(scope["path"], body, self.migrator.cfg.max_replay_tokens)) is not None:
+            await self._tracked(scope, tracked, receive, send)
+            return
         reply = await self._forward(scope, body)
-        counter = self._by_code.get(reply.status)
-        if counter is None:
-            counter = self._by_code[reply.status] = self.metrics.router_requests.labels(code=str(reply.status))
-        counter.inc()
+        self.count_status(reply.status)
         if reply.stream is None:
             await _send_whole(send, reply)
         else:
             await self._relay(reply, reply.stream, receive, send)
 
+    async def _tracked(self, scope: dict, tracked: Tracked, receive: Receive, send: Send) -> None:
+        """A continuable request; when our client goes away, stop (dropping the upstream connection)."""
+        target, headers = _target(scope)
+        work = asyncio.ensure_future(self.migrator.serve(tracked, target, headers, send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            work.cancel()
+            gone.cancel()
+        if work.done() and not work.cancelled() and (error := work.exception()) is not None:
+            raise error  # StreamAborted: uvicorn aborts the connection, so the cut cannot pass for an end
+
     async def _forward(self, scope: dict, body: bytes) -> Reply:
         """Send the request to the primary (waiting for one, retrying on a new one) and get its answer."""
         method = scope["method"]
-        target = scope.get("raw_path") or quote(scope["path"]).encode("ascii")
-        if query := scope.get("query_string"):
-            target += b"?" + query
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
+        target, headers = _target(scope)
         start = time.monotonic()
         deadline = start + self.hold_timeout_s
         failed_epoch: int | None = None
@@ -209,8 +235,13 @@ class Proxy:
                 began_at = began_at or time.monotonic()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.served(reply.epoch, reply.status, began_at)  # a stream succeeds when it ends whole
-        except UpstreamError as e:  # bytes already sent: we can only end the stream
+        except UpstreamError as e:  # bytes already sent, and this request cannot be continued: say so
             log.warning("upstream stream broke after the first byte: %s", type(e).__name__)
+            self.metrics.migrations.labels(result="unsupported").inc()
+            await send({"type": "http.response.body", "more_body": True, "body": error_event(
+                f"the engine was lost mid-response ({type(e).__name__}) and this request cannot be continued "
+                f"(only completions and chat completions with n=1 can)", "migration_failed", 502)})
+            raise
         finally:
             resp.close()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -222,6 +253,14 @@ class Proxy:
     def _unavailable(self, message: str) -> Reply:
         return _json_reply(503, {"error": {"message": message, "type": "unavailable", "code": 503}},
                            [(b"retry-after", str(self.retry_after_s).encode())])
+
+
+def _target(scope: dict) -> tuple[bytes, Headers]:
+    """The request target (path?query) and the headers to pass on."""
+    target = scope.get("raw_path") or quote(scope["path"]).encode("ascii")
+    if query := scope.get("query_string"):
+        target += b"?" + query
+    return target, [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
 
 
 async def _read_body(receive: Receive) -> bytes | None:

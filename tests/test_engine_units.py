@@ -8,7 +8,7 @@ from daemon.loader import load_checkpoint_into
 from engines.engine import LLMEngine
 from engines.models import build_model, read_model_args
 from engines.runner import KVBudgetError, ModelRunner
-from engines.sampling import Sampler, SamplingParams, make_generator
+from engines.sampling import Sampler, SamplingParams, ensure_seed
 from engines.sequence import Sequence
 from engines.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
@@ -74,19 +74,42 @@ def test_sampler_greedy_topk1_and_tiny_topp_all_pick_argmax() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=1.5, top_p=1e-6), SamplingParams(temperature=0.7, top_k=1, top_p=0.5)]
-    gens = [make_generator(i, "cpu") for i in range(4)]
-    assert Sampler()(logits, params, gens).tolist() == logits.argmax(-1).tolist()
+    for i, p in enumerate(params):
+        p.seed = i
+    assert Sampler()(logits, params, [5, 6, 7, 8]).tolist() == logits.argmax(-1).tolist()
 
 
 def test_sampler_seed_reproducible_and_topk_respected() -> None:
     logits = torch.zeros(1, 100)
     logits[0, :5] = torch.tensor([5.0, 4.9, 4.8, 4.7, 4.6])
-    p = SamplingParams(temperature=1.0, top_k=3)
-    draws = [Sampler()(logits, [p], [make_generator(7, "cpu")])[0].item() for _ in range(3)]
-    assert len(set(draws)) == 1, "same seed must give the same token"
-    g = make_generator(123, "cpu")
-    many = {Sampler()(logits, [p], [g])[0].item() for _ in range(200)}
+    p = SamplingParams(temperature=1.0, top_k=3, seed=7)
+    draws = [Sampler()(logits, [p], [11])[0].item() for _ in range(3)]
+    assert len(set(draws)) == 1, "same seed and position must give the same token"
+    many = {Sampler()(logits, [p], [pos])[0].item() for pos in range(200)}
     assert many <= {0, 1, 2} and len(many) > 1
+
+
+def test_sampler_draw_is_a_function_of_seed_and_position_only() -> None:
+    """Same (seed, position): same token, whatever the batch holds or in which row; other seeds
+    or positions draw differently; frequencies follow the softmax."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=gen)
+    params = [ensure_seed(SamplingParams(temperature=0.9, top_p=0.95)) for _ in range(6)]
+    params[2] = SamplingParams(temperature=0)
+    positions = [3, 40, 7, 7, 1000, 2**40]
+    batch = Sampler()(logits, params, positions).tolist()
+    alone = [Sampler()(logits[i:i + 1], [params[i]], [positions[i]]).item() for i in range(6)]
+    assert batch == alone and batch[2] == logits[2].argmax().item()
+    rev = Sampler()(logits.flip(0), params[::-1], positions[::-1]).tolist()
+    assert rev[::-1] == batch
+    row = logits[:1].expand(4000, -1)
+    p = SamplingParams(temperature=1.0, seed=12345)
+    draws = Sampler()(row, [p] * 4000, list(range(4000)))
+    freq = torch.bincount(draws, minlength=300).float() / 4000
+    probs = logits[0].softmax(-1)
+    assert (freq - probs).abs().max() < 0.03, "Gumbel-max must sample the softmax"
+    other = Sampler()(row, [SamplingParams(temperature=1.0, seed=54321)] * 4000, list(range(4000)))
+    assert (other != draws).float().mean() > 0.5
 
 
 # ---- sequences and batching -----------------------------------------------------------------

@@ -162,9 +162,10 @@ def test_both_engines_killed_requests_wait_for_the_first_replacement(sup):
     mark = len(sup.events)
     with Load(sup.router_url, "model", threads=2) as load:
         time.sleep(0.3)
+        for pid in pids:  # both frozen first, so both die at once: were the second to die after taking
+            os.kill(pid, signal.SIGSTOP)  # requests, one in flight at both deaths would be quarantined
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        # (if one exit is seen before the other kill lands, the other is promoted first and dies next)
         ev = sup.wait_event(lambda e: e["type"] == "failover" and e["seconds"] > 0.05, since=mark, timeout_s=60)
         time.sleep(0.3)
     assert load.failures == [], load.failures[:5]  # held, then served by the first engine back

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from engines.loopback import free_port
+from supervisor.config import MigrationSection
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
 from supervisor.routing import RoutingTable, Upstream
@@ -101,7 +102,8 @@ def run(coro):
 def make(hold_s: float = 2.0, upstream_timeout_s: float = 10):
     table = RoutingTable()
     metrics = Metrics()
-    app = build_router(table, metrics, hold_timeout_s=hold_s, retry_after_s=7, upstream_timeout_s=upstream_timeout_s)
+    app = build_router(table, metrics, hold_timeout_s=hold_s, retry_after_s=7, upstream_timeout_s=upstream_timeout_s,
+                       migration=MigrationSection(enabled=False))  # this upstream is no engine: pass-through
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=20)
     return table, metrics, client
 

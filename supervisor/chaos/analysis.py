@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .active import active_engines, unexpected
-from .events import Event, RecoveredEvent
+from .events import Event, MigrationEvent, RecoveredEvent
 from .honest import honest_metrics
 from .matching import EventIndex, SuccessIndex, fault_window, outcome
 from .memory import growth_pct
@@ -43,6 +43,33 @@ class RunData:
 
 
 PLANNED = ("promote", "rollout")
+
+
+def greedy_differ(requests: Sequence[RequestRecord]) -> int:
+    """Successful outputs unlike the most common one of their endpoint (the load is greedy, one
+    prompt: every output of an endpoint must be the same, streamed or not, migrated or not)."""
+    out = 0
+    for endpoint in {r.endpoint for r in requests}:
+        texts = Counter(r.text for r in requests if r.ok and r.endpoint == endpoint and r.text is not None)
+        if texts:
+            out += sum(texts.values()) - texts.most_common(1)[0][1]
+    return out
+
+
+def migration_stalls(requests: Sequence[RequestRecord], events: Sequence[Event]) -> tuple[list[float], list[float]]:
+    """(client, router) stall of each continuation of a stream: the client's wait for its chunk
+    number `chunks_before` (the first after the seam), and the router's `stall_s`."""
+    by_id = {r.response_id: r for r in requests if r.stream and r.response_id}
+    client, router = [], []
+    for e in events:
+        if not (isinstance(e, MigrationEvent) and e.result == "continued" and e.stall_s is not None
+                and e.chunks_before is not None and (r := by_id.get(e.request_id)) is not None):
+            continue
+        n, times = e.chunks_before, r.chunk_times
+        if n < len(times):
+            client.append(times[n] - (times[n - 1] if n else r.t_start))
+            router.append(e.stall_s)
+    return client, router
 
 
 def epoch_changes(requests: Sequence[RequestRecord]) -> int:
@@ -163,7 +190,12 @@ def build_report(data: RunData) -> ChaosReport:
         streaming=count([r for r in data.requests if r.stream]),
         non_streaming=count([r for r in data.requests if not r.stream]),
         not_sent_client_busy=data.not_sent,
+        cut_streams=sum(1 for r in data.requests if r.stream and r.cut),
+        greedy_differ=greedy_differ(data.requests),
+        migrations=dict(Counter(e.result for e in data.events if isinstance(e, MigrationEvent))),
     )
+    client_stall, router_stall = migration_stalls(data.requests, data.events)
+    requests.stall_client, requests.stall_router = summarize(client_stall), summarize(router_stall)
     cache = cache_from_status(data.samples, data.events)
     active = active_engines(data.samples, data.events, windows, data.t0, data.t_end)
     unplanned = [o for o in outcomes if o.kind not in PLANNED]
@@ -216,6 +248,11 @@ def checks(report: ChaosReport, active_problems: list[str], options: dict[str, A
               + "".join(f"; #{f.index} {f.kind}: {f.error}" for f in report.faults if f.error)[:300]),
         Check(name="no failed non-streaming request", ok=report.requests.non_streaming.failed == 0,
               detail=f"{report.requests.non_streaming.failed} failed of {report.requests.non_streaming.sent}"),
+        Check(name="no cut stream", ok=report.requests.cut_streams == 0,
+              detail=f"{report.requests.cut_streams} of {report.requests.streaming.sent} streams cut; "
+                     f"migrations: {report.requests.migrations or 'none'}"),
+        Check(name="every greedy output identical to its uninterrupted run", ok=report.requests.greedy_differ == 0,
+              detail=f"{report.requests.greedy_differ} of {report.requests.all.succeeded} outputs differ"),
         Check(name="exactly one active engine outside failovers", ok=not active_problems,
               detail="; ".join(active_problems) or "never more than one; zero only inside fault windows"),
     ]

@@ -48,9 +48,20 @@ class RecoveredEvent(_Event):
     weights_source: str | None = None
 
 
-Event = Annotated[Union[TransitionEvent, FailoverEvent, RecoveredEvent], Field(discriminator="type")]
+class MigrationEvent(_Event):
+    """The router continued (or could not continue) a request whose primary was lost mid-request."""
+
+    type: Literal["migration"]
+    result: str
+    request_id: str = ""
+    tokens_replayed: int | None = None
+    stall_s: float | None = None
+    chunks_before: int | None = None  # data chunks the client had when the continuation began
+
+
+Event = Annotated[Union[TransitionEvent, FailoverEvent, RecoveredEvent, MigrationEvent], Field(discriminator="type")]
 _adapter: TypeAdapter[Event] = TypeAdapter(Event)
-KNOWN_TYPES = ("transition", "failover", "recovered")
+KNOWN_TYPES = ("transition", "failover", "recovered", "migration")
 
 
 class EventParseError(ValueError):

@@ -59,6 +59,7 @@ def honest_metrics(before: MetricsSnapshot | None, after: MetricsSnapshot | None
                        float(report.cache.hits), tol, "client: engine starts seen in /status polls with cache_hit"))
     out.append(compare("weight cache misses", delta(f"{P}weight_cache_requests_total", result="miss"),
                        float(report.cache.misses), tol, "client: engine starts seen in /status polls with disk:*"))
+    out += _stall(before, after, report, tol)
     req = report.requests.all
     out.append(compare("router requests", delta(f"{P}router_requests_total"), float(req.sent), tol,
                        "client: requests sent (the router also counts other clients' requests)"))
@@ -68,6 +69,23 @@ def honest_metrics(before: MetricsSnapshot | None, after: MetricsSnapshot | None
                        None if req.retried is None else float(req.retried), tol,
                        "client: responses with a retries header > 0" if req.retried is not None
                        else "the router sets no retries header: the client cannot count retries"))
+    return out
+
+
+def _stall(before: MetricsSnapshot, after: MetricsSnapshot, report: ChaosReport, tol: float) -> list[MetricComparison]:
+    """Migration stall: the router's figure for each continued stream vs the client's longest wait."""
+    out = []
+    c, r = report.requests.stall_client, report.requests.stall_router
+    if c is not None and r is not None and c.n:
+        out.append(compare("migration stall, continued streams (mean)", r.mean, c.mean, tol,
+                           f"{c.n} continuations; router: last chunk sent -> first chunk of the continuation "
+                           f"(events); client: the wait for that same chunk"))
+    if after.has(f"{P}migration_stall_seconds_count"):
+        h = _hist(before, after, "migration_stall_seconds")
+        n = after.increase_since(before, f"{P}migrations_total", result="continued")
+        out.append(compare("migrations continued (count)", n, float(report.requests.migrations.get("continued", 0)),
+                           tol, f"client: `continued` migration events; histogram mean "
+                                f"{'–' if h.mean is None else f'{h.mean * 1000:.1f} ms'} (streams and whole responses)"))
     return out
 
 

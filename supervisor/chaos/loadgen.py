@@ -146,13 +146,25 @@ class LoadGenerator:
             return
         if not isinstance(body, dict) or not body.get("choices"):
             rec.error = "bad_body"
+            return
+        rec.response_id = body.get("id")
+        choice = body["choices"][0]
+        rec.text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
 
     async def _read_stream(self, rec: RequestRecord, resp: httpx.Response) -> None:
-        done, chunks = False, 0
+        """Read a stream whole: its text, the longest wait between chunks, and whether it was cut (no
+        finish_reason and [DONE], an error event, or a broken connection: then `cut` is set)."""
+        done, chunks, finished, text = False, 0, False, []
+        last, rec.max_gap_s = rec.t_start, 0.0
+        rec.cut = True  # until the stream proves whole
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue
+            now = time.time()
+            rec.max_gap_s, last = max(rec.max_gap_s, now - last), now
             data = line[5:].strip()
+            if len(rec.chunk_times) < 4096:
+                rec.chunk_times.append(now)
             if data == "[DONE]":
                 done = True
                 break
@@ -165,7 +177,14 @@ class LoadGenerator:
                 rec.error = "stream_error"
                 return
             if rec.t_first is None:
-                rec.t_first = time.time()
+                rec.t_first = now
+                rec.response_id = chunk.get("id")
+            for ch in chunk.get("choices") or ():
+                text.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+                finished = finished or ch.get("finish_reason") is not None
             chunks += 1
-        if not done or chunks == 0:
+        rec.text = "".join(text)
+        if not done or chunks == 0 or not finished:
             rec.error = "stream_broken"
+        else:
+            rec.cut = False

@@ -26,6 +26,11 @@ class RequestRecord:
     engine: str | None = None
     epoch: int | None = None
     retries: int | None = None  # router retries, from RETRIES_HEADER when the router sets it
+    response_id: str | None = None  # the completion's id (joins the router's migration events)
+    text: str | None = None  # the generated text (greedy runs: must equal the uninterrupted one)
+    cut: bool = False  # a 200 stream that ended without finish_reason and [DONE], or with an error event
+    max_gap_s: float | None = None  # stream: longest wait for a chunk (send -> first chunk included)
+    chunk_times: list[float] = field(default_factory=list)  # stream: arrival of each data chunk
 
     @property
     def latency(self) -> float:

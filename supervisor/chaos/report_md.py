@@ -54,6 +54,13 @@ def render(r: ChaosReport, png_name: str | None) -> str:
         f"Retries the router counted (/metrics): "
         f"{'–' if r.requests.router_retries is None else r.requests.router_retries}.",
         "",
+        f"Cut streams (no finish_reason + [DONE], or an error event): {r.requests.cut_streams}. "
+        f"Greedy outputs that differ from their uninterrupted run: {r.requests.greedy_differ}. "
+        f"Migrations by result (router events): {r.requests.migrations or 'none'}.",
+        "",
+        *([f"Migration stall of continued streams (p50 / p99 / max): client {_trio(r.requests.stall_client)}, "
+           f"router {_trio(r.requests.stall_router)}.", ""]
+          if r.requests.stall_client is not None and r.requests.stall_router is not None else []),
         "## Latency and fault timings",
         "",
         "| | n | min | p50 | p90 | p99 | max | mean |",

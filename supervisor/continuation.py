@@ -1,0 +1,198 @@
+"""One continuable request as the router sees it: what the client asked for, and what it has been
+sent so far (prompt ids, emitted ids, text), read from the engine's event stream.
+
+The router always asks the engine for a stream with token ids (`stream: true`,
+`return_token_ids: true`, a seed), whatever the client asked; it gives the client the shape it
+asked for (a stream without the extension fields it did not ask for, or one whole response). When
+the primary is lost, `upstream_body()` is the continuation for the new one: the original request
+plus `continuation: {prompt_token_ids, output_token_ids}` (engines/protocol.py), whose stream is
+spliced in (same id and `created`, its chat role chunk dropped).
+
+Every engine chunk is a consistent snapshot (engines/sequence.py Output): its ids are all the
+tokens generated up to it, its text all the text released up to it; ids are recorded only from
+chunks handled whole, so a replay always matches the text the client has.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_IDS = ("prompt_token_ids", "token_ids")
+# The extension fields as the engine writes them (compact JSON). A literal `,"` never occurs inside
+# a JSON string (its quote would be escaped), so this cannot cut into text.
+_STRIP = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
+
+
+def _dump(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class Tracked:
+    """A request the router can continue on another engine."""
+
+    def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62) -> None:
+        self.kind, self.req, self.max_ids = kind, req, max_ids
+        self.client_stream = bool(req.get("stream"))
+        self.client_ids = bool(req.get("return_token_ids"))
+        opts = req.get("stream_options")
+        self.include_usage = self.client_stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
+        if req.get("seed") is None:  # the draw is a function of (seed, position): fix it now
+            req["seed"] = secrets.randbits(63)
+        self.rid: str | None = None
+        self.created: int | None = None
+        self.model: str | None = None
+        self.prompt_ids: list[int] | None = None
+        self.output_ids: list[int] = []
+        self.n_output = 0  # generated tokens so far (output_ids is dropped past max_ids)
+        self.overflow = False  # too long to replay: ids no longer kept (unless the client wants them)
+        self.text: list[str] = []  # for a client that wants one whole response
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.role_sent = False
+        self.done = False  # [DONE] seen
+        self.progress = False  # new token ids since the flag was last cleared
+        self.chunks_sent = 0  # data chunks given to a streaming client
+        self._buf = b""
+
+    @classmethod
+    def parse(cls, path: str, body: bytes, max_ids: int = 1 << 62) -> "Tracked | None":
+        """A Tracked for a request the router can continue exactly, else None (passed through as is:
+        not JSON, n > 1, several prompts, a continuation already, odd types the engine will refuse)."""
+        kind = PATHS.get(path)
+        if kind is None:
+            return None
+        try:
+            req = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(req, dict) or "continuation" in req or req.get("n", 1) != 1 \
+                or req.get("best_of") not in (None, 1):
+            return None
+        if not all(isinstance(req.get(k, False), bool) for k in ("stream", "return_token_ids")):
+            return None
+        if not isinstance(req.get("seed"), (int, type(None))) or isinstance(req.get("seed"), bool):
+            return None
+        prompt = req.get("prompt")
+        if kind == "completions" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
+                and len(prompt) != 1:
+            return None
+        return cls(kind, req, max_ids)
+
+    @property
+    def replay_tokens(self) -> int:
+        return len(self.prompt_ids or ()) + self.n_output
+
+    def upstream_body(self) -> bytes:
+        """What to send the engine: the request as a stream with ids; a continuation once the
+        prompt ids are known (from the first chunk)."""
+        body = {**self.req, "stream": True, "return_token_ids": True}
+        if not self.client_stream:
+            body.pop("stream_options", None)
+        if self.prompt_ids is not None:
+            body["continuation"] = {"prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids}
+        return _dump(body)
+
+    # ---- the engine's stream --------------------------------------------------------------------
+    def feed(self, data: bytes) -> bytes:
+        """Take bytes of the engine's event stream; return what to send a streaming client."""
+        self._buf += data
+        if b"\n\n" not in self._buf:
+            return b""
+        *events, self._buf = self._buf.split(b"\n\n")
+        out = []
+        for event in events:
+            if event.startswith(b"data: "):
+                if (piece := self._event(event[6:])) is not None:
+                    out.append(piece)
+        return b"".join(out)
+
+    def _event(self, payload: bytes) -> bytes | None:
+        if payload == b"[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n" if self.client_stream else None
+        c = json.loads(payload)
+        if self.rid is None:
+            self.rid, self.created, self.model = c.get("id"), c.get("created"), c.get("model")
+        same = c.get("id") == self.rid and c.get("created") == self.created  # not a continuation's chunk
+        if not same:
+            c["id"], c["created"] = self.rid, self.created
+        prompt = c.get("prompt_token_ids")
+        role = False
+        for ch in c.get("choices") or ():
+            prompt = prompt or ch.get("prompt_token_ids")
+            if ids := ch.get("token_ids"):
+                self.n_output += len(ids)
+                self.progress = True
+                if not self.overflow:
+                    self.output_ids += ids
+                    if self.replay_tokens > self.max_ids and not (self.client_ids and not self.client_stream):
+                        self.overflow, self.output_ids = True, []  # memory stays bounded
+            if self.kind == "chat":
+                delta = ch.get("delta") or {}
+                text, role = delta.get("content") or "", bool(delta.get("role"))
+            else:
+                text = ch.get("text") or ""
+            if not self.client_stream:
+                self.text.append(text)
+            if ch.get("finish_reason") is not None:
+                self.finish_reason = ch["finish_reason"]
+        if prompt is not None and self.prompt_ids is None:
+            self.prompt_ids = list(prompt)
+        if c.get("usage"):
+            self.usage = c["usage"]
+        if not self.client_stream or (role and self.role_sent):  # a continuation's role chunk
+            return None
+        self.role_sent = self.role_sent or role
+        self.chunks_sent += 1
+        if same:  # the engine's own bytes, less what the client did not ask for
+            out = payload if self.client_ids else _STRIP.sub(b"", payload)
+            if self.client_ids or b'token_ids"' not in out:  # (else not compact JSON: re-serialise)
+                return b"data: " + out + b"\n\n"
+        if not self.client_ids:
+            c.pop("prompt_token_ids", None)
+            for ch in c.get("choices") or ():
+                for k in _IDS:
+                    ch.pop(k, None)
+        return b"data: " + _dump(c) + b"\n\n"
+
+    # ---- endings made by the router -------------------------------------------------------------
+    def _usage(self) -> dict:
+        p, n = len(self.prompt_ids or ()), self.n_output
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+    def finish_locally(self) -> bytes:
+        """The engine died after its last token's chunk: the rest of the stream (usage, [DONE])."""
+        out = b""
+        if self.include_usage and self.usage is None:
+            obj = "text_completion" if self.kind == "completions" else "chat.completion.chunk"
+            out += b"data: " + _dump({"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                                      "choices": [], "usage": self._usage()}) + b"\n\n"
+        return out + b"data: [DONE]\n\n"
+
+    def whole_response(self) -> bytes:
+        """The one JSON response a non-streaming client asked for, from the spliced stream."""
+        text = "".join(self.text)
+        if self.kind == "completions":
+            choice: dict = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            if self.client_ids:
+                choice.update(prompt_token_ids=self.prompt_ids, token_ids=self.output_ids)
+            obj: dict = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                         "choices": [choice], "usage": self._usage()}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+            if self.client_ids:
+                choice["token_ids"] = self.output_ids
+            obj = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
+                   "choices": [choice], "usage": self._usage()}
+            if self.client_ids:
+                obj["prompt_token_ids"] = self.prompt_ids
+        return _dump(obj)
+
+
+def error_event(message: str, type_: str, code: int) -> bytes:
+    """An SSE error event (as OpenAI's client reads it) telling a streaming client its answer is cut."""
+    return b"data: " + _dump({"error": {"message": message, "type": type_, "code": code}}) + b"\n\n"

@@ -1,0 +1,260 @@
+"""The router's continuation loop: serve one continuable request (supervisor/continuation.py), and
+when its primary is lost mid-request, continue it on the new primary and splice the answer.
+
+Rules (DESIGN.md §4, issues 11 and 12):
+- a failure after the request was sent, on a primary that then goes away, is a migration: the new
+  primary gets the continuation (prompt + emitted ids, same seed), at most `max_migrations` times
+  and `max_replay_tokens` long;
+- a request in flight at two failures of different primaries (epochs) with no new token in between
+  is quarantined: failed with a clear error, never sent to a third engine (a poison request). In
+  flight means the engine had taken it (answered its stream's head): a request that a dead or
+  frozen engine never answered did not kill it;
+- a request that cannot be continued ends explicitly: an SSE error event and an aborted connection
+  once bytes went to the client, an HTTP error before. Never a silent truncation.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from supervisor.config import MigrationSection
+from supervisor.continuation import Tracked, error_event
+from supervisor.routing import PrimaryLost, Upstream
+from supervisor.upstream import ConnectError, Headers, UpstreamError, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from supervisor.router import Proxy
+
+log = logging.getLogger("understudy.router")
+
+Send = Callable[[dict], Awaitable[None]]
+Publish = Callable[[dict[str, Any]], None]
+RETRY_STATUSES = {502, 503}
+SAME_PRIMARY_RETRY_S = 0.25
+SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no")]
+
+
+class StreamAborted(Exception):
+    """A streaming answer that cannot be completed: the connection is aborted after an error event."""
+
+
+class _Refused(Exception):
+    """The engine answered the (continued) request with something other than a stream."""
+
+    def __init__(self, status: int, headers: Headers, body: bytes) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status, self.headers, self.body = status, headers, body
+
+
+class Migrator:
+    """Serves Tracked requests for a Proxy (its table, client, metrics and hold policy)."""
+
+    def __init__(self, proxy: "Proxy", cfg: MigrationSection, publish: Publish | None) -> None:
+        self.proxy, self.cfg, self.publish = proxy, cfg, publish
+        m = proxy.metrics
+        self._results = {r: m.migrations.labels(result=r) for r in
+                         ("continued", "failed", "quarantined", "unsupported", "limit")}
+
+    async def serve(self, req: Tracked, target: bytes, headers: Headers, send: Send) -> None:
+        """The whole exchange with our client for one request."""
+        call = _Call(self, req, target, headers, send)
+        await call.run()
+
+    def count(self, result: str, req: Tracked, stall_s: float | None = None, replayed: int | None = None,
+              chunks_before: int | None = None) -> None:
+        self._results[result].inc()
+        if stall_s is not None:
+            self.proxy.metrics.migration_stall.observe(stall_s)
+        if self.publish is not None:
+            self.publish({"type": "migration", "result": result, "request_id": req.rid or "",
+                          "tokens_replayed": req.n_output if replayed is None else replayed, "stall_s": stall_s,
+                          "chunks_before": req.chunks_sent if chunks_before is None else chunks_before,
+                          "ts": time.time()})
+
+
+class _Call:
+    """One request's attempts, from its first send to its last byte."""
+
+    def __init__(self, m: Migrator, req: Tracked, target: bytes, headers: Headers, send: Send) -> None:
+        self.m, self.req, self.target, self.headers, self.send = m, req, target, headers, send
+        self.started = False  # the response head went to our client
+        self.last_sent = time.monotonic()  # our client's last byte (a non-streaming one: last chunk read)
+        self.migrating_since: float | None = None  # last_sent when the current continuation began
+        self.failed_epochs: set[int] = set()  # primaries lost with this request, since its last new token
+        self.answered = False  # the current attempt's engine took the request (its stream began)
+        self.migrations = 0
+        self.replayed = 0  # tokens the current continuation replays
+        self.chunks_before = 0  # data chunks our client had when the current continuation began
+        self.epoch = 0
+        self.headers_out: Headers = []  # engine headers for a non-streaming client's response
+
+    async def run(self) -> None:
+        proxy, table = self.m.proxy, self.m.proxy.table
+        start = time.monotonic()
+        deadline = start + proxy.hold_timeout_s
+        failed_epoch: int | None = None
+        last_error = "no primary"
+        held = False
+        while True:
+            up = table.primary
+            if up is None or (failed_epoch is not None and up.epoch == failed_epoch):
+                held = True
+                up = None if table.stopping else await table.wait_primary(
+                    deadline, not_epoch=failed_epoch,
+                    settle_s=SAME_PRIMARY_RETRY_S if failed_epoch is not None else None)
+                if up is None:
+                    proxy.metrics.router_hold.observe(time.monotonic() - start)
+                    reason = "the supervisor is stopping" if table.stopping else (
+                        last_error if failed_epoch is not None else table.not_ready_reason)
+                    return await self._give_up("failed" if self.migrations else None, 503,
+                                               f"no engine available within {proxy.hold_timeout_s:g}s: {reason}")
+            if failed_epoch is not None:
+                proxy.metrics.router_retries.inc()
+            if held:
+                proxy.metrics.router_hold.observe(time.monotonic() - start)
+                held = False
+            self.epoch = up.epoch
+            try:
+                await table.unless_lost(up.epoch, self._attempt(up))
+                return await self._finish()
+            except _Refused as r:
+                if r.status in RETRY_STATUSES and time.monotonic() < deadline:
+                    failed_epoch, last_error = up.epoch, f"{up.name}: HTTP {r.status}"
+                    continue
+                return await self._refused(r)
+            except UpstreamTimeout:
+                return await self._give_up("failed" if self.migrations else None, 504,
+                                           f"engine {up.name} did not answer within router.upstream_timeout_s="
+                                           f"{proxy.upstream_timeout_s:g}s")
+            except (UpstreamError, PrimaryLost) as e:
+                failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} {e}".strip()
+                if isinstance(e, ConnectError):  # never reached the engine: a plain retry
+                    continue
+            if self.answered:
+                self._lost_with(up.epoch)
+            if self.req.done:
+                return await self._finish()
+            if self.req.finish_reason is not None:  # lost after its last token: nothing to continue
+                if self.req.client_stream:
+                    await self._body(self.req.finish_locally())
+                return await self._finish()
+            if (why := self._why_not()) is not None:
+                return await self._give_up(*why)
+            self.migrations += 1
+            self.migrating_since, self.replayed = self.last_sent, self.req.n_output
+            self.chunks_before = self.req.chunks_sent
+            deadline = time.monotonic() + proxy.hold_timeout_s
+
+    def _lost_with(self, epoch: int) -> None:
+        """The primary of `epoch` failed while working on this request."""
+        if self.req.progress:
+            self.failed_epochs.clear()
+        self.failed_epochs.add(epoch)
+
+    def _why_not(self) -> tuple[str, int, str] | None:
+        """Why this request must not be sent again after losing its primary, if so."""
+        req, cfg = self.req, self.m.cfg
+        req.progress = False
+        if len(self.failed_epochs) >= 2:
+            return ("quarantined", 502, f"request quarantined: it was in flight when {len(self.failed_epochs)} "
+                                        f"engines failed, with no token generated in between (a request that "
+                                        f"kills engines is not sent to another)")
+        if self.migrations >= cfg.max_migrations:
+            return ("limit", 502, f"the engine was lost mid-request and this request was already continued "
+                                  f"router.migration.max_migrations={cfg.max_migrations} times")
+        if req.replay_tokens > cfg.max_replay_tokens:
+            return ("limit", 502, f"the engine was lost mid-request; continuing it would replay "
+                                  f"{req.replay_tokens} tokens, over router.migration.max_replay_tokens="
+                                  f"{cfg.max_replay_tokens}")
+        return None
+
+    async def _attempt(self, up: Upstream) -> None:
+        """Send the request (or its continuation) to `up` and relay its stream until [DONE]."""
+        proxy, req = self.m.proxy, self.req
+        self.answered = False
+        resp = await proxy.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
+        try:
+            if resp.status != 200 or not resp.is_event_stream:
+                raise _Refused(resp.status, resp.headers, await resp.read())
+            self.answered = True
+            engine_headers = [(b"x-understudy-engine", up.name.encode()),
+                              (b"x-understudy-epoch", str(up.epoch).encode())]
+            async for chunk in resp.stream():
+                out = req.feed(chunk)
+                now = time.monotonic()
+                if self.migrating_since is not None and (req.progress or req.finish_reason or req.done):
+                    self.m.count("continued", req, now - self.migrating_since, self.replayed, self.chunks_before)
+                    self.migrating_since = None
+                if req.client_stream:
+                    if out:
+                        if not self.started:
+                            self.started = True
+                            proxy.count_status(200)
+                            await self.send({"type": "http.response.start", "status": 200,
+                                             "headers": SSE_HEADERS + engine_headers})
+                            proxy.served(up.epoch, 200, now)  # as the client times it: its first chunk
+                        await self.send({"type": "http.response.body", "body": out, "more_body": True})
+                        self.last_sent = now
+                else:
+                    self.last_sent = now
+                    self.headers_out = engine_headers
+            if not req.done:
+                raise UpstreamError("the engine's stream ended without [DONE]")
+        finally:
+            resp.close()
+
+    async def _finish(self) -> None:
+        """The answer is whole: end the stream, or send the one response."""
+        proxy, req = self.m.proxy, self.req
+        if req.client_stream:
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            body = req.whole_response()
+            proxy.count_status(200)
+            await self.send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                *self.headers_out]})
+            await self.send({"type": "http.response.body", "body": body})
+            proxy.served(self.epoch, 200)
+
+    async def _body(self, data: bytes) -> None:
+        if not self.started:
+            self.started = True
+            self.m.proxy.count_status(200)
+            await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _refused(self, r: _Refused) -> None:
+        """The engine refused: before any byte went out (the first attempt), pass its answer on."""
+        if not self.started and not self.migrations:
+            self.m.proxy.count_status(r.status)
+            headers = [(k, v) for k, v in r.headers if k not in (b"transfer-encoding", b"connection",
+                                                                 b"content-length", b"keep-alive")]
+            await self.send({"type": "http.response.start", "status": r.status, "headers": [
+                *headers, (b"content-length", str(len(r.body)).encode())]})
+            await self.send({"type": "http.response.body", "body": r.body})
+            return
+        detail = r.body[:300].decode(errors="replace")
+        await self._give_up("failed", 502, f"the new primary refused the continuation: HTTP {r.status} {detail}")
+
+    async def _give_up(self, result: str | None, status: int, message: str) -> None:
+        """End the request with an explicit error (counted as a migration `result` if one)."""
+        if result is not None:
+            self.m.count(result, self.req)
+            log.warning("request %s not continued (%s): %s", self.req.rid, result, message)
+        type_ = "migration_failed" if result else ("timeout" if status == 504 else "unavailable")
+        if self.started:  # bytes went out: say so in the stream, then abort the connection
+            await self.send({"type": "http.response.body", "body": error_event(message, type_, status),
+                             "more_body": True})
+            raise StreamAborted(message)
+        self.m.proxy.count_status(status)
+        body = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 503:
+            headers.append((b"retry-after", str(self.m.proxy.retry_after_s).encode()))
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})

@@ -1,0 +1,134 @@
+"""The engine side of request continuation (a real engine process, tiny model, fp32):
+`return_token_ids` on both endpoints, and a continuation from ANY chunk boundary of a stream
+(prompt ids + the ids reported so far) emitting exactly the rest of the uninterrupted text."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from engines.config import EngineConfig
+from engines.launch import EngineProcess
+
+MAX_LEN = 256
+MODEL = "tiny-llama0"  # the tiny_model fixture's folder name
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-migration")
+    cfg = EngineConfig(name="mig", model_path=str(tiny_model), port=0, runtime_dir=str(tmp / "rt"),
+                       weight_cache_mode="off", max_model_len=MAX_LEN, max_num_seqs=8)
+    proc = EngineProcess(cfg, tmp / "engine.log")
+    proc.wait_ready(60)
+    yield proc
+    proc.stop()
+
+
+def stream(url: str, path: str, body: dict) -> tuple[list[dict], bool]:
+    """Every data chunk of a stream, parsed, and whether it ended with [DONE]."""
+    chunks, done = [], False
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunks.append(json.loads(line[6:]))
+    return chunks, done
+
+
+def text_of(chunks: list[dict], chat: bool) -> str:
+    if chat:
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def check_every_seam(url: str, path: str, body: dict, chat: bool) -> str:
+    """Run `body` whole, then continue it from every chunk boundary: same text, finish and usage."""
+    whole, done = stream(url, path, {**body, "return_token_ids": True, "stream_options": {"include_usage": True}})
+    assert done
+    plain, _ = stream(url, path, {**body, "stream_options": {"include_usage": True}})
+    assert text_of(plain, chat) == text_of(whole, chat)
+    assert all("token_ids" not in json.dumps(c) for c in plain), "ids only when asked for"
+    prompt = whole[0]["prompt_token_ids"] if chat else whole[0]["choices"][0]["prompt_token_ids"]
+    content = [c for c in whole if c["choices"] and (not chat or not c["choices"][0]["delta"].get("role"))]
+    usage, finish = whole[-1]["usage"], content[-1]["choices"][0]["finish_reason"]
+    assert sum(len(c["choices"][0]["token_ids"]) for c in content) == usage["completion_tokens"]
+    assert len(prompt) == usage["prompt_tokens"]
+    full = text_of(whole, chat)
+    for k in range(len(content)):
+        sent_ids = [t for c in content[:k] for t in c["choices"][0]["token_ids"]]
+        cont, done = stream(url, path, {**body, "stream_options": {"include_usage": True},
+                                        "continuation": {"prompt_token_ids": prompt,
+                                                         "output_token_ids": sent_ids}})
+        assert done
+        rest = [c for c in cont if c["choices"] and (not chat or not c["choices"][0]["delta"].get("role"))]
+        assert text_of(content[:k], chat) + text_of(rest, chat) == full, f"seam after chunk {k}"
+        assert rest[-1]["choices"][0]["finish_reason"] == finish
+        assert cont[-1]["usage"] == usage, f"usage after a seam at chunk {k}"
+    return full
+
+
+def test_greedy_completion_continues_from_every_chunk(engine):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    check_every_seam(engine.url, "/v1/completions", body, chat=False)
+
+
+def test_seeded_sampled_completion_continues_from_every_chunk(engine):
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 20, "temperature": 1.0,
+            "top_p": 0.9, "seed": 4242, "ignore_eos": True}
+    check_every_seam(engine.url, "/v1/completions", body, chat=False)
+
+
+def test_stop_string_spanning_a_seam_is_still_found(engine):
+    """A stop string picked from the middle of the greedy text: cut there, whatever the seam."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full, _ = stream(engine.url, "/v1/completions", body)
+    text = text_of(full, chat=False)
+    stop = text[len(text) // 2:len(text) // 2 + 5]
+    assert len(stop.strip()) >= 2, text
+    cut = check_every_seam(engine.url, "/v1/completions", {**body, "stop": [stop]}, chat=False)
+    assert cut == text[:text.index(stop)]
+
+
+def test_chat_with_stop_continues_from_every_chunk(engine):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24,
+            "temperature": 0.8, "seed": 9, "ignore_eos": True}
+    first, _ = stream(engine.url, "/v1/chat/completions", body)
+    text = text_of(first, chat=True)
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    check_every_seam(engine.url, "/v1/chat/completions", {**body, "stop": [stop]}, chat=True)
+
+
+def test_multibyte_text_continues_byte_identical(engine):
+    """Hot sampling after a non-ASCII prompt emits byte tokens that split characters: the ids of a
+    chunk are reported with it even when their character is still incomplete."""
+    body = {"model": MODEL, "prompt": "日本語 naïve café ✓", "max_tokens": 24, "temperature": 1.6,
+            "ignore_eos": True}
+    for seed in range(6):
+        full = check_every_seam(engine.url, "/v1/completions", {**body, "seed": seed}, chat=False)
+        if any(ord(ch) > 127 for ch in full):
+            return
+    pytest.fail("no seed produced non-ASCII text: the multi-byte case was not exercised")
+
+
+def test_non_streaming_token_ids_and_continuation(engine):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(engine.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=60).json()
+    ch = r["choices"][0]
+    assert len(ch["token_ids"]) == 12 == r["usage"]["completion_tokens"]
+    cont = httpx.post(engine.url + "/v1/completions", timeout=60, json={
+        **body, "continuation": {"prompt_token_ids": ch["prompt_token_ids"], "output_token_ids": ch["token_ids"][:5]}})
+    assert cont.status_code == 200
+    plain = httpx.post(engine.url + "/v1/completions", json=body, timeout=60).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    assert plain["choices"][0]["text"] == ch["text"]
+    assert cont.json()["usage"] == r["usage"]
+    over = httpx.post(engine.url + "/v1/completions", timeout=60, json={
+        **body, "continuation": {"prompt_token_ids": ch["prompt_token_ids"], "output_token_ids": ch["token_ids"]}})
+    assert over.status_code == 400 and "leaves nothing to generate" in over.json()["error"]["message"]
+    bad = httpx.post(engine.url + "/v1/completions", timeout=60, json={
+        **body, "n": 2, "continuation": {"prompt_token_ids": [1, 2]}})
+    assert bad.status_code == 400 and "continuation needs n=1" in bad.json()["error"]["message"]

@@ -1,0 +1,149 @@
+"""The router's continuation rules against stand-in engines that die on cue (real processes, real
+sockets): each speaks the engine's stream format with token ids, generates token i as text "t{i} ",
+continues from `continuation.output_token_ids`, and exits (os._exit) after `die_after` chunks of a
+request: a poison request (die_after 0: it dies having taken the request, before any token) or an
+engine lost mid-stream. The real engine and supervisor are in tests/test_migration_failover.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+
+import httpx
+import pytest
+
+from supervisor.config import MigrationSection
+from supervisor.metrics import Metrics
+from supervisor.router import build_router
+from supervisor.routing import RoutingTable, Upstream
+from tests.test_supervisor_router import start_upstream
+
+ENGINE = textwrap.dedent('''
+    import asyncio, json, os, sys
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+    import uvicorn
+    app = FastAPI()
+    seen = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = json.loads(await request.body())
+        seen.append(body)
+        cont = body.get("continuation") or {}
+        start = len(cont.get("output_token_ids", []))
+        die_after = body.get("die_after", {}).get(sys.argv[2])
+        async def gen():
+            sent = 0
+            for i in range(start, body["max_tokens"]):
+                if die_after is not None and sent >= die_after:
+                    os._exit(1)
+                choice = {"index": 0, "text": f"t{i} ", "finish_reason": "length" if i == body["max_tokens"] - 1
+                          else None, "token_ids": [i]}
+                if not cont and i == 0:
+                    choice["prompt_token_ids"] = [7, 8]
+                yield "data: " + json.dumps({"id": "cmpl-x", "created": 1, "model": "m", "object": "text_completion",
+                                             "choices": [choice]}) + "\\n\\n"
+                sent += 1
+                await asyncio.sleep(0.01)
+            yield "data: [DONE]\\n\\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.get("/seen")
+    async def get_seen():
+        return seen
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+''')
+
+
+@pytest.fixture()
+def engines(tmp_path, monkeypatch):
+    """Three stand-in engines u1..u3 (a fresh set per test: they die)."""
+    import tests.test_supervisor_router as tsr
+    monkeypatch.setattr(tsr, "UPSTREAM", ENGINE)
+    procs = [start_upstream(tmp_path, f"u{i}") for i in (1, 2, 3)]
+    yield procs
+    for p, _ in procs:
+        p.kill()
+        p.wait()
+
+
+async def follow(table: RoutingTable, engines) -> None:
+    """The supervisor's part: when the primary's process exits, promote the next engine."""
+    for epoch, (proc, url) in enumerate(engines, start=1):
+        table.set_primary(Upstream(url, f"u{epoch}", epoch))
+        while proc.poll() is None:
+            await asyncio.sleep(0.01)
+        table.mark_lost(epoch)
+        table.set_primary(None, "failing over")
+
+
+def request(engines, body: dict, **cfg):
+    async def go():
+        table, metrics = RoutingTable(), Metrics()
+        events: list[dict] = []
+        app = build_router(table, metrics, hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
+                           migration=MigrationSection(**cfg), publish=events.append)
+        watcher = asyncio.ensure_future(follow(table, engines))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=30) as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "p", **body})
+        watcher.cancel()
+        return r, events, metrics.render().decode()
+    return asyncio.run(go())
+
+
+def seen(url: str) -> list[dict]:
+    return httpx.get(url + "/seen").json()
+
+
+def test_a_request_that_kills_two_engines_before_any_token_is_quarantined(engines):
+    r, events, metrics = request(engines, {"max_tokens": 5, "die_after": {"u1": 0, "u2": 0}})
+    assert r.status_code == 502 and "quarantined" in r.json()["error"]["message"], r.text
+    assert 'understudy_migrations_total{result="quarantined"} 1.0' in metrics
+    assert [e["result"] for e in events] == ["quarantined"]
+    assert seen(engines[2][1]) == [], "never sent to a third engine"
+
+
+def test_a_request_making_progress_between_failures_keeps_migrating(engines):
+    r, events, metrics = request(engines, {"max_tokens": 6, "die_after": {"u1": 2, "u2": 2}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == "t0 t1 t2 t3 t4 t5 " and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+    assert [(e["result"], e["tokens_replayed"]) for e in events] == [("continued", 2), ("continued", 4)]
+    third = seen(engines[2][1])[0]
+    assert third["continuation"] == {"prompt_token_ids": [7, 8], "output_token_ids": [0, 1, 2, 3]}
+    assert third["stream"] is True and third["return_token_ids"] is True and isinstance(third["seed"], int)
+    assert 'understudy_migrations_total{result="continued"} 2.0' in metrics
+    assert "understudy_migration_stall_seconds_count 2.0" in metrics
+
+
+def test_the_migration_limit_ends_the_request_explicitly(engines):
+    r, events, _ = request(engines, {"max_tokens": 6, "die_after": {"u1": 2, "u2": 2}}, max_migrations=1)
+    assert r.status_code == 502 and "max_migrations=1" in r.json()["error"]["message"]
+    assert [e["result"] for e in events] == ["continued", "limit"]
+    r, events, _ = request(engines[2:], {"max_tokens": 6, "die_after": {"u3": 3}}, max_replay_tokens=4)
+    assert r.status_code == 502 and "max_replay_tokens=4" in r.json()["error"]["message"]
+
+
+def test_a_streaming_client_gets_one_seamless_stream(engines):
+    async def go():
+        table = RoutingTable()
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10)
+        watcher = asyncio.ensure_future(follow(table, engines))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=30) as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "p", "max_tokens": 5, "stream": True,
+                                                      "die_after": {"u1": 3}})
+        watcher.cancel()
+        return r
+    r = asyncio.run(go())
+    lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "t0 t1 t2 t3 t4 "
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in chunks)
