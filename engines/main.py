@@ -18,7 +18,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import uvicorn
 
 from daemon.client import WeightCacheError
 
@@ -26,6 +25,8 @@ from .config import BOOT_ERROR_EXIT, EngineConfig
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
+from .guarded_http import guarded_config
+from .limits import BodyLimit
 from .loopback import QuietServer, free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
@@ -187,7 +188,7 @@ def run_engine(cfg: EngineConfig) -> int:
                  graph_sizes or "off", runner.fused_decode_status)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s)
         names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]
-        srv = OpenAIServer(engine, tokenizer, names, mml, args.vocab_size, timer.summary)
+        srv = OpenAIServer(engine, tokenizer, names, mml, args.vocab_size, timer.summary, cfg.limits)
         rc = asyncio.run(_serve(cfg, engine, srv, timer, control))
     except BOOT_ERRORS as e:
         print(f"engine {cfg.name}: failed to start: {e}", file=sys.stderr, flush=True)
@@ -212,8 +213,9 @@ async def _serve(cfg: EngineConfig, engine: LLMEngine, srv: OpenAIServer, timer:
                  control: ControlChannel) -> int:
     """Run uvicorn and the scheduler loop until a drain completes (0) or the loop dies (1)."""
     loop = asyncio.get_running_loop()
-    server = QuietServer(uvicorn.Config(build_app(srv), host=cfg.host, port=cfg.port, log_level="warning",
-                                    lifespan="off", access_log=False))
+    app = BodyLimit(build_app(srv), cfg.limits.max_body_bytes)
+    server = QuietServer(guarded_config(app, cfg.listener, f"engine {cfg.name}", host=cfg.host, port=cfg.port,
+                                        log_level="warning", lifespan="off", access_log=False))
 
     def drain_begun() -> None:  # scheduler thread
         srv.accepting = False

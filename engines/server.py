@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .engine import LLMEngine
+from .limits import LimitError, RequestLimits
+from .prompts import chat_prompt_ids, completion_prompt_ids
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta,
                        ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
@@ -48,8 +50,9 @@ class OpenAIServer:
     """Binds the HTTP routes to one engine, its tokenizer and the served model name(s)."""
 
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
-                 vocab_size: int, startup_summary: Callable[[], dict]):
+                 vocab_size: int, startup_summary: Callable[[], dict], limits: RequestLimits | None = None):
         self.engine, self.tokenizer, self.max_model_len = engine, tokenizer, max_model_len
+        self.limits = limits or RequestLimits()
         self.vocab_size = vocab_size  # the model's (embedding rows): every id fed to it must be below
         self.model_names = model_names
         self.startup_summary = startup_summary
@@ -65,16 +68,6 @@ class OpenAIServer:
         if name not in self.model_names:
             raise APIError(404, f"model {name!r} does not exist; this engine serves {self.model_names[0]!r}",
                            "model", code="model_not_found")
-
-    def _prompt_ids(self, prompt) -> list[list[int]]:
-        """Normalise the four OpenAI prompt shapes to token id lists."""
-        if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
-        if prompt and isinstance(prompt[0], int):
-            return [list(prompt)]
-        if prompt and isinstance(prompt[0], str):
-            return [self.tokenizer.encode(p) for p in prompt]
-        return [list(p) for p in prompt]
 
     def _params(self, req, prompt_len: int, param: str) -> SamplingParams:
         room = self.max_model_len - prompt_len
@@ -130,7 +123,7 @@ class OpenAIServer:
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest):
         self._accept(req.model)
-        prompts = self._prompt_ids(req.prompt)
+        prompts = await completion_prompt_ids(self.tokenizer, req.prompt, req.n, self.limits, self.max_model_len)
         self._check_ids(prompts, "prompt")
         jobs = [(p, _nth_seed(self._params(req, len(p), "prompt"), j)) for p in prompts for j in range(req.n)]
         prompt_tokens = sum(len(p) for p in prompts)
@@ -168,7 +161,7 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         try:
-            prompt = self.tokenizer.encode_chat(messages)
+            prompt = await chat_prompt_ids(self.tokenizer, messages, req.n, self.limits, self.max_model_len)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
         self._check_ids([prompt], "messages")
@@ -232,6 +225,10 @@ def build_app(srv: OpenAIServer) -> FastAPI:
         where = ".".join(loc) or "body"
         return error_response(400, f"{where}: {err.get('msg')} (got {_short(err.get('input'))})",
                               loc[0] if loc else None)
+
+    @app.exception_handler(LimitError)
+    async def _over_limit(request: Request, exc: LimitError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

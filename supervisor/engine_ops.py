@@ -16,6 +16,7 @@ from supervisor.canary import compare, is_listening, run_canary
 from supervisor.control import EngineMessage
 from supervisor.exitstatus import describe_returncode
 from supervisor.launch import PopenHandle, child_env, group_alive, kill_group, python_argv
+from supervisor.limits import engine_limits
 from supervisor.logtail import last_line
 from supervisor.pidwatch import watch_exit
 from supervisor.slots import EngineSlot, served_count
@@ -100,7 +101,7 @@ class EngineOps:
             max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len, cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels, heartbeat_interval_s=e.heartbeat_interval_s,
             dist_port=free_port() if m.tp_size > 1 else 0,
-            served_model_name=self.model_name)
+            served_model_name=self.model_name, **engine_limits(self.cfg))
 
     # ------------------------------------------------------------------ readiness
     async def _await_ready(self, slot: EngineSlot, inc: int) -> None:

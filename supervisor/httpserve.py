@@ -5,8 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 
-import uvicorn
-
+from engines.guarded_http import ListenerLimits, guarded_config
 from engines.loopback import QuietServer
 
 
@@ -32,8 +31,10 @@ def bind_tcp(host: str, port: int, what: str) -> socket.socket:
     return s
 
 
-def make_server(app, sock: socket.socket, log_level: str) -> QuietServer:
-    """A server for ``app`` on the pre-bound ``sock``."""
-    cfg = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                         timeout_keep_alive=30, timeout_graceful_shutdown=5)
+def make_server(app, sock: socket.socket, log_level: str, limits: ListenerLimits | None = None,
+                name: str = "listener") -> QuietServer:
+    """A server for ``app`` on the pre-bound ``sock``, with a connection cap and header/idle timeouts."""
+    limits = limits or ListenerLimits(keepalive_timeout_s=30)
+    cfg = guarded_config(app, limits, name, log_level=log_level, access_log=False, lifespan="on",
+                         timeout_graceful_shutdown=5)
     return QuietServer(cfg)

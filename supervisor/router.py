@@ -19,6 +19,8 @@ from urllib.parse import quote
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from engines.limits import RequestLimits
+from supervisor.limits import Refusal, check_request, read_body
 from supervisor.metrics import Metrics
 from supervisor.routing import PrimaryLost, RoutingTable, Upstream
 from supervisor.upstream import Client, Headers, UpstreamError, UpstreamTimeout
@@ -38,11 +40,13 @@ SAME_PRIMARY_RETRY_S = 0.25
 
 
 def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float, retry_after_s: int,
-                 upstream_timeout_s: float, max_connections: int = 1024) -> ASGIApp:
+                 upstream_timeout_s: float, max_connections: int = 1024, limits: RequestLimits | None = None,
+                 body_timeout_s: float = 30.0) -> ASGIApp:
     """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else (probes, lifespan) to FastAPI."""
     client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections)
     proxy = Proxy(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
                   upstream_timeout_s=upstream_timeout_s)
+    proxy.limits, proxy.body_timeout_s = limits or RequestLimits(), body_timeout_s
     probes = _probes_app(table, client)
 
     async def app(scope: dict, receive: Receive, send: Send) -> None:
@@ -104,7 +108,14 @@ class Proxy:
             await _send_whole(send, _json_reply(405, {"detail": "Method Not Allowed"},
                                                 [(b"allow", ", ".join(sorted(METHODS)).encode())]))
             return
-        body = await _read_body(receive)
+        try:  # bounded: size, time, prompts and n (supervisor/limits.py)
+            body = await read_body(scope, receive, self.limits.max_body_bytes, self.body_timeout_s)
+            if body is not None:
+                check_request(scope["path"], body, self.limits)
+        except Refusal as e:
+            self.metrics.router_requests.labels(code=str(e.status)).inc()
+            await _send_whole(send, _json_reply(e.status, e.body, [(b"connection", b"close")] if e.status != 400 else []))
+            return
         if body is None:  # our client left before sending its request whole
             return
         reply = await self._forward(scope, body)
@@ -212,18 +223,6 @@ class Proxy:
     def _unavailable(self, message: str) -> Reply:
         return _json_reply(503, {"error": {"message": message, "type": "unavailable", "code": 503}},
                            [(b"retry-after", str(self.retry_after_s).encode())])
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body; None if the client disconnected first."""
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _disconnected(receive: Receive) -> None:
