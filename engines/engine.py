@@ -22,6 +22,7 @@ import torch
 from .control import ControlChannel
 from .inflight import InFlight
 from .runner import ModelRunner
+from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, make_generator, to_device
 from .scheduler import Scheduler
 from .sequence import Output, Sequence
@@ -223,11 +224,17 @@ class LLMEngine:
     def _read_back(self) -> None:
         """Apply the last step's tokens to their sequences (dropping those of finished ones)."""
         for launch in self._inflight:
-            for seq, tok in zip(launch.seqs, launch.wait()):
+            tokens = launch.wait()
+            failed = launch.failed_rows()  # sampling errors fail their request, never the loop
+            for row, (seq, tok) in enumerate(zip(launch.seqs, tokens)):
                 if seq.finish_reason is None:
-                    seq.append(tok)
+                    if row in failed:
+                        seq.fail(failed[row])
+                    else:
+                        seq.append(tok)
         self._inflight, self._pending = [], {}
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> InFlight:
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return InFlight.launch(seqs, tokens)
+        tokens, finite, errors = guarded_sample(self.sampler, logits, [s.params for s in seqs],
+                                                [s.generator for s in seqs])
+        return InFlight.launch(seqs, tokens, finite, errors)

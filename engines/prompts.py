@@ -30,8 +30,9 @@ async def completion_prompt_ids(tokenizer: Tokenizer, prompt, n: int, limits: Re
             ids = await asyncio.to_thread(tokenizer.encode_batch, prompts)
     else:
         ids = [list(p) for p in prompts]
-    for p in ids:
-        check_tokens(len(p), limit, "prompt")
+    if limits.max_prompt_tokens is not None:  # else the context check names the problem (server._params)
+        for p in ids:
+            check_tokens(len(p), limit, "prompt")
     return ids
 
 
@@ -46,5 +47,6 @@ async def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], n: int, li
         ids = tokenizer.encode_chat(messages)
     else:
         ids = await asyncio.to_thread(tokenizer.encode_chat_batch, messages)
-    check_tokens(len(ids), limit, "messages")
+    if limits.max_prompt_tokens is not None:
+        check_tokens(len(ids), limit, "messages")
     return ids

@@ -22,6 +22,7 @@ class Output:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None  # with finish_reason "error": why the request failed (the engine goes on)
 
 
 class Sequence:
@@ -74,9 +75,15 @@ class Sequence:
         if delta or self.finish_reason:
             self.emit(self.output(delta))
 
+    def fail(self, why: str) -> None:
+        """End this sequence with an error (e.g. its logits were not finite); others run on."""
+        self.finish_reason, self.error = "error", why
+        self.emit(self.output(""))
+
     def abort(self) -> None:
         self.finish_reason = "abort"
         self.emit(self.output(""))
 
     def output(self, delta: str) -> Output:
-        return Output(self.seq_id, delta, self.finish_reason, len(self.prompt_ids), len(self.output_ids))
+        return Output(self.seq_id, delta, self.finish_reason, len(self.prompt_ids), len(self.output_ids),
+                      getattr(self, "error", None))

@@ -31,6 +31,13 @@ from .tokenizer import ChatTemplateError, Tokenizer
 log = logging.getLogger("engines.server")
 
 
+class RequestFailed(Exception):
+    """A sequence of the request ended with an error (e.g. non-finite logits); the engine goes on."""
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": "internal_error", "param": None, "code": "sampling_error"}}
+
+
 class APIError(Exception):
     """A request we refuse; becomes an OpenAI error body with this status."""
 
@@ -115,6 +122,8 @@ class OpenAIServer:
                 index, out = await queue.get()
                 if out.finish_reason is not None:
                     live.discard(index)
+                if out.finish_reason == "error":
+                    raise RequestFailed(out.error or "sampling failed")
                 yield index, out
         finally:
             for i in live:  # the client went away (or we failed): free its slots
@@ -200,8 +209,13 @@ class OpenAIServer:
 
     def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
-            async for data in chunks:
-                yield f"data: {data}\n\n"
+            try:
+                async for data in chunks:
+                    yield f"data: {data}\n\n"
+            except RequestFailed as e:  # the stream is cut and says so: an error event, no [DONE]
+                log.error("stream failed: %s", e)
+                yield f"data: {json.dumps(e.body())}\n\n"
+                return
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -229,6 +243,11 @@ def build_app(srv: OpenAIServer) -> FastAPI:
     @app.exception_handler(LimitError)
     async def _over_limit(request: Request, exc: LimitError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, exc: RequestFailed) -> JSONResponse:
+        log.error("request to %s failed: %s", request.url.path, exc)
+        return JSONResponse(exc.body(), status_code=500)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
