@@ -18,6 +18,7 @@ class CanaryResult:
     text: str | None = None
     token_ids: list[int] | None = None
     error: str | None = None
+    broken: bool = False  # the engine answered that its model cannot serve (e.g. non-finite logits)
 
 
 async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
@@ -29,7 +30,7 @@ async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: st
     except httpx.HTTPError as e:
         return CanaryResult(False, error=f"{type(e).__name__}: {e}".rstrip(": "))
     if r.status_code != 200:
-        return CanaryResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}")
+        return CanaryResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}", broken=_says_broken(r))
     try:
         choice = r.json()["choices"][0]
         text = choice["text"]
@@ -37,6 +38,14 @@ async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: st
         return CanaryResult(False, error=f"unexpected completion body: {r.text[:200]}")
     ids = choice.get("token_ids")
     return CanaryResult(True, text=text, token_ids=ids if isinstance(ids, list) else None)
+
+
+def _says_broken(r: httpx.Response) -> bool:
+    """A 500 whose OpenAI error says sampling failed: the model is broken, not still starting."""
+    try:
+        return r.status_code == 500 and r.json()["error"]["code"] == "sampling_error"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 async def is_listening(client: httpx.AsyncClient, url: str) -> bool:

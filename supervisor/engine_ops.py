@@ -118,6 +118,12 @@ class EngineOps:
                                    self.cfg.canary.max_tokens, self.cfg.failover.probe_timeout_s)
             if slot.incarnation != inc or slot.state not in RUNNING:
                 return
+            if res.broken:  # it answered, with non-finite logits: never promoted
+                log.error("%s: canary failed: %s; never promoted", slot.name, res.error)
+                self.events.publish({"type": "canary_mismatch", "engine": slot.name, "reason": res.error,
+                                     "fingerprint": self.fingerprint, "weights_source": slot.weights_source})
+                self.fail_engine(slot, f"canary: {res.error}")
+                return
             if not res.ok:  # the engine is still starting: say so once, then only at debug level
                 (log.info if not unanswered else log.debug)("%s: canary not answered yet: %s", slot.name, res.error)
                 unanswered += 1
