@@ -10,7 +10,10 @@ Refusals are counted and logged at most once per ``LOG_EVERY_S``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
+import socket
 import time
 
 import h11
@@ -116,3 +119,50 @@ def guarded_config(app, limits: ListenerLimits, name: str, **kwargs) -> uvicorn.
                          timeout_keep_alive=limits.keepalive_timeout_s, **kwargs)  # type: ignore[arg-type]
     cfg.connection_stats = stats  # type: ignore[attr-defined]
     return cfg
+
+
+class SpareFdListener(socket.socket):
+    """A listening socket whose ``accept`` survives EMFILE (the process is out of descriptors).
+
+    asyncio (3.11/3.12) answers EMFILE on accept by logging a traceback and scheduling a retry for
+    every remaining backlog slot, in one loop tick (tens of thousands of log lines a second, issue
+    12). Here a spare descriptor is kept: on EMFILE it is closed, the waiting connection accepted
+    and closed at once (the client sees a refusal, the backlog drains), and the spare taken again;
+    asyncio only sees "nothing more to accept now". Refusals are logged at most every LOG_EVERY_S.
+    """
+
+    _spare = -1
+    refused_emfile = 0
+    _logged_at = 0.0
+
+    def reserve_spare(self) -> None:
+        """Take the spare descriptor (call once listening)."""
+        if self._spare < 0:
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def accept(self):  # type: ignore[override]
+        try:
+            return super().accept()
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+        if self._spare >= 0:
+            os.close(self._spare)
+            self._spare = -1
+            try:
+                conn, _ = super().accept()
+                conn.close()
+                self.refused_emfile += 1
+            except OSError:
+                pass
+            try:
+                self.reserve_spare()
+            except OSError:
+                self._spare = -1  # taken meanwhile: until one frees, asyncio polls again (no log flood)
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            log.error("out of file descriptors (EMFILE) on %s: %d connections refused so far; raise the "
+                      "open-files limit or lower limits.max_client_connections", self.getsockname(),
+                      self.refused_emfile)
+        raise BlockingIOError(errno.EAGAIN, "out of descriptors; connection refused")
