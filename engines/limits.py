@@ -88,6 +88,7 @@ class BodyLimit:
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await drain(receive)
                 await self._refuse(send, int(value))
                 return
         seen = 0
@@ -116,6 +117,22 @@ class BodyLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": data})
+
+
+DRAIN_MAX_BYTES = 64 << 20  # read (and drop) at most this much of a refused body
+
+
+async def drain(receive: Receive, max_bytes: int = DRAIN_MAX_BYTES) -> None:
+    """Read and drop a refused body (bounded), so that the refusal is not lost: closing a socket with
+    unread data sends a reset, and the client's kernel then drops the answer it had received."""
+    seen = 0
+    while seen <= max_bytes:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def body_too_large(size: int, max_bytes: int) -> LimitError:

@@ -17,7 +17,7 @@ import resource
 from collections.abc import Awaitable, Callable
 
 from engines.guarded_http import ListenerLimits
-from engines.limits import LimitError, RequestLimits, body_too_large, check_shape
+from engines.limits import LimitError, RequestLimits, body_too_large, check_shape, drain
 from supervisor.config import UnderstudyConfig
 
 log = logging.getLogger("understudy")
@@ -42,12 +42,13 @@ def _refusal(e: LimitError) -> Refusal:
 
 async def read_body(scope: dict, receive: Receive, max_bytes: int, timeout_s: float) -> bytes | None:
     """The whole request body, None if the client left first; Refusal when over a limit."""
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
-            raise _refusal(body_too_large(int(value), max_bytes))
     parts, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):
+            for name, value in scope["headers"]:
+                if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
+                    await drain(receive)  # bounded; the answer then reaches the client
+                    raise _refusal(body_too_large(int(value), max_bytes))
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -55,6 +56,8 @@ async def read_body(scope: dict, receive: Receive, max_bytes: int, timeout_s: fl
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > max_bytes:
+                    if message.get("more_body", False):
+                        await drain(receive)
                     raise _refusal(body_too_large(size, max_bytes))
                 parts.append(chunk)
                 if not message.get("more_body", False):

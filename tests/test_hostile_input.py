@@ -3,6 +3,7 @@ prompt, a request with 1000 prompts x n=16, idle connections past the cap, the o
 exhausted. Each case ends with a normal request served and no engine restarted (issue 12)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import resource
 import socket
@@ -11,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from supervisor.chaos.hostile import post_early_answer
 from supervisor.testing import Harness, Load
 
 CONFIG = """
@@ -63,12 +65,9 @@ def test_20mb_request_gets_413_while_load_goes_on(sup):
     assert len(big) > 8_000_000
     with Load(sup.router_url, sup.model, threads=2) as load:
         time.sleep(0.3)
-        r = httpx.post(sup.router_url + "/v1/completions", content=big, timeout=30,
-                       headers={"content-type": "application/json"})
-        assert_limit_error(r, 413, "max_body_bytes")
-        engine = sup.primary()["url"]  # the engine refuses it too (its own listener, same limit)
-        r = httpx.post(engine + "/v1/completions", content=big, timeout=30, headers={"content-type": "application/json"})
-        assert_limit_error(r, 413, "max_body_bytes")
+        for url in (sup.router_url, sup.primary()["url"]):  # the engine refuses it too (same limit)
+            status, content = asyncio.run(post_early_answer(url, "/v1/completions", big))
+            assert_limit_error(httpx.Response(status, content=content), 413, "max_body_bytes")
         time.sleep(0.5)
     assert load.results and not load.failures, load.failures[:5]
     normal_request(sup)
@@ -204,4 +203,23 @@ def test_open_files_exhausted_supervisor_keeps_serving(sup):
     sup.check_alive()
     new_lines = sup.log.read_text().splitlines()[lines_before:]
     assert len(new_lines) < 200, f"{len(new_lines)} log lines: {new_lines[:20]}"
+    assert incarnations(sup) == before
+
+
+def test_chaos_hostile_faults_are_refused_cleanly(sup):
+    """`understudy chaos` fault kinds big-request and idle-connections against the live node."""
+    from supervisor.chaos.hostile import big_request, idle_connections
+    from supervisor.chaos.records import FaultRecord
+    before = incarnations(sup)
+    big = FaultRecord(index=0, kind="big-request", t=time.time())
+    idle = FaultRecord(index=1, kind="idle-connections", t=time.time())
+    with Load(sup.router_url, sup.model, threads=1) as load:
+        asyncio.run(big_request(big, sup.router_url))
+        asyncio.run(idle_connections(idle, sup.router_url, count=4 * CAP, hold_s=3.0))
+    assert big.error is None and big.detail["http_status"] == 413 and big.detail["code"] == "max_body_bytes", big
+    assert idle.error is None and idle.detail["opened"] + idle.detail["connect_failed"] == 4 * CAP, idle
+    assert idle.detail["closed_by_node"] == idle.detail["opened"], idle.detail  # over the cap, or timed out
+    time.sleep(1.0)
+    normal_request(sup)
+    assert not [f for f in load.failures if "Connect" not in str(f[2]) and f[2] != 503], load.failures[:5]
     assert incarnations(sup) == before
