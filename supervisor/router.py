@@ -37,6 +37,7 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"p
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})  # no HEAD: the FastAPI route had none
 RETRY_STATUSES = {502, 503}  # engine refusing (draining) or not there: another primary may serve
 SAME_PRIMARY_RETRY_S = 0.25
+DEFAULT_LIMITS = RequestLimits()
 
 
 def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float, retry_after_s: int,
@@ -46,7 +47,7 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
     client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections)
     proxy = Proxy(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
                   upstream_timeout_s=upstream_timeout_s)
-    proxy.limits, proxy.body_timeout_s = limits or RequestLimits(), body_timeout_s
+    proxy.limits, proxy.body_timeout_s = limits, body_timeout_s  # None: body size only (default limit)
     probes = _probes_app(table, client)
 
     async def app(scope: dict, receive: Receive, send: Send) -> None:
@@ -109,9 +110,10 @@ class Proxy:
                                                 [(b"allow", ", ".join(sorted(METHODS)).encode())]))
             return
         try:  # bounded: size, time, prompts and n (supervisor/limits.py)
-            body = await read_body(scope, receive, self.limits.max_body_bytes, self.body_timeout_s)
-            if body is not None:
-                check_request(scope["path"], body, self.limits)
+            limits = self.limits
+            body = await read_body(scope, receive, (limits or DEFAULT_LIMITS).max_body_bytes, self.body_timeout_s)
+            if body is not None and limits is not None:
+                check_request(scope["path"], body, limits)
         except Refusal as e:
             self.metrics.router_requests.labels(code=str(e.status)).inc()
             await _send_whole(send, _json_reply(e.status, e.body, [(b"connection", b"close")] if e.status != 400 else []))
