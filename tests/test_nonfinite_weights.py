@@ -72,3 +72,44 @@ def test_overflowing_logits_fail_the_request_not_the_engine(tiny_model, tmp_path
         assert h.status_code == 200 and proc.proc.poll() is None, h.text
     finally:
         assert proc.stop() == 0
+
+
+SUP_CONFIG = """
+runtime_dir: {rt}
+model: {{path: {model}}}
+engines: {{heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 4, max_model_len: 128}}
+failover: {{startup_timeout_s: 60, backoff_base_s: 0.2, backoff_max_s: 1, hold_timeout_s: 1}}
+router: {{port: 0}}
+admin: {{port: 0}}
+"""
+
+
+def test_supervisor_refuses_nan_checkpoint_at_boot(tiny_model, tmp_path):
+    from supervisor.testing import Harness
+    model = corrupt(tiny_model, tmp_path / "nan-model", "model.layers.1.mlp.up_proj.weight", float("nan"))
+    h = Harness(tmp_path, SUP_CONFIG.format(rt=tmp_path / "rt", model=model))
+    try:
+        rc = h.proc.wait(120)
+    finally:
+        h.stop()
+    log = h.log.read_text()
+    assert rc == 1 and "model.layers.1.mlp.gate_up_proj.weight" in log and "NaN or inf" in log, log[-3000:]
+
+
+def test_supervisor_never_promotes_an_engine_with_non_finite_logits(tiny_model, tmp_path):
+    from supervisor.testing import Harness
+    model = corrupt(tiny_model, tmp_path / "huge-model", "lm_head.weight", 3e38)
+    h = Harness(tmp_path, SUP_CONFIG.format(rt=tmp_path / "rt", model=model))
+    try:
+        h.wait_booted()
+        st = h.wait_for(lambda st: any("non-finite" in (e.get("reason") or "") for e in st["engines"]), 90,
+                        "an engine failed by its canary")
+        assert st["primary"] is None and all(e["state"] != "READY" for e in st["engines"]), st
+        r = httpx.get(h.router_url + "/readyz", timeout=5)
+        assert r.status_code == 503, r.text
+        r = httpx.post(h.router_url + "/v1/completions", json={"model": model.name, "prompt": "hi"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["message"], r.text  # said, not hung
+        assert not list((h.rd / "golden").glob("*.json"))  # no golden answer was recorded from it
+        h.check_alive()
+    finally:
+        h.stop()
