@@ -223,3 +223,54 @@ def test_chaos_hostile_faults_are_refused_cleanly(sup):
     normal_request(sup)
     assert not [f for f in load.failures if "Connect" not in str(f[2]) and f[2] != 503], load.failures[:5]
     assert incarnations(sup) == before
+
+
+BIG_CONTEXT = """
+runtime_dir: {rt}
+model: {{path: {model}}}
+engines: {{count: 1, heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 4, max_model_len: 1024}}
+failover: {{heartbeat_timeout_s: 5, probe_interval_s: 5}}
+router: {{port: 0}}
+admin: {{port: 0}}
+limits: {{max_prompts: 480, max_sequences: 480}}
+"""
+
+
+def test_legal_maximum_body_is_tokenized_without_stalling_heartbeats(tmp_path, tiny_model):
+    """An 8 MB request (the default body limit) of prompts each just under the character bound: its
+    first chunk (1 MB, seconds of tokenizing with this tiny vocabulary) is tokenized off the GIL, so
+    the scheduler's heartbeats keep coming (every 0.1 s); the first prompt over the context then
+    ends it without tokenizing the rest."""
+    import threading
+    h = Harness(tmp_path, BIG_CONTEXT.format(rt=tmp_path / "rt", model=tiny_model))
+    try:
+        h.wait_booted()
+        h.wait_all_ready(120)
+        text = "hello world " * 1440  # 17280 chars: under 1023 tokens x 17 characters, ~2900 tokens
+        body = json.dumps({"model": tiny_model.name, "prompt": [text] * 480, "max_tokens": 1}).encode()
+        assert 8_000_000 < len(body) <= 8 << 20
+        ages: list[float] = []
+        done = threading.Event()
+
+        def watch():
+            with httpx.Client(timeout=5, headers={"Authorization": f"Bearer {h.token}"}) as c:
+                while not done.is_set():
+                    e = c.get(h.admin_url + "/status").json()["engines"][0]
+                    ages.append(e["heartbeat_age_s"] or 0.0)
+                    time.sleep(0.01)
+        t = threading.Thread(target=watch)
+        t.start()
+        t0 = time.monotonic()
+        r = httpx.post(h.router_url + "/v1/completions", content=body, timeout=120,
+                       headers={"content-type": "application/json"})
+        took = time.monotonic() - t0
+        done.set()
+        t.join()
+        # refused for the context once tokenized (the character bound only refuses what cannot fit)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        assert took < 20  # not the ~35 s that tokenizing all 480 prompts takes here
+        print(f"8 MB request answered in {took:.2f}s; heartbeat age max {max(ages):.3f}s over {len(ages)} samples")
+        assert max(ages) < 1.0, f"heartbeats stalled {max(ages):.2f}s while tokenizing"
+        assert h.status()["engines"][0]["incarnation"] == 1
+    finally:
+        h.stop()
