@@ -274,3 +274,18 @@ def test_legal_maximum_body_is_tokenized_without_stalling_heartbeats(tmp_path, t
         assert h.status()["engines"][0]["incarnation"] == 1
     finally:
         h.stop()
+
+
+def test_chaos_options_know_the_hostile_kinds_and_bound_them():
+    from pydantic import ValidationError
+
+    from supervisor.chaos.options import ChaosOptions
+    base = dict(data_url="http://127.0.0.1:1", admin_url="http://127.0.0.1:2", token="t", out_dir="x")
+    opts = ChaosOptions(**base, faults={"big-request": 1, "idle-connections": 2}, idle_connections=300)
+    assert sorted(opts.fault_plan()) == ["big-request", "idle-connections", "idle-connections"]
+    with pytest.raises(ValidationError):
+        ChaosOptions(**base, idle_connections=100_000)
+    with pytest.raises(ValidationError):
+        ChaosOptions(**base, idle_hold_s=3600)
+    with pytest.raises(ValidationError):  # never aimed anywhere but this machine
+        ChaosOptions(**{**base, "data_url": "http://10.0.0.1:8000"})
