@@ -90,18 +90,34 @@ class GoldenStore:
         except (FileNotFoundError, ValueError):
             return None
 
-    def record(self, key: str, result: CanaryResult, engine: str) -> dict[str, Any]:
-        """Record the golden answer unless another engine did first; returns the stored one."""
+    def record(self, key: str, result: CanaryResult, engine: str,
+               provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Record the golden answer unless another engine did first; returns the stored one.
+
+        ``provenance`` says where the recording engine's weights came from: ``weights_finite``
+        (its load was checked finite) and ``content_digest`` (the checkpoint bytes' hash). A golden
+        is trusted only when both sources agree with the weights now served: one recorded from an
+        unchecked load, or for other bytes at the same path, is replaced by a checked one."""
         existing = self.get(key)
-        if existing is not None:
+        prov = provenance or {}
+        if existing is not None and not _superseded(existing, prov):
             return existing
-        data = {"text": result.text, "token_ids": result.token_ids, "recorded_by": engine}
+        data = {"text": result.text, "token_ids": result.token_ids, "recorded_by": engine, **prov}
         tmp = self.dir / f".{key}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, self.dir / f"{key}.json")
         return data
+
+
+def _superseded(golden: dict[str, Any], prov: dict[str, Any]) -> bool:
+    if prov.get("weights_finite") is not True:
+        return False  # an unchecked load never replaces anything
+    if golden.get("weights_finite") is not True:
+        return True
+    digest, recorded = prov.get("content_digest"), golden.get("content_digest")
+    return digest is not None and recorded is not None and digest != recorded
 
 
 def compare(golden: dict[str, Any], result: CanaryResult) -> str | None:

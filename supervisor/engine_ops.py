@@ -129,7 +129,8 @@ class EngineOps:
                 unanswered += 1
                 await asyncio.sleep(0.2)
                 continue
-            golden = self.golden.record(self.fingerprint, res, slot.name)
+            await self._fetch_startup(slot)  # the weights' source, for the golden's provenance
+            golden = self.golden.record(self.fingerprint, res, slot.name, self.weights_provenance(slot))
             mismatch = compare(golden, res)
             if mismatch:
                 await self._fetch_startup(slot)
@@ -141,6 +142,18 @@ class EngineOps:
             await self._fetch_startup(slot)
             self.on_engine_ready(slot)
             return
+
+    def weights_provenance(self, slot: EngineSlot) -> dict[str, Any]:
+        """Whether the engine's weights were checked finite, and their content digest: a cache hit
+        maps the daemons' arenas (each checked when loaded); a disk load is checked by the engine
+        itself (engines/weights.py: it exits 3 otherwise); external engines are not checked."""
+        src, digest = slot.weights_source or "", None
+        if src.startswith("cache_hit"):
+            finite = bool(self.daemons) and all(d.weights_finite is True for d in self.daemons)
+            digest = next((d.fingerprint.get("content_digest") for d in self.daemons if d.fingerprint), None)
+        else:
+            finite = True if src.startswith("disk") and not self.external else None
+        return {"weights_source": src or None, "weights_finite": finite, "content_digest": digest}
 
     async def _fetch_startup(self, slot: EngineSlot) -> None:
         """Startup phases and weight source from GET /startup, if the control channel did not bring them."""

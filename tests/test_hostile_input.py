@@ -289,3 +289,13 @@ def test_chaos_options_know_the_hostile_kinds_and_bound_them():
         ChaosOptions(**base, idle_hold_s=3600)
     with pytest.raises(ValidationError):  # never aimed anywhere but this machine
         ChaosOptions(**{**base, "data_url": "http://10.0.0.1:8000"})
+
+
+def test_golden_answer_records_its_weights_provenance(sup):
+    """The golden canary answer was recorded from weights checked finite, with their content digest."""
+    st = sup.status()
+    (d,) = st["daemons"]
+    assert d["weights_finite"] is True
+    (golden,) = [json.loads(p.read_text()) for p in (sup.rd / "golden").glob("*.json")]
+    assert golden["weights_finite"] is True and golden["weights_source"] == "cache_hit", golden
+    assert golden["content_digest"] == d["fingerprint"]["content_digest"]
