@@ -66,6 +66,7 @@ class DaemonInfo(_Msg):
     load_seconds: float | None = None
     attaches: int = 0
     error: str | None = None
+    weights_finite: bool | None = None  # every tensor was checked finite after loading (None: not yet)
 
 
 class ArenaHandle(_Msg):

@@ -71,6 +71,7 @@ class WeightDaemon:
         self.progress = Progress()
         self.error: str | None = None
         self.load_seconds: float | None = None
+        self.weights_finite: bool | None = None  # every tensor checked finite once loaded
         self.attaches = 0
         self.arena = None
         self.manifest: Manifest | None = None
@@ -237,7 +238,8 @@ class WeightDaemon:
         return DaemonInfo(pid=os.getpid(), rank=self.cfg.rank, state=self.state, transport=self.cfg.device,
                           fingerprint=self.fingerprint, resident_bytes=self.arena.size if self.state == "ready" else 0,
                           tensors=len(self.manifest.names) if self.manifest else 0, progress=self.progress,
-                          load_seconds=self.load_seconds, attaches=self.attaches, error=self.error)
+                          load_seconds=self.load_seconds, attaches=self.attaches, error=self.error,
+                          weights_finite=self.weights_finite)
 
     # ---- filling the arena -----------------------------------------------------------------
     def _fill_arena(self) -> None:
@@ -271,6 +273,10 @@ class WeightDaemon:
         stats = load_checkpoint_into(model, cfg.model_path, progress=self._on_progress,
                                      threads=cfg.threads, max_mbps=cfg.max_load_mbps)
         check_materialised(model, manifest.entries(), device)
+        from .finite import check_finite
+
+        check_finite(model, cfg.model_path)  # weights that cannot serve are never handed out
+        self.weights_finite = True
         del model
         gc.collect()
         arena.finish()  # seals the memfd on cpu; synchronizes on cuda

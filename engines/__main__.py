@@ -28,6 +28,8 @@ def run(cfg: EngineConfig) -> int:
     """Configure logging for this engine and run it; returns the exit code."""
     logging.basicConfig(level=logging.INFO, force=True,
                         format=f"%(asctime)s {cfg.name} %(levelname)s %(name)s: %(message)s")
+    from .lograte import install
+    install()
     from .main import run_engine
     return run_engine(cfg)
 

@@ -5,6 +5,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .guarded_http import ListenerLimits
+from .limits import RequestLimits
+
 WeightCacheMode = Literal["client", "daemon", "off"]
 BOOT_ERROR_EXIT = 3
 """An engine's exit code for a configuration or checkpoint problem: restarting it will not help."""
@@ -44,5 +47,7 @@ class EngineConfig(BaseModel):
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     dist_port: int = Field(default=0, ge=0, le=65535)
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="per-request limits (400/413)")
+    listener: ListenerLimits = Field(default_factory=ListenerLimits, description="the HTTP listener's connection limits")
     served_model_name: str | None = Field(
         default=None, description="the `model` name clients use; default: the model folder's basename")

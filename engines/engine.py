@@ -24,6 +24,7 @@ from .control import ControlChannel
 from .inflight import InFlight
 from .block_manager import BlockManager
 from .runner import ModelRunner
+from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, ensure_seed
 from .scheduler import Scheduled, Scheduler
 from .sequence import Output, Sequence
@@ -228,16 +229,23 @@ class LLMEngine:
         """Apply the last step's tokens to their sequences (dropping those of finished ones)."""
         if self._inflight is None:
             return
-        for seq, tok in zip(self._inflight.seqs, self._inflight.wait()):
+        launch = self._inflight
+        tokens = launch.wait()
+        failed = launch.failed_rows()  # sampling errors fail their request, never the loop
+        for row, (seq, tok) in enumerate(zip(launch.seqs, tokens)):
             seq.unread -= 1
             if seq.finish_reason is None:
-                seq.append(tok)
+                if row in failed:
+                    seq.fail(failed[row])
+                else:
+                    seq.append(tok)
         self._inflight, self._pending = None, {}
 
     def _sample(self, work: list[Scheduled], logits: torch.Tensor) -> InFlight:
         """Launch the draw of each sequence's next token: a function of (seed, its position)."""
         seqs = [w.seq for w in work]
-        tokens = self.sampler(logits, [s.params for s in seqs], [w.start + w.num_new for w in work])
+        tokens, finite, errors = guarded_sample(self.sampler, logits, [s.params for s in seqs],
+                                                [w.start + w.num_new for w in work])
         for s in seqs:
             s.unread += 1
-        return InFlight.launch(seqs, tokens)
+        return InFlight.launch(seqs, tokens, finite, errors)

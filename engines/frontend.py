@@ -9,10 +9,10 @@ import logging
 import os
 import signal
 
-import uvicorn
-
 from .config import EngineConfig
 from .engine_client import EngineClient
+from .guarded_http import guarded_config
+from .limits import BodyLimit
 from .loopback import QuietServer
 from .server import OpenAIServer, build_app
 from .tokenizer import Tokenizer
@@ -38,9 +38,10 @@ async def _serve(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
                  vocab_size: int, to_core: str, to_frontend: str) -> int:
     client = EngineClient(to_core, to_frontend)
     startup: dict = {}
-    srv = OpenAIServer(client, tokenizer, model_names, max_model_len, vocab_size, lambda: startup)
-    server = QuietServer(uvicorn.Config(build_app(srv), host=cfg.host, port=cfg.port, log_level="warning",
-                                       lifespan="off", access_log=False))
+    srv = OpenAIServer(client, tokenizer, model_names, max_model_len, vocab_size, lambda: startup, cfg.limits)
+    app = BodyLimit(build_app(srv), cfg.limits.max_body_bytes)
+    server = QuietServer(guarded_config(app, cfg.listener, f"engine {cfg.name}", host=cfg.host, port=cfg.port,
+                                        log_level="warning", lifespan="off", access_log=False))
     go = asyncio.Event()
 
     def on_serve(msg: dict) -> None:

@@ -25,6 +25,7 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # with finish_reason "error": why the request failed (the engine goes on)
 
 
 class Sequence:
@@ -111,6 +112,11 @@ class Sequence:
         if delta or self.finish_reason:
             self.emit(self.output(delta))
 
+    def fail(self, why: str) -> None:
+        """End this sequence with an error (e.g. its logits were not finite); others run on."""
+        self.finish_reason, self.error = "error", why
+        self.emit(self.output(""))
+
     def abort(self) -> None:
         self.finish_reason = "abort"
         self.emit(self.output(""))
@@ -118,4 +124,4 @@ class Sequence:
     def output(self, delta: str) -> Output:
         ids, self._unreported = self._unreported, []
         return Output(self.seq_id, delta, self.finish_reason, len(self.prompt_ids) - self.replayed,
-                      len(self.output_ids) + self.replayed, ids)
+                      len(self.output_ids) + self.replayed, ids, getattr(self, "error", None))

@@ -21,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .engine_client import EngineClient
+from .limits import LimitError, RequestLimits
 from .metrics import render as render_metrics
+from .prompts import chat_prompt_ids, completion_prompt_ids
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta,
                        ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
@@ -34,6 +36,13 @@ log = logging.getLogger("engines.server")
 # Fault injection for tests and chaos runs only: a pause after each stream chunk, so a test can kill
 # an engine at the k-th chunk of a stream deterministically. Unset (0) in production.
 CHUNK_DELAY_S = float(os.environ.get("UNDERSTUDY_TEST_CHUNK_DELAY_S") or 0)
+
+
+class RequestFailed(Exception):
+    """A sequence of the request ended with an error (e.g. non-finite logits); the engine goes on."""
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": "internal_error", "param": None, "code": "sampling_error"}}
 
 
 class APIError(Exception):
@@ -55,8 +64,9 @@ class OpenAIServer:
     """Binds the HTTP routes to one engine, its tokenizer and the served model name(s)."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
-                 vocab_size: int, startup_summary: Callable[[], dict]):
+                 vocab_size: int, startup_summary: Callable[[], dict], limits: RequestLimits | None = None):
         self.engine, self.tokenizer, self.max_model_len = engine, tokenizer, max_model_len
+        self.limits = limits or RequestLimits()
         self.vocab_size = vocab_size  # the model's (embedding rows): every id fed to it must be below
         self.model_names = model_names
         self.startup_summary = startup_summary
@@ -72,16 +82,6 @@ class OpenAIServer:
         if name not in self.model_names:
             raise APIError(404, f"model {name!r} does not exist; this engine serves {self.model_names[0]!r}",
                            "model", code="model_not_found")
-
-    def _prompt_ids(self, prompt) -> list[list[int]]:
-        """Normalise the four OpenAI prompt shapes to token id lists."""
-        if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
-        if prompt and isinstance(prompt[0], int):
-            return [list(prompt)]
-        if prompt and isinstance(prompt[0], str):
-            return [self.tokenizer.encode(p) for p in prompt]
-        return [list(p) for p in prompt]
 
     def _params(self, req, prompt_len: int, param: str) -> SamplingParams:
         room = self.max_model_len - prompt_len
@@ -138,6 +138,8 @@ class OpenAIServer:
                 for index, out in _coalesce([await queue.get()] + [queue.get_nowait() for _ in range(queue.qsize())]):
                     if out.finish_reason is not None:
                         live.discard(index)
+                    if out.finish_reason == "error":
+                        raise RequestFailed(out.error or "sampling failed")
                     yield index, out
         finally:
             for i in live:  # the client went away (or we failed): free its slots
@@ -150,7 +152,7 @@ class OpenAIServer:
             jobs = self._continued(req, req.continuation, "prompt")
             prompts = [list(req.continuation.prompt_token_ids)]
         else:
-            prompts = self._prompt_ids(req.prompt)
+            prompts = await completion_prompt_ids(self.tokenizer, req.prompt, req.n, self.limits, self.max_model_len)
             self._check_ids(prompts, "prompt")
             jobs = [(p, _nth_seed(ensure_seed(self._params(req, len(p), "prompt")), j), 0)
                     for p in prompts for j in range(req.n)]
@@ -210,7 +212,7 @@ class OpenAIServer:
             except ValueError as e:
                 raise APIError(400, str(e), "messages") from None
             try:
-                prompt = self.tokenizer.encode_chat(messages)
+                prompt = await chat_prompt_ids(self.tokenizer, messages, req.n, self.limits, self.max_model_len)
             except ChatTemplateError as e:
                 raise APIError(400, str(e), "messages") from None
             self._check_ids([prompt], "messages")
@@ -262,10 +264,15 @@ class OpenAIServer:
 
     def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
-            async for data in chunks:
-                yield f"data: {data}\n\n"
-                if CHUNK_DELAY_S:
-                    await asyncio.sleep(CHUNK_DELAY_S)
+            try:
+                async for data in chunks:
+                    yield f"data: {data}\n\n"
+                    if CHUNK_DELAY_S:
+                        await asyncio.sleep(CHUNK_DELAY_S)
+            except RequestFailed as e:  # the stream is cut and says so: an error event, no [DONE]
+                log.error("stream failed: %s", e)
+                yield f"data: {json.dumps(e.body())}\n\n"
+                return
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -297,6 +304,15 @@ def build_app(srv: OpenAIServer) -> FastAPI:
                               code="not_found" if exc.status_code == 404 else None)
         resp.headers.update(exc.headers or {})
         return resp
+
+    @app.exception_handler(LimitError)
+    async def _over_limit(request: Request, exc: LimitError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, exc: RequestFailed) -> JSONResponse:
+        log.error("request to %s failed: %s", request.url.path, exc)
+        return JSONResponse(exc.body(), status_code=500)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -29,4 +29,7 @@ def load_rank_weights(cfg: EngineConfig, args: ModelArgs, rank: int, device: tor
     cache_config = make_cache_config(cfg.model_path, tp_rank=rank, tp_size=cfg.tp_size, dtype=cfg.dtype,
                                      device=str(device))
     result = attach_or_load(model, cache_config, cfg.weight_cache_mode, cfg.runtime_dir, rank, str(device))
+    if not result.source.startswith("cache_hit"):  # the daemon checked its arena; our own load we check here
+        from daemon.finite import check_finite
+        check_finite(model, cfg.model_path)
     return RankWeights(model, result.source, dict(result.timings), result.keepalive)

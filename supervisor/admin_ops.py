@@ -34,6 +34,7 @@ class AdminOps:
             "engines": [self._engine_view(s, now) for s in self.engines.values()],
             "daemons": [{"name": d.name, "rank": d.rank, "state": d.state.value, "pid": d.pid,
                          "resident_bytes": d.resident_bytes, "fingerprint": d.fingerprint,
+                         "weights_finite": d.weights_finite,
                          "socket": d.socket_path, "reason": d.reason, "last_exit": d.last_exit}
                         for d in self.daemons],
             "spawn_server": {"pid": self.spawn_proc.pid} if self.spawn_proc else None,

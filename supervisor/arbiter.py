@@ -38,6 +38,7 @@ from supervisor.events import EventBus
 from supervisor.httpserve import bind_tcp, make_server
 from supervisor.errors import BootError
 from supervisor.launch import PopenHandle, SpawnClient, kill_group
+from supervisor.limits import listener_limits, raise_open_files_limit
 from supervisor.metrics import Metrics
 from supervisor.pidwatch import become_subreaper, is_exiting, reap_orphans
 from supervisor.router import build_router
@@ -169,9 +170,11 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         router_app = build_router(self.table, self.metrics, hold_timeout_s=self.cfg.failover.hold_timeout_s,
                                   retry_after_s=self.cfg.failover.retry_after_s,
                                   upstream_timeout_s=r.upstream_timeout_s, max_connections=r.max_connections,
-                                  migration=r.migration, publish=self.events.publish)
-        self.servers = [make_server(router_app, self.router_sock, lvl),
-                        make_server(build_admin(self, self.token), self.admin_sock, lvl)]
+                                  migration=r.migration, publish=self.events.publish,
+                                  limits=self.cfg.limits, body_timeout_s=self.cfg.limits.body_timeout_s)
+        router_limits, admin_limits = listener_limits(self.cfg, raise_open_files_limit())
+        self.servers = [make_server(router_app, self.router_sock, lvl, router_limits, "router"),
+                        make_server(build_admin(self, self.token), self.admin_sock, lvl, admin_limits, "admin")]
         self._spawn(self.servers[0].serve(sockets=[self.router_sock]), "router")
         self._spawn(self.servers[1].serve(sockets=[self.admin_sock]), "admin")
         self._spawn(self._control_loop(), "control")
@@ -260,7 +263,12 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self.tick(time.monotonic())
+            try:
+                self.tick(time.monotonic())
+            except OSError as e:  # e.g. EMFILE: the node keeps serving; the next tick tries again
+                self._tick_errors = getattr(self, "_tick_errors", 0) + 1
+                if self._tick_errors in (1, 10, 100) or self._tick_errors % 1000 == 0:
+                    log.error("tick failed (%d times so far): %r; serving goes on", self._tick_errors, e)
 
     async def _primary_exit_loop(self, period_s: float) -> None:
         """Fail over as soon as the primary starts to exit, not when its pidfd fires after teardown."""

@@ -18,6 +18,7 @@ class CanaryResult:
     text: str | None = None
     token_ids: list[int] | None = None
     error: str | None = None
+    broken: bool = False  # the engine answered that its model cannot serve (e.g. non-finite logits)
 
 
 async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
@@ -29,7 +30,7 @@ async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: st
     except httpx.HTTPError as e:
         return CanaryResult(False, error=f"{type(e).__name__}: {e}".rstrip(": "))
     if r.status_code != 200:
-        return CanaryResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}")
+        return CanaryResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}", broken=_says_broken(r))
     try:
         choice = r.json()["choices"][0]
         text = choice["text"]
@@ -37,6 +38,14 @@ async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: st
         return CanaryResult(False, error=f"unexpected completion body: {r.text[:200]}")
     ids = choice.get("token_ids")
     return CanaryResult(True, text=text, token_ids=ids if isinstance(ids, list) else None)
+
+
+def _says_broken(r: httpx.Response) -> bool:
+    """A 500 whose OpenAI error says sampling failed: the model is broken, not still starting."""
+    try:
+        return r.status_code == 500 and r.json()["error"]["code"] == "sampling_error"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 async def is_listening(client: httpx.AsyncClient, url: str) -> bool:
@@ -81,18 +90,34 @@ class GoldenStore:
         except (FileNotFoundError, ValueError):
             return None
 
-    def record(self, key: str, result: CanaryResult, engine: str) -> dict[str, Any]:
-        """Record the golden answer unless another engine did first; returns the stored one."""
+    def record(self, key: str, result: CanaryResult, engine: str,
+               provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Record the golden answer unless another engine did first; returns the stored one.
+
+        ``provenance`` says where the recording engine's weights came from: ``weights_finite``
+        (its load was checked finite) and ``content_digest`` (the checkpoint bytes' hash). A golden
+        is trusted only when both sources agree with the weights now served: one recorded from an
+        unchecked load, or for other bytes at the same path, is replaced by a checked one."""
         existing = self.get(key)
-        if existing is not None:
+        prov = provenance or {}
+        if existing is not None and not _superseded(existing, prov):
             return existing
-        data = {"text": result.text, "token_ids": result.token_ids, "recorded_by": engine}
+        data = {"text": result.text, "token_ids": result.token_ids, "recorded_by": engine, **prov}
         tmp = self.dir / f".{key}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, self.dir / f"{key}.json")
         return data
+
+
+def _superseded(golden: dict[str, Any], prov: dict[str, Any]) -> bool:
+    if prov.get("weights_finite") is not True:
+        return False  # an unchecked load never replaces anything
+    if golden.get("weights_finite") is not True:
+        return True
+    digest, recorded = prov.get("content_digest"), golden.get("content_digest")
+    return digest is not None and recorded is not None and digest != recorded
 
 
 def compare(golden: dict[str, Any], result: CanaryResult) -> str | None:

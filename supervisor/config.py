@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engines.limits import RequestLimits
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -181,6 +183,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class LimitsSection(RequestLimits):
+    """What one client may ask: request limits (router and engines) and connection hygiene
+    (router and admin listeners). Every refusal names its key."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_client_connections: int = Field(default=4096, ge=1, description="open connections on the router; "
+                                        "more are closed on accept (lowered to fit the open-files limit)")
+    admin_max_connections: int = Field(default=64, ge=1)
+    header_timeout_s: float = Field(default=10.0, gt=0, description="connect -> whole request head, else closed")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="router: request head -> whole body, else 408")
+    keepalive_timeout_s: float = Field(default=30.0, gt=0, description="router/admin: idle keep-alive connections close")
+
+    def request_limits(self) -> RequestLimits:
+        """The part an engine enforces."""
+        return RequestLimits(**{k: getattr(self, k) for k in RequestLimits.model_fields})
+
+
 class UnderstudyConfig(_Section):
     """Everything `understudy serve` needs."""
 
@@ -196,6 +216,7 @@ class UnderstudyConfig(_Section):
     canary: CanarySection = Field(default_factory=CanarySection)
     router: RouterSection = Field(default_factory=RouterSection)
     admin: AdminSection = Field(default_factory=AdminSection)
+    limits: LimitsSection = Field(default_factory=LimitsSection)
 
     @model_validator(mode="after")
     def _check(self) -> "UnderstudyConfig":

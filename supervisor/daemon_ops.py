@@ -132,6 +132,7 @@ class DaemonOps:
     def on_daemon_ready(self, d: DaemonSlot, info: dict[str, Any]) -> None:
         d.resident_bytes = int(info.get("resident_bytes") or 0)
         d.fingerprint = info.get("fingerprint")
+        d.weights_finite = info.get("weights_finite")
         d.ever_ready = True
         d.policy.record_success()
         self.metrics.daemon_resident.labels(rank=str(d.rank)).set(d.resident_bytes)

@@ -17,6 +17,7 @@ from supervisor.canary import compare, is_listening, run_canary
 from supervisor.control import EngineMessage
 from supervisor.exitstatus import describe_returncode
 from supervisor.launch import PopenHandle, child_env, group_alive, kill_group, python_argv, rotate_log
+from supervisor.limits import engine_limits
 from supervisor.logtail import last_line
 from supervisor.pidwatch import watch_exit
 from supervisor.slots import EngineSlot, served_count
@@ -125,7 +126,7 @@ class EngineOps:
             prefix_caching=e.prefix_caching, cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels, heartbeat_interval_s=e.heartbeat_interval_s,
             dist_port=free_port() if m.tp_size > 1 else 0,
-            served_model_name=self.model_name)
+            served_model_name=self.model_name, **engine_limits(self.cfg))
 
     # ------------------------------------------------------------------ readiness
     async def _await_ready(self, slot: EngineSlot, inc: int) -> None:
@@ -142,12 +143,19 @@ class EngineOps:
                                    self.cfg.canary.max_tokens, self.cfg.failover.probe_timeout_s)
             if slot.incarnation != inc or slot.state not in RUNNING:
                 return
+            if res.broken:  # it answered, with non-finite logits: never promoted
+                log.error("%s: canary failed: %s; never promoted", slot.name, res.error)
+                self.events.publish({"type": "canary_mismatch", "engine": slot.name, "reason": res.error,
+                                     "fingerprint": self.fingerprint, "weights_source": slot.weights_source})
+                self.fail_engine(slot, f"canary: {res.error}")
+                return
             if not res.ok:  # the engine is still starting: say so once, then only at debug level
                 (log.info if not unanswered else log.debug)("%s: canary not answered yet: %s", slot.name, res.error)
                 unanswered += 1
                 await asyncio.sleep(0.2)
                 continue
-            golden = self.golden.record(self.fingerprint, res, slot.name)
+            await self._fetch_startup(slot)  # the weights' source, for the golden's provenance
+            golden = self.golden.record(self.fingerprint, res, slot.name, self.weights_provenance(slot))
             mismatch = compare(golden, res)
             if mismatch:
                 await self._fetch_startup(slot)
@@ -159,6 +167,18 @@ class EngineOps:
             await self._fetch_startup(slot)
             self.on_engine_ready(slot)
             return
+
+    def weights_provenance(self, slot: EngineSlot) -> dict[str, Any]:
+        """Whether the engine's weights were checked finite, and their content digest: a cache hit
+        maps the daemons' arenas (each checked when loaded); a disk load is checked by the engine
+        itself (engines/weights.py: it exits 3 otherwise); external engines are not checked."""
+        src, digest = slot.weights_source or "", None
+        if src.startswith("cache_hit"):
+            finite = bool(self.daemons) and all(d.weights_finite is True for d in self.daemons)
+            digest = next((d.fingerprint.get("content_digest") for d in self.daemons if d.fingerprint), None)
+        else:
+            finite = True if src.startswith("disk") and not self.external else None
+        return {"weights_source": src or None, "weights_finite": finite, "content_digest": digest}
 
     async def _fetch_startup(self, slot: EngineSlot) -> None:
         """Startup phases and weight source from GET /startup, if the control channel did not bring them."""

@@ -22,8 +22,10 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 
+from engines.limits import RequestLimits
 from supervisor.config import MigrationSection
 from supervisor.continuation import Tracked, error_event
+from supervisor.limits import Refusal, check_request, read_body
 from supervisor.metrics import Metrics
 from supervisor.migrating import Migrator, Publish
 from supervisor.routing import PrimaryLost, RoutingTable, Upstream
@@ -42,16 +44,19 @@ NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}  # our own server (uvicorn) send
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})  # no HEAD: the FastAPI route had none
 RETRY_STATUSES = {502, 503}  # engine refusing (draining) or not there: another primary may serve
 SAME_PRIMARY_RETRY_S = 0.25
+DEFAULT_LIMITS = RequestLimits()
 
 
 def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float, retry_after_s: int,
                  upstream_timeout_s: float, max_connections: int = 1024, migration: MigrationSection | None = None,
-                 publish: Publish | None = None) -> ASGIApp:
+                 publish: Publish | None = None, limits: RequestLimits | None = None,
+                 body_timeout_s: float = 30.0) -> ASGIApp:
     """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else (probes, lifespan) to FastAPI.
-    ``publish`` gets the migration events."""
+    ``publish`` gets the migration events; ``limits`` bound prompts and n (None: body size only)."""
     client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections)
     proxy = Proxy(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
                   upstream_timeout_s=upstream_timeout_s, migration=migration, publish=publish)
+    proxy.limits, proxy.body_timeout_s = limits, body_timeout_s
     probes = _probes_app(table, client)
 
     async def app(scope: dict, receive: Receive, send: Send) -> None:
@@ -129,7 +134,15 @@ class Proxy:
                                                                  "invalid_request_error", 405),
                                                 [(b"allow", ", ".join(sorted(METHODS)).encode())]))
             return
-        body = await _read_body(receive)
+        try:  # bounded: size, time, prompts and n (supervisor/limits.py)
+            limits = self.limits
+            body = await read_body(scope, receive, (limits or DEFAULT_LIMITS).max_body_bytes, self.body_timeout_s)
+            if body is not None and limits is not None:
+                check_request(scope["path"], body, limits)
+        except Refusal as e:
+            self.metrics.router_requests.labels(code=str(e.status)).inc()
+            await _send_whole(send, _json_reply(e.status, e.body, [(b"connection", b"close")] if e.status != 400 else []))
+            return
         if body is None:  # our client left before sending its request whole
             return
         if self.migrator.cfg.enabled and scope["method"] == "POST" \
@@ -261,18 +274,6 @@ def _target(scope: dict) -> tuple[bytes, Headers]:
     if query := scope.get("query_string"):
         target += b"?" + query
     return target, [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body; None if the client disconnected first."""
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -66,6 +66,7 @@ class DaemonSlot(Slot):
     socket_path: str = ""
     resident_bytes: int | None = None
     fingerprint: dict[str, Any] | None = None
+    weights_finite: bool | None = None  # the daemon checked every tensor of its arena finite
     status_task: Any = None
     ever_ready: bool = False
     last_ping: float = 0.0

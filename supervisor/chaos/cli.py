@@ -28,6 +28,8 @@ NUMERIC_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("faults", "--settle", "settle_s", float, "after the last fault, wait up to this for everything READY"),
     ("faults", "--ready-timeout", "ready_timeout_s", float, "before a fault, wait up to this for everything READY"),
     ("faults", "--stop-release", "stop_release_s", float, "SIGCONT a SIGSTOPped group left alone this long"),
+    ("faults", "--idle-connections", "idle_connections", int, "idle-connections fault: connections opened"),
+    ("faults", "--idle-hold", "idle_hold_s", float, "idle-connections fault: held this long (s)"),
     ("faults", "--seed", "seed", int, "order of the faults, targets, request mix"),
     ("run", "--duration", "duration_s", float, "hard limit on the whole run, seconds"),
     ("run", "--dead-after", "dead_after_s", float, "abort when the admin API fails this long"),

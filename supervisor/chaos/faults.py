@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+from . import hostile
 from .admin import AdminClient, AdminError
 from .records import EngineView, FaultRecord, StatusSample
 from .signals import SignalError, group_alive, signal_group
@@ -76,9 +77,13 @@ class FaultInjector:
         stop_release_s: float,
         seed: int = 0,
         log_dir: str = ".",
+        data_url: str | None = None,
+        idle_connections: int = 200,
+        idle_hold_s: float = 5.0,
     ) -> None:
         self.admin = admin
         self.log_dir = log_dir  # where a supervisor restarted by chaos logs, if its stdout was no file
+        self.data_url, self.idle_connections, self.idle_hold_s = data_url, idle_connections, idle_hold_s
         self.plan = plan
         self.interval_s = interval_s
         self.ready_timeout_s = ready_timeout_s
@@ -137,11 +142,21 @@ class FaultInjector:
         action, _, role = kind.partition("-")
         if kind == "kill-supervisor":
             await self._kill_supervisor(fault, sample)
+        elif kind in ("big-request", "idle-connections"):
+            await self._hostile(fault, kind)
         elif action in SIGNALS:
             self._signal(fault, action, role, sample)
         else:
             await self._api(fault, action, sample)
         return fault
+
+    async def _hostile(self, fault: FaultRecord, kind: str) -> None:
+        if self.data_url is None:
+            fault.error = "no data-plane URL to send hostile requests to"
+        elif kind == "big-request":
+            await hostile.big_request(fault, self.data_url)
+        else:
+            await hostile.idle_connections(fault, self.data_url, self.idle_connections, self.idle_hold_s)
 
     def _signal(self, fault: FaultRecord, action: str, role: str, sample: StatusSample | None) -> None:
         if sample is None:

@@ -138,7 +138,8 @@ async def _run(opts: ChaosOptions, data: RunData, admin: AdminClient, deadline: 
                          timeout_s=opts.request_timeout_s, seed=opts.seed)
     injector = FaultInjector(admin, opts.fault_plan(), interval_s=opts.interval_s,
                              ready_timeout_s=opts.ready_timeout_s, stop_release_s=opts.stop_release_s,
-                             seed=opts.seed, log_dir=opts.out_dir)
+                             seed=opts.seed, log_dir=opts.out_dir, data_url=opts.data_url,
+                             idle_connections=opts.idle_connections, idle_hold_s=opts.idle_hold_s)
     background = [asyncio.create_task(poller.run(stop)), asyncio.create_task(_memory_loop(opts, data, stop, admin))]
     if listener is not None:
         background.append(asyncio.create_task(listener.run(stop)))
