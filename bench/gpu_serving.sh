@@ -47,3 +47,17 @@ probe)
   kill -TERM $sup; wait $sup
   ;;
 esac
+case "${1:-engine}" in
+serve)  # the live path: a real `understudy serve` under `understudy bench serve`, static decode beside it
+  sed "s#preset: 1b#path: $M#" configs/h200-1b.yaml > /tmp/h200.yaml
+  python3 -m supervisor.cli serve -c /tmp/h200.yaml > "$OUT/serve.log" 2>&1 &
+  sup=$!
+  for _ in $(seq 240); do curl -sf localhost:8000/readyz >/dev/null && break; sleep 0.5; done
+  B="python3 -m supervisor.cli bench serve -c /tmp/h200.yaml --client-procs 8"
+  timeout 200 $B --workload chat --concurrency 1,32,64,256 --out $OUT/chat 2>"$OUT/chat.err" | tee "$OUT/chat.txt"
+  timeout 100 $B --workload shared-prefix --concurrency 32 --no-static --out $OUT/shared 2>"$OUT/shared.err" | tee "$OUT/shared.txt"
+  timeout 100 $B --workload nano --no-static --out $OUT/nano 2>"$OUT/nano.err" | tee "$OUT/nano.txt"
+  python3 -m supervisor.cli status -c /tmp/h200.yaml > "$OUT/status.txt" 2>&1
+  kill -TERM $sup; wait $sup; echo "serve exit code $?"
+  ;;
+esac
