@@ -60,8 +60,9 @@ def admin_endpoint(config_path: str | None) -> tuple[str, str]:
     elif cfg.admin.port == 0:
         raise ClientError(f"admin.port is 0 and no running supervisor wrote {rd / 'state.json'}: "
                           "is the supervisor running (with this config: -c)?")
-    token_file = Path(st["token_file"]) if st and st.get("token_file") else (
-        cfg.resolved_token_file() if cfg.admin.token_file else rd / "admin.token")
+    # a token file the config names wins (DESIGN §5: the same config); else the running supervisor's
+    token_file = cfg.resolved_token_file() if cfg.admin.token_file else (
+        Path(st["token_file"]) if st and st.get("token_file") else rd / "admin.token")
     try:
         token = read_token(token_file)
     except TokenError as e:
