@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from supervisor.config import MigrationSection
 from supervisor.continuation import Tracked, error_event
 from supervisor.routing import PrimaryLost, Upstream
-from supervisor.upstream import ConnectError, Headers, UpstreamError, UpstreamTimeout
+from supervisor.upstream import NOT_RELAYED, ConnectError, Headers, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from supervisor.router import Proxy
@@ -232,8 +232,7 @@ class _Call:
         """The engine refused: before any byte went out (the first attempt), pass its answer on."""
         if not self.started and not self.migrations:
             self.m.proxy.count_status(r.status)
-            headers = [(k, v) for k, v in r.headers if k not in (b"transfer-encoding", b"connection",
-                                                                 b"content-length", b"keep-alive")]
+            headers = [(k, v) for k, v in r.headers if k not in NOT_RELAYED]
             await self.send({"type": "http.response.start", "status": r.status, "headers": [
                 *headers, (b"content-length", str(len(r.body)).encode())]})
             await self.send({"type": "http.response.body", "body": r.body})

@@ -29,7 +29,7 @@ from supervisor.limits import Refusal, check_request, read_body
 from supervisor.metrics import Metrics
 from supervisor.migrating import Migrator, Publish
 from supervisor.routing import PrimaryLost, RoutingTable, Upstream
-from supervisor.upstream import Client, Headers, UpstreamError, UpstreamTimeout
+from supervisor.upstream import HOP_BY_HOP, NOT_RELAYED, Client, Headers, UpstreamError, UpstreamTimeout
 from supervisor.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("understudy.router")
@@ -38,9 +38,6 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 ASGIApp = Callable[[dict, Receive, Send], Awaitable[None]]
 
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-                        b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
-NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}  # our own server (uvicorn) sends its date and server headers
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})  # no HEAD: the FastAPI route had none
 RETRY_STATUSES = {502, 503}  # engine refusing (draining) or not there: another primary may serve
 SAME_PRIMARY_RETRY_S = 0.25

@@ -14,6 +14,10 @@ from urllib.parse import urlsplit
 
 Headers = list[tuple[bytes, bytes]]  # lower-case names, as on the wire otherwise
 
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+NOT_RELAYED = HOP_BY_HOP | {b"date", b"server"}  # our own server (uvicorn) sends its date and server headers
+
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # always send a Content-Length, 0 included
 READ_LIMIT = 1 << 18  # the longest response head (and chunk-size line) we accept
 # what a network wait can raise: timeouts and socket errors (OSError), a connection closed early,
