@@ -135,7 +135,8 @@ class OpenAIServer:
         live = set(range(len(jobs)))
         try:
             while live:
-                for index, out in _coalesce([await queue.get()] + [queue.get_nowait() for _ in range(queue.qsize())]):
+                ready = [await queue.get()] + ([] if CHUNK_DELAY_S else [queue.get_nowait() for _ in range(queue.qsize())])
+                for index, out in _coalesce(ready):  # (the test pause keeps one chunk per output: kill at chunk k)
                     if out.finish_reason is not None:
                         live.discard(index)
                     if out.finish_reason == "error":
