@@ -170,7 +170,10 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         router_app = build_router(self.table, self.metrics, hold_timeout_s=self.cfg.failover.hold_timeout_s,
                                   retry_after_s=self.cfg.failover.retry_after_s,
                                   upstream_timeout_s=r.upstream_timeout_s, max_connections=r.max_connections,
-                                  migration=r.migration, publish=self.events.publish,
+                                  # continuation needs our engine's extensions (token ids, `continuation`)
+                                  migration=r.migration if self.cfg.engines.kind == "builtin"
+                                  else r.migration.model_copy(update={"enabled": False}),
+                                  publish=self.events.publish,
                                   limits=self.cfg.limits, body_timeout_s=self.cfg.limits.body_timeout_s)
         router_limits, admin_limits = listener_limits(self.cfg, raise_open_files_limit())
         self.servers = [make_server(router_app, self.router_sock, lvl, router_limits, "router"),
