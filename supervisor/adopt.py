@@ -97,7 +97,7 @@ async def _check(sup: "Supervisor", rec: ChildRecord) -> str | None:
         if rec.kind == "engine":
             # (an external engine may serve from a child process: its URL answering is the check)
             if not sup.external and not _listens_on(rec.pid, rec.port):
-                return f"pid {rec.pid} does not listen on port {rec.port}"
+                return f"pid {rec.pid} (or its HTTP front end) does not listen on port {rec.port}"
             r = await sup.http.get(f"{rec.url}/health", timeout=CHECK_TIMEOUT_S)
             return None if r.status_code == 200 else f"GET {rec.url}/health answered {r.status_code}"
         if rec.kind == "daemon":
@@ -118,9 +118,11 @@ async def _check(sup: "Supervisor", rec: ChildRecord) -> str | None:
 
 
 def _listens_on(pid: int, port: int) -> bool:
+    """The engine (rank 0) or one of its children (its HTTP front end) listens on `port`."""
     try:
+        rank0 = psutil.Process(pid)
         return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+                   for p in [rank0, *rank0.children()] for c in p.net_connections(kind="tcp"))
     except psutil.Error:
         return False
 
