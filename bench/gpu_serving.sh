@@ -2,14 +2,12 @@
 # The serving engine on an H200 (device tool), one call per part. Usage:
 #   bash bench/gpu_serving.sh engine   # kernels natively, graphs == eager, static decode, offline nano
 #   bash bench/gpu_serving.sh serve    # a real `understudy serve` under `understudy bench serve`
+#   bash bench/gpu_serving.sh ttft     # shared-prefix time to first token: router vs engine, and the
+#                                      # engine's own split (bench/probes/ttft_split.py)
+#   bash bench/gpu_serving.sh profile  # py-spy of the router and the engine's front end under
+#                                      # shared-prefix at 32 clients (py-spy wheel carried in .out/pyspy)
 # Expects wheels of the packages the GPU image lacks in .whl/ (see README); logs go to $OUT.
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-M=/tmp/m1b
-[ -f $M/config.json ] || python3 -m engines.make_model $M --preset 1b > "$OUT/make_model.log"
+source bench/gpu_env.sh
 case "${1:-engine}" in
 engine)
   timeout 200 python3 -m pytest -q tests/test_kernels.py tests/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
@@ -24,7 +22,7 @@ probe)
   sed "s#preset: 1b#path: $M#" configs/h200-1b.yaml > /tmp/h200.yaml
   python3 -m supervisor.cli serve -c /tmp/h200.yaml > "$OUT/serve.log" 2>&1 &
   sup=$!
-  for _ in $(seq 240); do curl -sf localhost:8000/readyz >/dev/null && break; sleep 0.5; done
+  wait_ready http://127.0.0.1:8000
   if [ -z "${PROFILE:-}" ]; then
     timeout 200 python3 .out/live_probe.py http://127.0.0.1:8000 m1b chat 2>&1 | tee "$OUT/probe_chat.log"
     timeout 100 python3 .out/live_probe.py http://127.0.0.1:8000 m1b shared 2>&1 | tee "$OUT/probe_shared.log"
@@ -52,12 +50,52 @@ serve)  # the live path: a real `understudy serve` under `understudy bench serve
   sed "s#preset: 1b#path: $M#" configs/h200-1b.yaml > /tmp/h200.yaml
   python3 -m supervisor.cli serve -c /tmp/h200.yaml > "$OUT/serve.log" 2>&1 &
   sup=$!
-  for _ in $(seq 240); do curl -sf localhost:8000/readyz >/dev/null && break; sleep 0.5; done
+  wait_ready http://127.0.0.1:8000
   B="python3 -m supervisor.cli bench serve -c /tmp/h200.yaml --client-procs 8"
   timeout 200 $B --workload chat --concurrency 1,32,64,256 --out $OUT/chat 2>"$OUT/chat.err" | tee "$OUT/chat.txt"
   timeout 100 $B --workload shared-prefix --concurrency 32 --no-static --out $OUT/shared 2>"$OUT/shared.err" | tee "$OUT/shared.txt"
   timeout 100 $B --workload nano --no-static --out $OUT/nano 2>"$OUT/nano.err" | tee "$OUT/nano.txt"
   python3 -m supervisor.cli status -c /tmp/h200.yaml > "$OUT/status.txt" 2>&1
   kill -TERM $sup; wait $sup; echo "serve exit code $?"
+  ;;
+esac
+case "${1:-engine}" in
+ttft)
+  sed "s#preset: 1b#path: $M#" configs/h200-1b.yaml > /tmp/h200.yaml
+  python3 -m supervisor.cli serve -c /tmp/h200.yaml > "$OUT/serve.log" 2>&1 &
+  sup=$!
+  wait_ready http://127.0.0.1:8000
+  primary=$(python3 -m supervisor.cli status -c /tmp/h200.yaml --json | python3 -c "import json,sys; print([e['url'] for e in json.load(sys.stdin)['engines'] if e['role']=='primary'][0])")
+  B="python3 -m supervisor.cli bench serve -c /tmp/h200.yaml --client-procs 8 --workload shared-prefix --no-static --duration 15"
+  for target in ${TTFT_RUNS:-router,1,a router,32,a engine,32,a}; do  # where,clients,run label
+    set -- ${target//,/ }
+    url=$([ $1 = engine ] && echo "--url $primary" || true)
+    echo "== shared-prefix, $2 clients, through the $1 ($3)"
+    timeout 100 python3 bench/probes/ttft_split.py $primary -- $B --concurrency $2 $url 2>>"$OUT/ttft.err" \
+      | grep -v "^static decode" | tee "$OUT/ttft_$1_$2_$3.txt" | tail -6
+  done
+  kill -TERM $sup; wait $sup
+  ;;
+esac
+case "${1:-engine}" in
+profile)
+  sed "s#preset: 1b#path: $M#" configs/h200-1b.yaml > /tmp/h200.yaml
+  python3 -m supervisor.cli serve -c /tmp/h200.yaml > "$OUT/serve.log" 2>&1 &
+  sup=$!
+  wait_ready http://127.0.0.1:8000 && all_ready /tmp/h200.yaml
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .out/pyspy/*.whl
+  eng=$(python3 -m supervisor.cli status -c /tmp/h200.yaml --json | python3 -c "import json,sys; print([e['pid'] for e in json.load(sys.stdin)['engines'] if e['role']=='primary'][0])")
+  http=$(pgrep -P $eng http | head -1)
+  python3 -m supervisor.cli bench serve -c /tmp/h200.yaml --client-procs 8 --workload shared-prefix --no-static \
+    --concurrency 32 --num-requests 2048 > "$OUT/profile_bench.txt" 2>&1 &
+  bench=$!; spies=""
+  sleep 6
+  for who in "router $sup" "frontend $http" "core $eng"; do
+    set -- $who
+    /tmp/spy/bin/py-spy record --pid $2 -d 6 -r 250 -f raw -o "$OUT/spy_$1.txt" --nonblocking --threads > /dev/null 2>&1 &
+    spies="$spies $!"
+  done
+  wait $spies $bench; tail -3 "$OUT/profile_bench.txt"
+  kill -TERM $sup; wait $sup
   ;;
 esac

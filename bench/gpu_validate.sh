@@ -4,15 +4,7 @@
 #   bash bench/gpu_validate.sh serve     # failover bench, memory figures, chaos run
 #   bash bench/gpu_validate.sh kernels   # fused decode kernels: gpu engine tests, engine validate
 # Expects the wheels of the packages the GPU image lacks in .whl/ (see README), writes logs to $OUT.
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-M=/tmp/m1b
-t0=$(date +%s)
-python3 -m engines.make_model $M --preset 1b | tee "$OUT/make_model.log"
-echo "make-model 1b: $(( $(date +%s) - t0 )) s"
+source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi_start.csv"
 case "${1:-weights}" in
 weights)
@@ -41,7 +33,7 @@ failover: {flap_window_s: 10, startup_timeout_s: 300}
 YAML
   python3 -m supervisor.cli serve -c /tmp/chaos.yaml > "$OUT/serve.log" 2>&1 &
   sup=$!
-  for _ in $(seq 240); do curl -sf localhost:8000/readyz >/dev/null && break; sleep 0.5; done
+  wait_ready http://127.0.0.1:8000
   sleep 5
   { echo "# nvidia-smi with daemon + primary + standby READY"; nvidia-smi --query-gpu=memory.used,memory.total --format=csv;
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv;

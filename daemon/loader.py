@@ -196,6 +196,9 @@ class _PinnedStager:
     """Two pinned buffers per thread: read into one while the other's copy to the GPU runs."""
 
     def __init__(self, device: torch.device) -> None:
+        # A new thread's current device is GPU 0: pinning memory there would give a rank-1 daemon
+        # a CUDA context (~0.5 GiB) on GPU 0 too.
+        torch.cuda.set_device(device)
         self.bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.stream = torch.cuda.Stream(device)

@@ -9,6 +9,7 @@ an error or a truncation for it, only a later token.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -130,6 +131,8 @@ class Scheduler:
         return out
 
     def _take(self, seq: Sequence, n: int) -> Scheduled:
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.monotonic()
         start = seq.num_computed
         self.blocks.grow(seq, start + n)
         seq.num_computed = start + n

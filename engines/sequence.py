@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +27,7 @@ class Output:
     completion_tokens: int
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": why the request failed (the engine goes on)
+    timing: tuple[float, float] | None = None  # first Output only: (queued, arrival -> this Output) seconds
 
 
 class Sequence:
@@ -61,6 +63,9 @@ class Sequence:
             self._text += self._detok.add(token)
         self._sent = max(0, len(self._text) - self._holdback)  # what the other engine had released
         self._unreported: list[int] = []
+        self.arrived = time.monotonic()  # in the core (submit)
+        self.first_scheduled: float | None = None  # the scheduler first gave it positions to compute
+        self._timed = False
 
     @property
     def num_tokens(self) -> int:
@@ -123,5 +128,10 @@ class Sequence:
 
     def output(self, delta: str) -> Output:
         ids, self._unreported = self._unreported, []
+        timing = None
+        if not self._timed:
+            self._timed = True
+            queued = (self.first_scheduled or self.arrived) - self.arrived
+            timing = (queued, time.monotonic() - self.arrived)
         return Output(self.seq_id, delta, self.finish_reason, len(self.prompt_ids) - self.replayed,
-                      len(self.output_ids) + self.replayed, ids, getattr(self, "error", None))
+                      len(self.output_ids) + self.replayed, ids, getattr(self, "error", None), timing)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .engine_client import EngineClient
 from .limits import LimitError, RequestLimits
+from .first_output import FirstOutputLatency
 from .metrics import render as render_metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -72,6 +73,7 @@ class OpenAIServer:
         self.startup_summary = startup_summary
         self.created = int(time.time())
         self.accepting = True
+        self.first_output = FirstOutputLatency()
 
     # ---- request -> sequences --------------------------------------------------------------
     def _accept(self, name: str) -> None:
@@ -131,12 +133,14 @@ class OpenAIServer:
         abort on exit."""
         queue: asyncio.Queue = asyncio.Queue()
         group = id(queue)  # the request's sequences take turns with other requests
+        submitted = time.monotonic()
         ids = [self._submit(p, sp, r, i, queue, group) for i, (p, sp, r) in enumerate(jobs)]
         live = set(range(len(jobs)))
         try:
             while live:
                 ready = [await queue.get()] + ([] if CHUNK_DELAY_S else [queue.get_nowait() for _ in range(queue.qsize())])
                 for index, out in _coalesce(ready):  # (the test pause keeps one chunk per output: kill at chunk k)
+                    self.first_output.observe(submitted, out)
                     if out.finish_reason is not None:
                         live.discard(index)
                     if out.finish_reason == "error":
@@ -349,7 +353,7 @@ def build_app(srv: OpenAIServer) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(srv.engine.stats()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render_metrics(srv.engine.stats()) + srv.first_output.render(), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -361,7 +365,7 @@ def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
     for index, out in items:
         prev = merged.get(index)
         merged[index] = out if prev is None else dataclasses.replace(
-            out, delta=prev.delta + out.delta, token_ids=prev.token_ids + out.token_ids)
+            out, delta=prev.delta + out.delta, token_ids=prev.token_ids + out.token_ids, timing=prev.timing or out.timing)
     return list(merged.items())
 
 

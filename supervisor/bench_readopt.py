@@ -30,16 +30,24 @@ def _children(st: dict[str, Any]) -> dict[str, int | None]:
     return ids
 
 
-def _adopted_at(log: Path, timeout_s: float) -> float | None:
-    """Wall time of the re-adoption log line of a new supervisor."""
+def _stamp(line: str) -> float:
+    """Wall time of a supervisor log line."""
+    stamp = line.split(" understudy ")[0]
+    return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:23]) / 1000
+
+
+def _adopted_at(log: Path, timeout_s: float) -> tuple[float, float, float] | tuple[None, None, None]:
+    """A new supervisor's (first log line, re-adoption log line) wall times, and the seconds from its
+    process start to the re-adoption as it logs them."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if " understudy " in ln]
+        for line in lines:
             if ADOPTED_LINE in line:
-                stamp = line.split(" understudy ")[0]
-                return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:23]) / 1000
+                since_start = float(line.split(" s after this process started")[0].rsplit(", ", 1)[1])
+                return _stamp(lines[0]), _stamp(line), since_start
         time.sleep(0.05)
-    return None
+    return None, None, None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 (workdir / f"sup{i + 1}").mkdir()
                 h = Harness(workdir / f"sup{i + 1}", text, notify=False, held=held)
                 served = _first_success_after(load, t_kill, 60.0)
-                adopted = _adopted_at(h.log, 60.0)
+                first_log, adopted, process_s = _adopted_at(h.log, 60.0)
                 h.wait_booted(args.boot_timeout)
                 after = _children(h.wait_all_ready(args.boot_timeout))
                 res = list(load.results)
@@ -76,10 +84,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 refused = [r for r in res if t_kill <= r[0] < t_kill + 10 and r[2] == "refused"]
                 runs.append({"serving_again_s": None if served is None else round(served - t_kill, 3),
                              "adopted_s": None if adopted is None else round(adopted - wall_kill, 3),
+                             "first_log_line_s": None if first_log is None else round(first_log - wall_kill, 3),
+                             "process_start_to_adopted_s": process_s,
                              "lost": len(lost), "refused": len(refused),
                              "engine_restarts": sum(before[k] != after.get(k) for k in before)})
                 _log(args, f"kill {i + 1}/{args.runs}: serving again {runs[-1]['serving_again_s']} s, children "
-                           f"re-adopted at {runs[-1]['adopted_s']} s, lost {len(lost)}, refused "
+                           f"re-adopted at {runs[-1]['adopted_s']} s (first log line at {runs[-1]['first_log_line_s']} s; "
+                           f"{process_s} s after its process started), lost {len(lost)}, refused "
                            f"{runs[-1]['refused']}, restarted children {runs[-1]['engine_restarts']}")
         finally:
             load.stop()
@@ -89,6 +100,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "device": st["model"]["device"], "model": st["model"]["path"],
             "serving_again_s": _summary([r["serving_again_s"] for r in runs if r["serving_again_s"] is not None]),
             "adopted_s": _summary([r["adopted_s"] for r in runs if r["adopted_s"] is not None]),
+            "process_start_to_adopted_s": _summary([r["process_start_to_adopted_s"] for r in runs
+                                                     if r["process_start_to_adopted_s"] is not None]),
             "lost": sum(r["lost"] for r in runs), "refused": sum(r[2] == "refused" for r in results),
             "children_restarted": sum(r["engine_restarts"] for r in runs),
             "requests": len(results), "failed_requests": sum(r[2] != "ok" for r in results),

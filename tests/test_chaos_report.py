@@ -187,3 +187,25 @@ def test_cache_counts_replacements_seen_only_in_events() -> None:
               RecoveredEvent(type="recovered", ts=0.9, engine="a", incarnation=2, weights_source="cache_hit")]
     cache = cache_from_status(polls, events)
     assert (cache.hits, cache.misses, cache.miss_reasons) == (1, 1, {"mismatch": 1})
+
+
+def test_greedy_differences_are_split_by_continuation() -> None:
+    """Outputs unlike their endpoint's most common one, and how many of those were continued."""
+    from supervisor.chaos.analysis import continued_ids, greedy_differing
+    from supervisor.chaos.events import MigrationEvent
+    from supervisor.chaos.report_md import _differ_split
+    from supervisor.chaos.schema import RequestCounts, Requests
+
+    def req(i: int, endpoint: str, text: str) -> RequestRecord:
+        return RequestRecord(id=i, endpoint=endpoint, stream=False, t_start=T0, t_end=T0, ok=True,
+                             response_id=f"r{i}", text=text)
+    reqs = [req(0, "chat", "x"), req(1, "chat", "x"), req(2, "chat", "y"), req(3, "completion", "p"),
+            req(4, "completion", "q"), req(5, "completion", "p")]
+    events = [MigrationEvent.model_validate({"type": "migration", "result": r, "request_id": rid, "ts": T0})
+              for rid, r in (("r2", "continued"), ("r1", "continued"), ("r4", "failed"))]
+    assert {r.id for r in greedy_differing(reqs)} == {2, 4}
+    assert continued_ids(events) == {"r1", "r2"}
+    counts = RequestCounts(sent=6, succeeded=6, failed=0)
+    q = Requests(all=counts, streaming=counts, non_streaming=counts, greedy_differ=2,
+                 greedy_differ_continued=1, continued_outputs=2)
+    assert _differ_split(q) == "continued: 1 of 2; never continued: 1 of 4"

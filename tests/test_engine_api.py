@@ -138,6 +138,12 @@ def test_metrics_count_prefix_cache_tokens(engine, client, model_name) -> None:
     hit = after["understudy_prefix_cache_hit_tokens_total"] - before["understudy_prefix_cache_hit_tokens_total"]
     assert queried > 2 * 48 and hit >= 48  # the second request found the shared blocks
     assert after["understudy_engine_kv_blocks_total"] > 0 and after["understudy_engine_running_seqs"] == 0
+    # where the time to first output went: 2 requests, each timed once, the parts inside the whole
+    count = {part: after[f"understudy_engine_{part}_count"] - before[f"understudy_engine_{part}_count"]
+             for part in ("queue_seconds", "core_first_output_seconds", "first_output_seconds")}
+    assert set(count.values()) == {2}, count
+    total = {part: after[f"understudy_engine_{part}_sum"] - before[f"understudy_engine_{part}_sum"] for part in count}
+    assert 0 <= total["queue_seconds"] <= total["core_first_output_seconds"] <= total["first_output_seconds"], total
 
 
 BAD_REQUESTS = [

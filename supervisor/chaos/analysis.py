@@ -45,15 +45,21 @@ class RunData:
 PLANNED = ("promote", "rollout")
 
 
-def greedy_differ(requests: Sequence[RequestRecord]) -> int:
+def greedy_differing(requests: Sequence[RequestRecord]) -> list[RequestRecord]:
     """Successful outputs unlike the most common one of their endpoint (the load is greedy, one
     prompt: every output of an endpoint must be the same, streamed or not, migrated or not)."""
-    out = 0
+    out: list[RequestRecord] = []
     for endpoint in {r.endpoint for r in requests}:
-        texts = Counter(r.text for r in requests if r.ok and r.endpoint == endpoint and r.text is not None)
-        if texts:
-            out += sum(texts.values()) - texts.most_common(1)[0][1]
+        done = [r for r in requests if r.ok and r.endpoint == endpoint and r.text is not None]
+        if done:
+            common = Counter(r.text for r in done).most_common(1)[0][0]
+            out += [r for r in done if r.text != common]
     return out
+
+
+def continued_ids(events: Sequence[Event]) -> set[str]:
+    """Response ids of the requests the router continued on another engine."""
+    return {e.request_id for e in events if isinstance(e, MigrationEvent) and e.result == "continued"}
 
 
 def migration_stalls(requests: Sequence[RequestRecord], events: Sequence[Event]) -> tuple[list[float], list[float]]:
@@ -185,13 +191,16 @@ def build_report(data: RunData) -> ChaosReport:
     tol = float(data.options.get("tolerance", 0.10))
     windows = merge([fault_window(f, window_s) for f in data.faults if f.error is None])
     outcomes = _outcomes(data, window_s)
+    differing, continued = greedy_differing(data.requests), continued_ids(data.events)
     requests = Requests(
         all=count(data.requests),
         streaming=count([r for r in data.requests if r.stream]),
         non_streaming=count([r for r in data.requests if not r.stream]),
         not_sent_client_busy=data.not_sent,
         cut_streams=sum(1 for r in data.requests if r.stream and r.cut),
-        greedy_differ=greedy_differ(data.requests),
+        greedy_differ=len(differing),
+        greedy_differ_continued=sum(1 for r in differing if r.response_id in continued),
+        continued_outputs=sum(1 for r in data.requests if r.ok and r.text is not None and r.response_id in continued),
         migrations=dict(Counter(e.result for e in data.events if isinstance(e, MigrationEvent))),
     )
     client_stall, router_stall = migration_stalls(data.requests, data.events)

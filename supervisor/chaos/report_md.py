@@ -1,7 +1,7 @@
 """report.md: the ChaosReport for people."""
 from __future__ import annotations
 
-from .schema import ChaosReport, Distribution, RequestCounts
+from .schema import ChaosReport, Distribution, RequestCounts, Requests
 
 
 def _s(x: float | None, unit: str = "s") -> str:
@@ -55,7 +55,8 @@ def render(r: ChaosReport, png_name: str | None) -> str:
         f"{'–' if r.requests.router_retries is None else r.requests.router_retries}.",
         "",
         f"Cut streams (no finish_reason + [DONE], or an error event): {r.requests.cut_streams}. "
-        f"Greedy outputs that differ from their uninterrupted run: {r.requests.greedy_differ}. "
+        f"Greedy outputs that differ from their uninterrupted run: {r.requests.greedy_differ} "
+        f"({_differ_split(r.requests)}). "
         f"Migrations by result (router events): {r.requests.migrations or 'none'}.",
         "",
         *([f"Migration stall of continued streams (p50 / p99 / max): client {_trio(r.requests.stall_client)}, "
@@ -135,3 +136,11 @@ def _pct(x: float | None) -> str:
 
 def _num(x: float | None) -> str:
     return "–" if x is None else (f"{x:.0f}" if float(x).is_integer() else f"{x:.4g}")
+
+
+def _differ_split(q: Requests) -> str:
+    """Differing outputs among continued and other requests: at equal rates, the cause is the
+    numerics of batching (bf16), not the continuation."""
+    rest = q.all.succeeded - q.continued_outputs
+    return (f"continued: {q.greedy_differ_continued} of {q.continued_outputs}; "
+            f"never continued: {q.greedy_differ - q.greedy_differ_continued} of {rest}")

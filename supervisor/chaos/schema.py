@@ -40,6 +40,8 @@ class Requests(BaseModel):
     router_retries: int | None = None  # understudy_router_retries_total over the run (/metrics)
     cut_streams: int = 0  # 200 streams that ended without finish_reason + [DONE], or with an error event
     greedy_differ: int = 0  # successful outputs that differ from the most common one of their kind
+    greedy_differ_continued: int = 0  # of those, outputs the router continued on another engine
+    continued_outputs: int = 0  # successful outputs the router continued (the base of the one above)
     migrations: dict[str, int] = Field(default_factory=dict)  # migration events by result
     stall_client: Distribution | None = None  # migrated streams: longest wait for a chunk, client side
     stall_router: Distribution | None = None  # the same streams: the router's stall_s (events)
