@@ -353,7 +353,8 @@ def build_app(srv: OpenAIServer) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(srv.engine.stats()) + srv.first_output.render(), media_type="text/plain; version=0.0.4")
+        text = render_metrics(srv.engine.stats()) + srv.first_output.render()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -365,7 +366,8 @@ def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
     for index, out in items:
         prev = merged.get(index)
         merged[index] = out if prev is None else dataclasses.replace(
-            out, delta=prev.delta + out.delta, token_ids=prev.token_ids + out.token_ids, timing=prev.timing or out.timing)
+            out, delta=prev.delta + out.delta, token_ids=prev.token_ids + out.token_ids,
+            timing=prev.timing or out.timing)
     return list(merged.items())
 
 

@@ -9,16 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 
+from supervisor.errors import AdminError
 from supervisor.status_page import StatusPage
-
-
-class AdminError(Exception):
-    """An admin request that cannot be done; ``status`` is the HTTP code (404, 409, ...)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class AdminTarget(Protocol):

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from supervisor.admin import AdminError
+from supervisor.errors import AdminError
 from supervisor.slots import EngineSlot
 from supervisor.states import Role, State
 

@@ -7,6 +7,7 @@ tick (timeouts, probes, watchdog), admin calls. Engine, daemon and admin work li
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -22,7 +23,6 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from supervisor.admin import build_admin
 from supervisor.admin_ops import AdminOps
 from supervisor.adopt import adopt_or_clean, snapshot, wanted
 from supervisor.backoff import RestartPolicy
@@ -176,10 +176,8 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
                                   publish=self.events.publish,
                                   limits=self.cfg.limits, body_timeout_s=self.cfg.limits.body_timeout_s)
         router_limits, admin_limits = listener_limits(self.cfg, raise_open_files_limit())
-        self.servers = [make_server(router_app, self.router_sock, lvl, router_limits, "router"),
-                        make_server(build_admin(self, self.token), self.admin_sock, lvl, admin_limits, "admin")]
+        self.servers = [make_server(router_app, self.router_sock, lvl, router_limits, "router")]
         self._spawn(self.servers[0].serve(sockets=[self.router_sock]), "router")
-        self._spawn(self.servers[1].serve(sockets=[self.admin_sock]), "admin")
         self._spawn(self._control_loop(), "control")
         self._spawn(self._signal_loop(), "signals")
         self._spawn(self._tick_loop(), "tick")
@@ -187,6 +185,13 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
             self._spawn(self._primary_exit_loop(self.cfg.failover.exit_poll_ms / 1000), "primary-exit")
         self.boot_task = self._spawn(self._boot(), "boot")
         self.write_state()
+        # The admin API's framework (fastapi: 0.3 s on the GPU host) is imported off the loop, so a
+        # restarted supervisor serves meanwhile; admin connections wait in the socket's backlog.
+        admin = await asyncio.to_thread(importlib.import_module, "supervisor.admin")
+        if not self._stopped.is_set():
+            self.servers.append(make_server(admin.build_admin(self, self.token), self.admin_sock, lvl, admin_limits,
+                                            "admin"))
+            self._spawn(self.servers[1].serve(sockets=[self.admin_sock]), "admin")
         await self._stopped.wait()
         return self.exit_code
 

@@ -122,16 +122,21 @@ def _summary(xs: list[float]) -> dict[str, float]:
             "mean": round(statistics.fmean(xs), 3), "max": round(max(xs), 3), "min": round(min(xs), 3)}
 
 
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """The options that say which supervisor a bench starts (read by `bench_config`)."""
+    p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
+    p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
+    p.add_argument("--model", help="checkpoint folder (overrides model.path)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+
+
 def _log(args: argparse.Namespace, msg: str) -> None:
     print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="understudy bench failover", description=__doc__.splitlines()[0])
-    p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
-    p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
-    p.add_argument("--model", help="checkpoint folder (overrides model.path)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    add_target_args(p)
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--concurrency", type=int, default=2, help="clients sending back-to-back requests")
     p.add_argument("--max-tokens", type=int, default=4)

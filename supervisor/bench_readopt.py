@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from supervisor.bench_failover import _log, _summary, bench_config
+from supervisor.bench_failover import _log, _summary, add_target_args, bench_config
 
 ADOPTED_LINE = "re-adopted from the previous supervisor"
 
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "lost": len(lost), "refused": len(refused),
                              "engine_restarts": sum(before[k] != after.get(k) for k in before)})
                 _log(args, f"kill {i + 1}/{args.runs}: serving again {runs[-1]['serving_again_s']} s, children "
-                           f"re-adopted at {runs[-1]['adopted_s']} s (first log line at {runs[-1]['first_log_line_s']} s; "
+                           f"re-adopted at {runs[-1]['adopted_s']} s (first log line at "
+                           f"{runs[-1]['first_log_line_s']} s; "
                            f"{process_s} s after its process started), lost {len(lost)}, refused "
                            f"{runs[-1]['refused']}, restarted children {runs[-1]['engine_restarts']}")
         finally:
@@ -127,10 +128,7 @@ def _first_success_after(load, t_kill: float, timeout_s: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="understudy bench supervisor-restart", description=__doc__.splitlines()[0])
-    p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
-    p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
-    p.add_argument("--model", help="checkpoint folder (overrides model.path)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    add_target_args(p)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rate", type=float, default=20.0, help="requests per second, each on a new connection")
     p.add_argument("--max-tokens", type=int, default=4)

@@ -10,9 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import zmq
@@ -173,6 +174,30 @@ class Harness:
         if self._notify is not None:
             self._notify.close()
         return self.proc.returncode
+
+
+def closed_by_peer(s: socket.socket, within_s: float) -> bool:
+    """The other end closed (or reset) the connection within `within_s` seconds."""
+    s.settimeout(within_s)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+@contextmanager
+def running(work: Path, config_text: str, ready_timeout_s: float = 120, **kw: Any) -> Iterator[Harness]:
+    """A supervisor on `config_text` (Harness keywords in `kw`), booted with every engine READY;
+    stopped on exit."""
+    h = Harness(work, config_text, **kw)
+    try:
+        h.wait_booted()
+        h.wait_all_ready(ready_timeout_s)
+        yield h
+    finally:
+        h.stop()
 
 
 @dataclass

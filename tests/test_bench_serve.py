@@ -13,7 +13,7 @@ import pytest
 from engines.loopback import free_port
 from supervisor.bench_serve.metrics import HIT, QUERIED, parse_counters, prefix_delta
 from supervisor.bench_serve.workloads import WORKLOADS, Lengths, Workload, make_requests
-from supervisor.testing import ROOT, Harness
+from supervisor.testing import ROOT, running
 
 CONFIG = """
 runtime_dir: {rt}
@@ -34,13 +34,8 @@ def bench(*args: str, timeout: float = 300) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory, tiny_model):
     work = tmp_path_factory.mktemp("bench-serve")
-    h = Harness(work, CONFIG.format(rt=work / "rt", model=tiny_model), notify=False)
-    try:
-        h.wait_booted()
-        h.wait_all_ready(120)
+    with running(work, CONFIG.format(rt=work / "rt", model=tiny_model), notify=False) as h:
         yield h
-    finally:
-        h.stop()
 
 
 def test_sweep_through_the_router_with_the_static_decode_beside_it(sup, tmp_path):

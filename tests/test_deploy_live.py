@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.testing import ROOT, Harness
+from supervisor.testing import ROOT, running
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "understudy.json"
 CONFIG = """
@@ -113,13 +113,8 @@ def test_dashboard_is_well_formed():
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, tiny_model):
     work = tmp_path_factory.mktemp("deploy")
-    h = Harness(work, CONFIG.format(rt=work / "rt", model=tiny_model), notify=False)
-    try:
-        h.wait_booted()
-        h.wait_all_ready(120)
+    with running(work, CONFIG.format(rt=work / "rt", model=tiny_model), notify=False) as h:
         yield h
-    finally:
-        h.stop()
 
 
 def test_every_metric_in_the_dashboard_is_in_a_real_scrape(node):

@@ -9,16 +9,7 @@ import httpx
 from engines.config import EngineConfig
 from engines.guarded_http import ListenerLimits
 from engines.launch import EngineProcess
-
-
-def closed_by_server(s: socket.socket, within_s: float) -> bool:
-    s.settimeout(within_s)
-    try:
-        return s.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
+from supervisor.testing import closed_by_peer
 
 
 def test_engine_listener_caps_and_times_out_idle_connections(tiny_model, tmp_path):
@@ -32,10 +23,10 @@ def test_engine_listener_caps_and_times_out_idle_connections(tiny_model, tmp_pat
         port = proc.ready["port"]
         socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
         time.sleep(0.3)
-        refused = sum(closed_by_server(s, 0.05) for s in socks)
+        refused = sum(closed_by_peer(s, 0.05) for s in socks)
         assert refused >= 15, refused  # over the cap of 5: closed on accept
         time.sleep(1.2)
-        assert all(closed_by_server(s, 0.5) for s in socks)  # the rest: no request head within 1 s
+        assert all(closed_by_peer(s, 0.5) for s in socks)  # the rest: no request head within 1 s
         r = httpx.post(proc.url + "/v1/completions", timeout=30,
                        json={"model": tiny_model.name, "prompt": "hi", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from supervisor.chaos.hostile import post_early_answer
-from supervisor.testing import Harness, Load
+from supervisor.testing import Harness, Load, closed_by_peer, running
 
 CONFIG = """
 runtime_dir: {rt}
@@ -31,14 +31,9 @@ CAP = 50
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory, tiny_model):
     work = tmp_path_factory.mktemp("hostile")
-    h = Harness(work, CONFIG.format(rt=work / "rt", model=tiny_model))
-    try:
-        h.wait_booted()
-        h.wait_all_ready(120)
+    with running(work, CONFIG.format(rt=work / "rt", model=tiny_model)) as h:
         h.model = tiny_model.name
         yield h
-    finally:
-        h.stop()
 
 
 def incarnations(sup: Harness) -> dict[str, int]:
@@ -130,26 +125,16 @@ def _open_idle(url: str, count: int) -> list[socket.socket]:
     return socks
 
 
-def _closed_by_server(s: socket.socket, within_s: float) -> bool:
-    s.settimeout(within_s)
-    try:
-        return s.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-
-
 def test_idle_connections_are_capped_and_timed_out(sup):
     before = incarnations(sup)
     lines_before = len(sup.log.read_text().splitlines())
     socks = _open_idle(sup.router_url, 4 * CAP)
     try:
         time.sleep(0.5)
-        over = sum(_closed_by_server(s, 0.05) for s in socks)
+        over = sum(closed_by_peer(s, 0.05) for s in socks)
         assert over >= 4 * CAP - CAP - 5, f"only {over} of {4 * CAP} connections refused over the cap of {CAP}"
         time.sleep(2.5)  # limits.header_timeout_s: the idle ones under the cap are closed too
-        assert all(_closed_by_server(s, 0.5) for s in socks)
+        assert all(closed_by_peer(s, 0.5) for s in socks)
         normal_request(sup)
         r = httpx.get(sup.router_url + "/readyz", timeout=5)
         assert r.status_code == 200
@@ -173,7 +158,7 @@ def test_slowloris_head_is_cut_at_the_header_timeout(sup):
                 s.sendall(b"x-slow: 1\r\n")
             except OSError:
                 break
-        assert _closed_by_server(s, 3.0)
+        assert closed_by_peer(s, 3.0)
         assert time.monotonic() - t0 < 4.5
     finally:
         s.close()

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from supervisor.testing import Harness
+from supervisor.testing import running
 
 CONFIG = """
 runtime_dir: {rt}
@@ -32,14 +32,9 @@ GREEDY = {"model": "m", "prompt": "Once upon a time", "max_tokens": 14, "tempera
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory, tiny_model):
     work = tmp_path_factory.mktemp("mig")
-    h = Harness(work, CONFIG.format(rt=work / "rt", model=tiny_model),
-                env={"UNDERSTUDY_TEST_CHUNK_DELAY_S": str(DELAY_S)})
-    try:
-        h.wait_booted()
-        h.wait_all_ready(120)
+    with running(work, CONFIG.format(rt=work / "rt", model=tiny_model),
+                 env={"UNDERSTUDY_TEST_CHUNK_DELAY_S": str(DELAY_S)}) as h:
         yield h
-    finally:
-        h.stop()
 
 
 class Stream:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from supervisor.testing import Harness
+from supervisor.testing import running
 
 CONFIG = """
 runtime_dir: {rt}
@@ -44,13 +44,8 @@ def test_without_chromium_the_browser_tests_fail_and_say_why(monkeypatch, tmp_pa
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, tiny_model):
     work = tmp_path_factory.mktemp("ui")
-    h = Harness(work, CONFIG.format(rt=work / "rt", model=tiny_model), notify=False)
-    try:
-        h.wait_booted()
-        h.wait_all_ready(120)
+    with running(work, CONFIG.format(rt=work / "rt", model=tiny_model), notify=False) as h:
         yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture(scope="module")

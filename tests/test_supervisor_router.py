@@ -218,7 +218,46 @@ def test_healthz_and_readyz():
         table.drained = True
         r = await c.get("/readyz")
         assert r.status_code == 503 and r.json()["reason"] == "node is drained"
-        assert (await c.get("/healthz")).status_code == 200
+        assert (await c.get("/healthz")).json() == {"ok": True}
+        r = await c.post("/readyz")  # outside /v1 only the probes, GET only, in the OpenAI error shape
+        assert r.status_code == 405 and r.headers["allow"] == "GET"
+        assert r.json()["error"]["message"] == "Method Not Allowed (POST /readyz)"
+        r = await c.get("/v2/models")
+        assert r.status_code == 404 and r.json()["error"] == {
+            "message": "Not Found (GET /v2/models)", "type": "invalid_request_error", "param": None, "code": 404}
+    run(go())
+
+
+def test_the_lifespan_closes_the_upstream_connections():
+    """uvicorn's lifespan protocol, by hand: startup completes; shutdown closes the pooled
+    connection (the upstream sees it end), then completes."""
+    async def go():
+        ended = asyncio.Event()
+
+        async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+            await reader.read()  # until the router closes its kept-alive connection
+            ended.set()
+        server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+        table = RoutingTable()
+        table.set_primary(Upstream(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "a", 1))
+        app = build_router(table, Metrics(), hold_timeout_s=1, retry_after_s=1, upstream_timeout_s=5,
+                           migration=MigrationSection(enabled=False))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+            assert (await c.get("/v1/models")).status_code == 200
+        inbox: asyncio.Queue = asyncio.Queue()
+        for msg in ("lifespan.startup", "lifespan.shutdown"):
+            inbox.put_nowait({"type": msg})
+        sent: list[str] = []
+
+        async def send(msg: dict) -> None:
+            sent.append(msg["type"])
+        await app({"type": "lifespan"}, inbox.get, send)
+        assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+        await asyncio.wait_for(ended.wait(), 5)
+        server.close()
     run(go())
 
 
