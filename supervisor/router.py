@@ -155,15 +155,8 @@ class Proxy:
     async def _tracked(self, scope: dict, tracked: Tracked, receive: Receive, send: Send) -> None:
         """A continuable request; when our client goes away, stop (dropping the upstream connection)."""
         target, headers = _target(scope)
-        work = asyncio.ensure_future(self.migrator.serve(tracked, target, headers, send))
-        gone = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            work.cancel()
-            gone.cancel()
-        if work.done() and not work.cancelled() and (error := work.exception()) is not None:
-            raise error  # StreamAborted: uvicorn aborts the connection, so the cut cannot pass for an end
+        # its StreamAborted is re-raised: uvicorn aborts the connection, so the cut cannot pass for an end
+        await _unless_client_leaves(self.migrator.serve(tracked, target, headers, send), receive)
 
     async def _forward(self, scope: dict, body: bytes) -> Reply:
         """Send the request to the primary (waiting for one, retrying on a new one) and get its answer."""
@@ -225,16 +218,10 @@ class Proxy:
     async def _relay(self, reply: Reply, resp: UpstreamResponse, receive: Receive, send: Send) -> None:
         """Pass an event stream through chunk by chunk; when our client goes away, stop and drop the
         upstream connection (the engine then stops generating)."""
-        pump = asyncio.ensure_future(self._pump(reply, resp, send))
-        gone = asyncio.ensure_future(_disconnected(receive))
         try:
-            await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+            await _unless_client_leaves(self._pump(reply, resp, send), receive)
         finally:
-            pump.cancel()
-            gone.cancel()
             resp.close()
-        if pump.done() and not pump.cancelled() and (error := pump.exception()) is not None:
-            raise error
 
     async def _pump(self, reply: Reply, resp: UpstreamResponse, send: Send) -> None:
         await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
@@ -276,6 +263,19 @@ async def _disconnected(receive: Receive) -> None:
     """Returns once our client has disconnected."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unless_client_leaves(work: Awaitable[None], receive: Receive) -> None:
+    """Run `work` until it ends (its error re-raised) or our client disconnects (then it is cancelled)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        gone.cancel()
+    if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+        raise error
 
 
 def _error_body(message: str, type_: str, code: int) -> dict:
