@@ -29,3 +29,9 @@ memory() {  # memory CONFIG: GPU memory per device and per process, and the supe
   nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv
   python3 -m supervisor.cli status -c "$1"
 }
+
+start_serve() {  # start_serve CONFIG LOG: `understudy serve` in the background ($sup) until all is READY
+  python3 -m supervisor.cli serve -c "$1" > "$2" 2>&1 &
+  sup=$!
+  wait_ready http://127.0.0.1:8000 && all_ready "$1" || { tail -40 "$2"; kill -9 $sup; exit 1; }
+}

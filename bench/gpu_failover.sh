@@ -19,9 +19,7 @@ engines: {count: 2, kv_cache_bytes: 8589934592, max_num_seqs: 256, max_model_len
 failover: {flap_window_s: 10, flap_max: 50, startup_timeout_s: 300}
 YAML
   t0=$(date +%s.%N)
-  python3 -m supervisor.cli serve -c $C > "$OUT/tp2_serve.log" 2>&1 &
-  sup=$!
-  wait_ready http://127.0.0.1:8000 && all_ready $C || { tail -40 "$OUT/tp2_serve.log"; kill -9 $sup; exit 1; }
+  start_serve $C "$OUT/tp2_serve.log"
   echo "tp2: start to all READY $(since $t0) s"
   memory $C > "$OUT/tp2_memory.txt" 2>&1; head -12 "$OUT/tp2_memory.txt"
   if [ -z "${QUICK:-}" ]; then  # QUICK=1: start, memory and stop only
@@ -52,9 +50,7 @@ model: {path: $M, dtype: ${DTYPE:-bfloat16}}
 engines: {count: 2, kv_cache_bytes: 17179869184, max_num_seqs: 256, max_model_len: 2048}
 failover: {heartbeat_timeout_s: 5, startup_timeout_s: 600, flap_window_s: 10, flap_max: 50}
 YAML
-  python3 -m supervisor.cli serve -c $C > "$OUT/streams_serve.log" 2>&1 &
-  sup=$!
-  wait_ready http://127.0.0.1:8000 && all_ready $C || { tail -40 "$OUT/streams_serve.log"; kill -9 $sup; exit 1; }
+  start_serve $C "$OUT/streams_serve.log"
   timeout 560 $CHAOS -c $C --faults kill-primary:${KILLS:-100} --interval 2.5 --rate 30 --stream-fraction 0.5 --max-tokens 64 \
     --duration 520 --slo-failover-p99 0.15 --slo-recovery-p99 3 --out "$OUT/streams_chaos" 2>&1 | tail -40
   gzip "$OUT/streams_chaos/raw.jsonl"

@@ -14,9 +14,7 @@ C=/tmp/h200.yaml
 
 serve_1b() {  # configs/h200-1b.yaml on the model in $M, in the background ($sup), until ready
   sed "s#preset: 1b#path: $M#" configs/h200-1b.yaml > $C
-  python3 -m supervisor.cli serve -c $C > "$OUT/serve.log" 2>&1 &
-  sup=$!
-  wait_ready http://127.0.0.1:8000 && all_ready $C
+  start_serve $C "$OUT/serve.log"
 }
 
 primary() {  # primary url|pid: the primary engine's field, from the supervisor's status
