@@ -117,7 +117,7 @@ class _Call:
             if held:
                 proxy.metrics.router_hold.observe(time.monotonic() - start)
                 held = False
-            self.epoch = up.epoch
+            self.epoch, self.answered = up.epoch, False  # (here: an attempt fenced before it ran took nothing)
             try:
                 await table.unless_lost(up.epoch, self._attempt(up))
                 return await self._finish()
@@ -175,7 +175,6 @@ class _Call:
     async def _attempt(self, up: Upstream) -> None:
         """Send the request (or its continuation) to `up` and relay its stream until [DONE]."""
         proxy, req = self.m.proxy, self.req
-        self.answered = False
         resp = await proxy.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
         try:
             if resp.status != 200 or not resp.is_event_stream:

@@ -83,13 +83,27 @@ async def follow(table: RoutingTable, engines) -> None:
         table.set_primary(None, "failing over")
 
 
-def request(engines, body: dict, **cfg):
+async def both_lost_at_once(table: RoutingTable, engines) -> None:
+    """u1 dies; u2 is promoted and fenced in the same step (both engines died together), before any
+    request reached it; u3 comes back later."""
+    (p1, url1), (_, url2), (_, url3) = engines
+    table.set_primary(Upstream(url1, "u1", 1))
+    while p1.poll() is None:
+        await asyncio.sleep(0.01)
+    table.mark_lost(1)
+    table.set_primary(Upstream(url2, "u2", 2))
+    table.mark_lost(2)
+    await asyncio.sleep(0.3)
+    table.set_primary(Upstream(url3, "u3", 3))
+
+
+def request(engines, body: dict, supervisor=follow, **cfg):
     async def go():
         table, metrics = RoutingTable(), Metrics()
         events: list[dict] = []
         app = build_router(table, metrics, hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
                            migration=MigrationSection(**cfg), publish=events.append)
-        watcher = asyncio.ensure_future(follow(table, engines))
+        watcher = asyncio.ensure_future(supervisor(table, engines))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=30) as c:
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "p", **body})
         watcher.cancel()
@@ -107,6 +121,14 @@ def test_a_request_that_kills_two_engines_before_any_token_is_quarantined(engine
     assert 'understudy_migrations_total{result="quarantined"} 1.0' in metrics
     assert [e["result"] for e in events] == ["quarantined"]
     assert seen(engines[2][1]) == [], "never sent to a third engine"
+
+
+def test_a_primary_fenced_before_the_request_reached_it_does_not_count_towards_quarantine(engines):
+    r, events, _ = request(engines, {"max_tokens": 3, "die_after": {"u1": 0}}, supervisor=both_lost_at_once)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "t0 t1 t2 "
+    assert [e["result"] for e in events] == ["continued"]
+    assert seen(engines[1][1]) == [], "u2 was fenced before the request reached it"
 
 
 def test_a_request_making_progress_between_failures_keeps_migrating(engines):
