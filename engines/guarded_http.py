@@ -3,8 +3,9 @@ connections, a deadline for a request head (slowloris), the keep-alive idle time
 
 uvicorn's own ``limit_concurrency`` answers 503 only once a request arrives and keeps idle
 connections open; here a connection over the cap is closed as soon as it is accepted (its file
-descriptor freed at once), and a connection that has not sent a whole request head within
-``header_timeout_s`` of connecting (or of its first bytes after a keep-alive pause) is closed.
+descriptor freed at once), a connection that has not sent a whole request head within
+``header_timeout_s`` of connecting (or of its first bytes after a keep-alive pause) is closed, and
+a request head over ``max_head_bytes`` is answered 431 and closed.
 Refusals are counted and logged at most once per ``LOG_EVERY_S``.
 """
 from __future__ import annotations
@@ -16,10 +17,9 @@ import os
 import socket
 import time
 
-import h11
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("understudy.connections")
 LOG_EVERY_S = 10.0
@@ -33,6 +33,7 @@ class ListenerLimits(BaseModel):
     max_connections: int = Field(default=1024, ge=1, description="open connections; more are closed on accept")
     header_timeout_s: float = Field(default=10.0, gt=0, description="connect (or first byte) -> whole request head")
     keepalive_timeout_s: float = Field(default=5.0, gt=0, description="idle time between requests on a connection")
+    max_head_bytes: int = Field(default=65536, ge=1024, description="request line + headers; more: 431, closed")
 
 
 class ConnectionStats:
@@ -59,12 +60,20 @@ class ConnectionStats:
                         "(totals %d, %d)", self.name, refused, timeouts, self.refused, self.header_timeouts)
 
 
-def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[H11Protocol]:
-    """An H11Protocol class enforcing ``limits`` (uvicorn.Config(http=...) takes a class)."""
+def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol enforcing ``limits`` (uvicorn.Config(http=...) takes a class).
 
-    class GuardedH11Protocol(H11Protocol):
+    httptools (llhttp, C) rather than h11: on a streaming router every chunk of every answer goes
+    through this class, and h11's per-event state machine cost a third more CPU per chunk
+    (bench/probes/router_chunks.py). llhttp does not bound a request head, so this class does
+    (``max_head_bytes``, 431): h11 did."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _refused = False
         _head_timer: asyncio.TimerHandle | None = None
+        _in_head = True  # between requests: since connecting or the last request's end, no whole head yet
+        _head_bytes = 0  # of the head being received
+        _tail = b""  # the last bytes of it (its end may straddle two reads)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= limits.max_connections:
@@ -83,12 +92,28 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[H11
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                if self._head_timer is None:
+            if self._in_head:
+                if self._head_timer is None and self._idle():
                     self._arm()  # a new request head began after a keep-alive pause
-            else:
-                self._disarm()
+                if self._head_bytes + _head_part(self._tail, data) > limits.max_head_bytes:
+                    self._disarm()
+                    self._refuse_head()
+                    return
+                self._head_bytes += len(data)  # (past the head's end it no longer matters)
+                self._tail = data[-3:]
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes, self._tail = False, 0, b""
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_head = True  # what comes next is the next request's head
+            super().on_message_complete()
+
+        def _idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
 
         def _arm(self) -> None:
             self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_timeout)
@@ -100,16 +125,29 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[H11
 
         def _head_timeout(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._in_head and self._idle() and not self.transport.is_closing():
                 stats.header_timeouts += 1
                 stats.note()
                 self.transport.abort()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._disarm()  # idle now: uvicorn's keep-alive timer runs; the next bytes re-arm ours
+        def _refuse_head(self) -> None:
+            body = (b'{"error":{"message":"request head over %d bytes","type":"invalid_request_error","code":431}}'
+                    % limits.max_head_bytes)
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
+                                 b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
 
-    return GuardedH11Protocol
+    return GuardedHttpToolsProtocol
+
+
+def _head_part(tail: bytes, data: bytes) -> int:
+    """How many bytes of ``data`` belong to a request head whose last bytes so far are ``tail``."""
+    end = data.find(b"\r\n\r\n")
+    if end >= 0:
+        return end + 4
+    if tail and (end := (tail + data[:3]).find(b"\r\n\r\n")) >= 0:
+        return end + 4 - len(tail)
+    return len(data)
 
 
 def guarded_config(app, limits: ListenerLimits, name: str, **kwargs) -> uvicorn.Config:

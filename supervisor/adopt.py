@@ -98,8 +98,8 @@ async def _check(sup: "Supervisor", rec: ChildRecord) -> str | None:
             # (an external engine may serve from a child process: its URL answering is the check)
             if not sup.external and not _listens_on(rec.pid, rec.port):
                 return f"pid {rec.pid} (or its HTTP front end) does not listen on port {rec.port}"
-            r = await sup.http.get(f"{rec.url}/health", timeout=CHECK_TIMEOUT_S)
-            return None if r.status_code == 200 else f"GET {rec.url}/health answered {r.status_code}"
+            status, _ = await sup.http.fetch("GET", rec.url, "/health", timeout_s=CHECK_TIMEOUT_S)
+            return None if status == 200 else f"GET {rec.url}/health answered {status}"
         if rec.kind == "daemon":
             from supervisor.daemon_ops import daemon_status
             rank = int(rec.name.removeprefix("daemon-rank"))

@@ -19,7 +19,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import httpx
 import zmq
 import zmq.asyncio
 
@@ -49,6 +48,7 @@ from supervisor.slots import DaemonSlot, EngineSlot, Slot
 from supervisor.socket_activation import ActivationError, inherited_sockets
 from supervisor.states import Role, State
 from supervisor.token import ensure_token
+from supervisor.upstream import Client
 from supervisor.watchdog import WatchdogGate
 from supervisor.why import not_ready_text
 
@@ -153,7 +153,7 @@ class Supervisor(EngineOps, HealthOps, FailoverOps, DaemonOps, AdminOps):
         self.azctx = zmq.asyncio.Context()
         self.events = EventBus(self.zctx, str(self.rd / "events.sock"))
         self.control = ControlChannel(self.azctx, str(self.rd / "control.sock"))
-        self.http = httpx.AsyncClient(timeout=10.0)
+        self.http = Client(timeout_s=10.0, max_connections=64)  # health checks, canaries, /startup
         self.child_keys = wanted(self)
 
     # ------------------------------------------------------------------ main

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from supervisor.upstream import Client, UpstreamError
 
 
 @dataclass
@@ -21,43 +21,44 @@ class CanaryResult:
     broken: bool = False  # the engine answered that its model cannot serve (e.g. non-finite logits)
 
 
-async def run_canary(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+async def run_canary(client: Client, url: str, model: str, prompt: str, max_tokens: int,
                      timeout_s: float) -> CanaryResult:
     """POST /v1/completions (greedy); ok=False with an error on any transport or format problem."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
     try:
-        r = await client.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
-    except httpx.HTTPError as e:
+        status, answer = await client.fetch("POST", url, "/v1/completions", body, timeout_s)
+    except UpstreamError as e:
         return CanaryResult(False, error=f"{type(e).__name__}: {e}".rstrip(": "))
-    if r.status_code != 200:
-        return CanaryResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}", broken=_says_broken(r))
+    text_head = answer[:200].decode(errors="replace")
+    if status != 200:
+        return CanaryResult(False, error=f"HTTP {status}: {text_head}", broken=_says_broken(status, answer))
     try:
-        choice = r.json()["choices"][0]
+        choice = json.loads(answer)["choices"][0]
         text = choice["text"]
     except (ValueError, KeyError, IndexError, TypeError):
-        return CanaryResult(False, error=f"unexpected completion body: {r.text[:200]}")
+        return CanaryResult(False, error=f"unexpected completion body: {text_head}")
     ids = choice.get("token_ids")
     return CanaryResult(True, text=text, token_ids=ids if isinstance(ids, list) else None)
 
 
-def _says_broken(r: httpx.Response) -> bool:
+def _says_broken(status: int, body: bytes) -> bool:
     """A 500 whose OpenAI error says sampling failed: the model is broken, not still starting."""
     try:
-        return r.status_code == 500 and r.json()["error"]["code"] == "sampling_error"
+        return status == 500 and json.loads(body)["error"]["code"] == "sampling_error"
     except (ValueError, KeyError, TypeError):
         return False
 
 
-async def is_listening(client: httpx.AsyncClient, url: str) -> bool:
+async def is_listening(client: Client, url: str) -> bool:
     """Whether the engine's HTTP server answers (/health, else /v1/models)."""
     for path in ("/health", "/v1/models"):
         try:
-            r = await client.get(f"{url}{path}", timeout=2.0)
-        except httpx.HTTPError:
+            status, _ = await client.fetch("GET", url, path, timeout_s=2.0)
+        except UpstreamError:
             return False
-        if r.status_code == 200:
+        if status == 200:
             return True
-        if r.status_code != 404:
+        if status != 404:
             return False
     return False
 

@@ -3,6 +3,7 @@ control-channel messages, exits (decoded; boot errors stop), backoff restarts, d
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shlex
 import signal
@@ -185,9 +186,9 @@ class EngineOps:
         if self.external or slot.weights_source is not None:
             return
         try:
-            r = await self.http.get(f"{slot.url}/startup", timeout=2.0)
-            if r.status_code == 200:
-                self._record_startup(slot, r.json())
+            status, body = await self.http.fetch("GET", slot.url, "/startup", timeout_s=2.0)
+            if status == 200:
+                self._record_startup(slot, json.loads(body))
         except Exception as e:  # startup info is a report, not a readiness condition
             log.debug("%s: /startup unavailable: %s", slot.name, e)
 

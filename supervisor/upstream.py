@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 Headers = list[tuple[bytes, bytes]]  # lower-case names, as on the wire otherwise
@@ -120,6 +122,22 @@ class Client:
         except BaseException:
             self._release(origin, conn, reuse=False)
             raise
+
+    async def fetch(self, method: str, url: str, path: str, json_body: Any = None,
+                    timeout_s: float | None = None) -> tuple[int, bytes]:
+        """One whole exchange with ``url`` (a base URL) for ``path``: (status, body). The supervisor's
+        own calls (health, canary, startup) use it: one HTTP client in the process, and no httpx to
+        import before a restarted supervisor serves. Raises UpstreamError (UpstreamTimeout past
+        ``timeout_s``, default the client's)."""
+        body = b"" if json_body is None else json.dumps(json_body).encode()
+        headers: Headers = [] if json_body is None else [(b"content-type", b"application/json")]
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                resp = await self.request(method, url, path.encode(), headers, body)
+                return resp.status, await resp.read()
+        except TimeoutError:
+            raise UpstreamTimeout(f"{method} {url}{path}: no whole answer within {limit:g}s") from None
 
     async def aclose(self) -> None:
         """Close idle connections; busy ones close when their response is done."""

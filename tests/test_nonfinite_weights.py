@@ -63,9 +63,10 @@ def test_overflowing_logits_fail_the_request_not_the_engine(tiny_model, tmp_path
         assert json.loads(events[-1][6:])["error"]["code"] == "sampling_error"
         from supervisor.canary import run_canary
 
+        from supervisor.upstream import Client
+
         async def canary():
-            async with httpx.AsyncClient() as client:
-                return await run_canary(client, proc.url, name, "The quick brown fox", 4, 30)
+            return await run_canary(Client(timeout_s=30), proc.url, name, "The quick brown fox", 4, 30)
         res = asyncio.run(canary())  # the supervisor never promotes it: a broken model, not "still starting"
         assert not res.ok and res.broken, res
         h = httpx.get(proc.url + "/health", timeout=5)

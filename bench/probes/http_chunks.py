@@ -1,0 +1,181 @@
+"""What an HTTP hop costs per stream chunk, on the live path (real listener, real sockets), without a GPU:
+CPU seconds of one process per chunk it relays, read from /proc, under closed-loop streaming clients
+(raw sockets, no HTTP library, so the clients cost little).
+
+- `--target router`: the real router app on its listener, in front of a stand-in engine that streams
+  engine-shaped chunks (token ids; `--prompt-ids` prompt ids in the first) every `--step-ms`.
+- `--target engine --model DIR`: a real engine (`python -m engines`, CPU); the process measured is its
+  HTTP front end, which turns the core's outputs into chunks. The clients ask for token ids, as the
+  router does.
+
+    python bench/probes/http_chunks.py --target router --clients 32 --tokens 64 --seconds 8
+    python bench/probes/http_chunks.py --target engine --model /tmp/tiny --clients 16 --tokens 32
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROUTER = r'''
+import asyncio, sys
+from supervisor.httpserve import bind_tcp, make_server
+from supervisor.metrics import Metrics
+from supervisor.router import build_router
+from supervisor.routing import RoutingTable, Upstream
+upstream, port = sys.argv[1], int(sys.argv[2])
+async def main():
+    table = RoutingTable()
+    table.set_primary(Upstream(upstream, "e0", 1))
+    app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=30)
+    sock = bind_tcp("127.0.0.1", port, "router")
+    await make_server(app, sock, "warning", name="router").serve(sockets=[sock])
+asyncio.run(main())
+'''
+
+
+def chunk(i: int, n: int, prompt_ids: int) -> bytes:
+    c: dict = {"index": 0, "text": f" t{i}", "logprobs": None,
+               "finish_reason": "length" if i == n - 1 else None, "token_ids": [1000 + i]}
+    if i == 0:
+        c["prompt_token_ids"] = list(range(10, 10 + prompt_ids))
+    data = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [c]},
+                      separators=(",", ":")).encode()
+    event = b"data: " + data + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, args) -> None:
+    """A stand-in engine: each request gets `tokens` chunks, one per `step_ms`, then [DONE]."""
+    chunks = [chunk(i, args.tokens, args.prompt_ids) for i in range(args.tokens)]
+    done = b"data: [DONE]\n\n"
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(ln.split(b":")[1] for ln in head.lower().split(b"\r\n")
+                              if ln.startswith(b"content-length")))
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for c in chunks:
+                await asyncio.sleep(args.step_ms / 1000)
+                writer.write(c)
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+    except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+        writer.close()
+
+
+async def client(port: int, args, stop_at: float, ttft: list[float], counts: list[int],
+                 total: list[float] | None = None) -> None:
+    """Closed loop: stream a completion, read to the end of the chunked body, again."""
+    body = json.dumps({"model": args.model_name, "prompt": list(range(10, 10 + args.prompt_ids)),
+                       "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = (b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    while time.monotonic() < stop_at:
+        t0 = time.monotonic()
+        writer.write(req)
+        await reader.readuntil(b"\r\n\r\n")
+        first = True
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            if first:
+                ttft.append(time.monotonic() - t0)
+                first = False
+            counts[0] += data.count(b"data: ")
+        if total is not None:
+            total.append(time.monotonic() - t0)
+    writer.close()
+
+
+def cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def router_target(args, stack: contextlib.ExitStack) -> tuple[int, int]:
+    """The router in its own process, before a stand-in engine in ours: (port, pid to measure)."""
+    srv = await asyncio.start_server(lambda r, w: engine(r, w, args), "127.0.0.1", 0)
+    up_port = srv.sockets[0].getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    router = subprocess.Popen([sys.executable, "-c", ROUTER, f"http://127.0.0.1:{up_port}", str(port)],
+                              cwd=ROOT)
+    stack.callback(router.wait)
+    stack.callback(router.terminate)
+    for _ in range(200):
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return port, router.pid
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError("the router did not listen")
+
+
+async def engine_target(args, stack: contextlib.ExitStack) -> tuple[int, int]:
+    """A real CPU engine: (its port, its HTTP front end's pid)."""
+    import psutil
+
+    from engines.config import EngineConfig
+    from engines.launch import EngineProcess
+    tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    cfg = EngineConfig(name="probe", model_path=args.model, port=0, runtime_dir=f"{tmp}/rt", weight_cache_mode="off",
+                       max_model_len=args.prompt_ids + args.tokens + 8, max_num_seqs=args.clients)
+    proc = EngineProcess(cfg, f"{tmp}/engine.log")
+    stack.callback(proc.stop)
+    await asyncio.to_thread(proc.wait_ready, 120)
+    front = [c for c in psutil.Process(proc.pid).children() if c.name() == f"engine-{cfg.name}-http"[:15]]
+    return proc.ready["port"], front[0].pid
+
+
+async def main(args) -> dict:
+    with contextlib.ExitStack() as stack:
+        target = router_target if args.target == "router" else engine_target
+        port, pid = await target(args, stack)
+        warm_ttft: list[float] = []
+        await asyncio.gather(*(client(port, args, time.monotonic() + 1.0, warm_ttft, [0])
+                               for _ in range(args.clients)))
+        ttft: list[float] = []
+        total: list[float] = []
+        counts = [0]
+        cpu0, own0, t0 = cpu_s(pid), time.process_time(), time.monotonic()
+        await asyncio.gather(*(client(port, args, t0 + args.seconds, ttft, counts, total)
+                               for _ in range(args.clients)))
+        cpu, own, wall = cpu_s(pid) - cpu0, time.process_time() - own0, time.monotonic() - t0
+    return {"target": args.target, "clients": args.clients, "chunks": counts[0],
+            "chunks_per_s": round(counts[0] / wall), "cpu_share": round(cpu / wall, 3),
+            "us_per_chunk": round(cpu / counts[0] * 1e6, 1),
+            "clients_cpu_share": round(own / wall, 3), "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2),
+            "request_p50_ms": round(statistics.median(total) * 1e3, 1),
+            "requests": len(ttft)}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", choices=("router", "engine"), default="router")
+    p.add_argument("--model", help="engine target: a model folder (e.g. `understudy make-model DIR --preset tiny`)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-ids", type=int, default=1532)
+    p.add_argument("--step-ms", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=8.0)
+    a = p.parse_args()
+    a.model_name = os.path.basename(a.model.rstrip("/")) if a.model else "m"
+    sys.path.insert(0, ROOT)
+    print(json.dumps(asyncio.run(main(a))))
