@@ -63,10 +63,9 @@ class ConnectionStats:
 def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol enforcing ``limits`` (uvicorn.Config(http=...) takes a class).
 
-    httptools (llhttp, C) rather than h11: on a streaming router every chunk of every answer goes
-    through this class, and h11's per-event state machine cost a third more CPU per chunk
-    (bench/probes/router_chunks.py). llhttp does not bound a request head, so this class does
-    (``max_head_bytes``, 431): h11 did."""
+    httptools (llhttp, C) rather than h11: every chunk of every streamed answer goes through this
+    class, and with h11 the router spent a quarter more CPU per chunk (bench/probes/http_chunks.py).
+    llhttp does not bound a request head, so this class does (``max_head_bytes``, 431), as h11 did."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _refused = False
