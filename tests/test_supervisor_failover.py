@@ -277,6 +277,7 @@ def test_rollout_racing_a_kill_is_not_a_failure_of_the_engine(sup):
     t.start()
     sup.wait_for(lambda s: s["spawn_server"] is None, 30, "the spawn server being replaced")
     victim = sup.standby()
+    failures_before = sup.engines()[victim["name"]]["recent_failures"]  # (earlier tests' kills may be in the window)
     mark = len(sup.events)
     os.kill(victim["pid"], signal.SIGKILL)
     t.join(300)
@@ -284,7 +285,7 @@ def test_rollout_racing_a_kill_is_not_a_failure_of_the_engine(sup):
     sup.wait_all_ready(120)
     reasons = [e.get("reason", "") for e in sup.events[mark:] if e.get("engine") == victim["name"]]
     assert not any("start failed" in r for r in reasons), reasons
-    assert sup.engines()[victim["name"]]["recent_failures"] <= 1
+    assert sup.engines()[victim["name"]]["recent_failures"] <= failures_before + 1  # the kill itself, nothing more
 
 
 def test_cli_talks_to_the_admin_api(sup):
