@@ -57,8 +57,8 @@ ttft)
   for target in ${TTFT_RUNS:-router,1,a router,32,a engine,32,a}; do  # where,clients,run label
     set -- ${target//,/ }
     echo "== shared-prefix, $2 clients, through the $1 ($3)"
-    timeout 100 python3 bench/probes/ttft_split.py $url -- $B --concurrency $2 $([ $1 = engine ] && echo "--url $url") \
-      2>>"$OUT/ttft.err" | grep -v "^static decode" | tee "$OUT/ttft_$1_$2_$3.txt" | tail -6
+    timeout 100 python3 bench/probes/ttft_split.py $url -c $C -- $B --concurrency $2 $([ $1 = engine ] && echo "--url $url") \
+      2>>"$OUT/ttft.err" | grep -v "^static decode" | tee "$OUT/ttft_$1_$2_$3.txt" | tail -8
   done
   stop_serve
   ;;

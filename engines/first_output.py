@@ -1,33 +1,48 @@
 """Where a request's time to its first output goes, as the engine's HTTP front end sees it:
 Prometheus histograms on the engine's `GET /metrics`, beside its serving gauges.
 
-queue: arrival in the core -> first scheduled; core: arrival in the core -> first output (queue,
-prefill, sampling, read-back, detokenizing); front end: handed to the core -> first output back
-in the front end (the core plus both hops of the link and the front end's own event loop)."""
+ingress: the request's HTTP call in the front end -> handed to the core (body, parsing,
+validation, the response head); queue: arrival in the core -> first scheduled; core: arrival in the
+core -> first output (queue, prefill, sampling, read-back, detokenizing); front end: handed to the
+core -> first output back in the front end (the core plus both hops of the link and the front end's
+own event loop)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from .sequence import Output
 
+ARRIVED: ContextVar[float | None] = ContextVar("understudy_request_arrived", default=None)
 BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class FirstOutputLatency:
-    """The three histograms; `observe` takes every Output and uses the first one of a request."""
+    """The four histograms; `submitted` times a request's ingress, `observe` takes every Output and
+    uses the first one of a request."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=BUCKETS, registry=self.registry)
+        self.ingress = histogram("understudy_engine_ingress_seconds",
+                                 "HTTP request in the front end -> handed to the engine core")
         self.queue = histogram("understudy_engine_queue_seconds", "Arrival in the engine core -> first scheduled")
         self.core = histogram("understudy_engine_core_first_output_seconds",
                               "Arrival in the engine core -> the request's first output")
         self.frontend = histogram("understudy_engine_first_output_seconds",
                                   "Handed to the core by the HTTP front end -> first output back there")
+
+    def submitted(self) -> float:
+        """The request is being handed to the core: time.monotonic(), its ingress observed."""
+        now = time.monotonic()
+        if (arrived := ARRIVED.get()) is not None:
+            self.ingress.observe(now - arrived)
+        return now
 
     def observe(self, submitted: float, out: Output) -> None:
         """`submitted`: time.monotonic() when the front end handed the request to the core."""
@@ -40,3 +55,13 @@ class FirstOutputLatency:
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+def stamp_arrival(app: Callable[[dict, Callable, Callable], Awaitable[None]]):
+    """ASGI wrapper: each HTTP request's arrival, for `FirstOutputLatency.submitted` (a context
+    variable: the streaming body runs in a task of its own, which inherits it)."""
+    async def stamped(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            ARRIVED.set(time.monotonic())
+        await app(scope, receive, send)
+    return stamped

@@ -11,6 +11,7 @@ import signal
 
 from .config import EngineConfig
 from .engine_client import EngineClient
+from .first_output import stamp_arrival
 from .guarded_http import guarded_config
 from .limits import BodyLimit
 from .loopback import QuietServer
@@ -39,7 +40,7 @@ async def _serve(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
     client = EngineClient(to_core, to_frontend)
     startup: dict = {}
     srv = OpenAIServer(client, tokenizer, model_names, max_model_len, vocab_size, lambda: startup, cfg.limits)
-    app = BodyLimit(build_app(srv), cfg.limits.max_body_bytes)
+    app = stamp_arrival(BodyLimit(build_app(srv), cfg.limits.max_body_bytes))
     server = QuietServer(guarded_config(app, cfg.listener, f"engine {cfg.name}", host=cfg.host, port=cfg.port,
                                         log_level="warning", lifespan="off", access_log=False))
     go = asyncio.Event()

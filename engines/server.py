@@ -113,9 +113,14 @@ class OpenAIServer:
             if bad:
                 raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param)
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, replayed: int, index: int,
-                queue: asyncio.Queue, group: int) -> int:
-        return self.engine.submit(prompt_ids, params, lambda out: queue.put_nowait((index, out)), group, replayed)
+    def _start(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> "_Running":
+        """Hand every (prompt, params, replayed) job to the core now."""
+        queue: asyncio.Queue = asyncio.Queue()
+        group = id(queue)  # the request's sequences take turns with other requests
+        submitted = self.first_output.submitted()
+        keys = [self.engine.submit(p, sp, lambda out, i=i: queue.put_nowait((i, out)), group, r)
+                for i, (p, sp, r) in enumerate(jobs)]
+        return _Running(self.engine, queue, keys, submitted)
 
     def _continued(self, req, cont, param: str) -> list[tuple[list[int], SamplingParams, int]]:
         """The one job of a continuation: the original prompt's limits, minus the replayed tokens."""
@@ -128,27 +133,21 @@ class OpenAIServer:
         params.max_tokens -= len(done)
         return [(prompt + done, params, len(done))]
 
-    async def _run(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> AsyncIterator[tuple[int, Output]]:
-        """Submit every (prompt, params, replayed) job; yield (choice index, Output) until all finish;
-        abort on exit."""
-        queue: asyncio.Queue = asyncio.Queue()
-        group = id(queue)  # the request's sequences take turns with other requests
-        submitted = time.monotonic()
-        ids = [self._submit(p, sp, r, i, queue, group) for i, (p, sp, r) in enumerate(jobs)]
-        live = set(range(len(jobs)))
+    async def _run(self, running: "_Running") -> AsyncIterator[tuple[int, Output]]:
+        """Yield (choice index, Output) until every sequence finishes; abort the rest on exit."""
+        queue = running.queue
         try:
-            while live:
+            while running.live:
                 ready = [await queue.get()] + ([] if CHUNK_DELAY_S else [queue.get_nowait() for _ in range(queue.qsize())])
                 for index, out in _coalesce(ready):  # (the test pause keeps one chunk per output: kill at chunk k)
-                    self.first_output.observe(submitted, out)
+                    self.first_output.observe(running.submitted, out)
                     if out.finish_reason is not None:
-                        live.discard(index)
+                        running.live.discard(index)
                     if out.finish_reason == "error":
                         raise RequestFailed(out.error or "sampling failed")
                     yield index, out
         finally:
-            for i in live:  # the client went away (or we failed): free its slots
-                self.engine.abort(ids[i])
+            running.abort()  # the client went away (or we failed): free its slots
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest):
@@ -165,14 +164,15 @@ class OpenAIServer:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         ids = req.return_token_ids
         prompt_of = [prompts[i // req.n] for i in range(len(jobs))]
-        if req.stream:
+        if req.stream:  # handed to the core before the response starts: the head costs it no time
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(self._completion_chunks(jobs, req.model, rid, created, prompt_tokens, include_usage,
+            running = self._start(jobs)
+            return self._sse(self._completion_chunks(running, req.model, rid, created, prompt_tokens, include_usage,
                                                      prompt_of if ids and req.continuation is None else None,
-                                                     ids))
+                                                     ids), running)
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
         new_ids: list[list[int]] = [[] for _ in jobs]
-        async for i, out in self._run(jobs):
+        async for i, out in self._run(self._start(jobs)):
             texts[i] += out.delta
             new_ids[i] += out.token_ids
             reasons[i], completion[i] = out.finish_reason, out.completion_tokens
@@ -184,15 +184,15 @@ class OpenAIServer:
         resp = CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
         return _json(resp.model_dump_json(exclude=None if ids else _CHOICE_IDS))
 
-    async def _completion_chunks(self, jobs, model: str, rid: str, created: int, prompt_tokens: int,
+    async def _completion_chunks(self, running: "_Running", model: str, rid: str, created: int, prompt_tokens: int,
                                  include_usage: bool, prompt_of: list[list[int]] | None,
                                  ids: bool) -> AsyncIterator[str]:
-        completion = [0] * len(jobs)
+        completion = [0] * len(running.keys)
         exclude: dict = {} if include_usage else {"usage": True}
         if not ids:
             exclude.update(_CHOICE_IDS)
-        first = set(range(len(jobs))) if prompt_of is not None else set()
-        async for i, out in self._run(jobs):
+        first = set(range(len(running.keys))) if prompt_of is not None else set()
+        async for i, out in self._run(running):
             completion[i] = out.completion_tokens
             if out.delta or out.finish_reason:
                 chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
@@ -227,11 +227,12 @@ class OpenAIServer:
         ids = req.return_token_ids
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(self._chat_chunks(jobs, req.model, rid, created, len(prompt), include_usage,
-                                               prompt if ids and req.continuation is None else None, ids))
+            running = self._start(jobs)
+            return self._sse(self._chat_chunks(running, req.model, rid, created, len(prompt), include_usage,
+                                               prompt if ids and req.continuation is None else None, ids), running)
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
         new_ids: list[list[int]] = [[] for _ in jobs]
-        async for i, out in self._run(jobs):
+        async for i, out in self._run(self._start(jobs)):
             texts[i] += out.delta
             new_ids[i] += out.token_ids
             reasons[i], completion[i] = out.finish_reason, out.completion_tokens
@@ -243,7 +244,7 @@ class OpenAIServer:
                                       prompt_token_ids=prompt if ids else None)
         return _json(resp.model_dump_json(exclude=None if ids else {"prompt_token_ids": True, **_CHOICE_IDS}))
 
-    async def _chat_chunks(self, jobs, model: str, rid: str, created: int, prompt_tokens: int,
+    async def _chat_chunks(self, running: "_Running", model: str, rid: str, created: int, prompt_tokens: int,
                            include_usage: bool, prompt: list[int] | None, ids: bool) -> AsyncIterator[str]:
         exclude: dict = {} if include_usage else {"usage": True}
         if not ids:
@@ -253,11 +254,11 @@ class OpenAIServer:
             c = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage,
                                     prompt_token_ids=prompt_ids)
             return c.model_dump_json(exclude=exclude or None)
-        for i in range(len(jobs)):
+        for i in range(len(running.keys)):
             yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""),
                                          token_ids=[] if ids else None)], prompt_ids=prompt)
-        completion = [0] * len(jobs)
-        async for i, out in self._run(jobs):
+        completion = [0] * len(running.keys)
+        async for i, out in self._run(running):
             completion[i] = out.completion_tokens
             if out.delta or out.finish_reason:
                 delta = Delta(content=out.delta) if out.delta else Delta()
@@ -267,7 +268,7 @@ class OpenAIServer:
             yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
                                   total_tokens=prompt_tokens + sum(completion)))
 
-    def _sse(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+    def _sse(self, chunks: AsyncIterator[str], running: "_Running") -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
             try:
                 async for data in chunks:
@@ -279,8 +280,8 @@ class OpenAIServer:
                 yield f"data: {json.dumps(e.body())}\n\n"
                 return
             yield "data: [DONE]\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStream(body(), running, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_names[0], created=self.created,
@@ -357,6 +358,35 @@ def build_app(srv: OpenAIServer) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class _Running:
+    """A request's sequences in the core: their outputs arrive on `queue` as (choice index, Output)."""
+
+    def __init__(self, engine: EngineClient, queue: asyncio.Queue, keys: list[int], submitted: float) -> None:
+        self.engine, self.queue, self.keys, self.submitted = engine, queue, keys, submitted
+        self.live = set(range(len(keys)))
+
+    def abort(self) -> None:
+        """Stop the sequences still running (idempotent)."""
+        for i in self.live:
+            self.engine.abort(self.keys[i])
+        self.live.clear()
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose sequences were started before it: they are aborted however it ends,
+    also when it ends before its body began (the client left while the head was going out)."""
+
+    def __init__(self, content: AsyncIterator[str], running: _Running, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.running = running
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.running.abort()
 
 
 def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 from typing import Any
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -55,6 +56,7 @@ class Tracked:
         self.done = False  # [DONE] seen
         self.progress = False  # new token ids since the flag was last cleared
         self.chunks_sent = 0  # data chunks given to a streaming client
+        self.arrived = time.monotonic()  # when the router received it (the router sets its ASGI call's time)
         self._buf = b""
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_FIRST = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
@@ -28,6 +29,9 @@ class Metrics:
         self.router_retries = Counter("understudy_router_retries", "Requests retried on another primary", registry=r)
         self.router_hold = Histogram("understudy_router_hold_seconds", "Time requests waited for a primary",
                                      buckets=_FAST, registry=r)
+        self.router_first_token = Histogram(
+            "understudy_router_first_token_seconds", "Request received by the router -> its first token back "
+            "from the engine (continuable requests, before any continuation)", buckets=_FIRST, registry=r)
         self.migrations = Counter("understudy_migrations", "Requests whose primary was lost mid-request, by "
                                   "result (continued, failed, quarantined, unsupported, limit)", ["result"], registry=r)
         self.migration_stall = Histogram("understudy_migration_stall_seconds", "Gap a client sees in its "

@@ -183,8 +183,11 @@ class _Call:
             engine_headers = [(b"x-understudy-engine", up.name.encode()),
                               (b"x-understudy-epoch", str(up.epoch).encode())]
             async for chunk in resp.stream():
+                had_tokens = req.n_output
                 out = req.feed(chunk)
                 now = time.monotonic()
+                if not had_tokens and req.n_output and not self.migrations:
+                    proxy.metrics.router_first_token.observe(now - req.arrived)
                 if self.migrating_since is not None and (req.progress or req.finish_reason or req.done):
                     self.m.count("continued", req, now - self.migrating_since, self.replayed, self.chunks_before)
                     self.migrating_since = None

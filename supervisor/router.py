@@ -125,6 +125,7 @@ class Proxy:
         counter.inc()
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        arrived = time.monotonic()
         if scope["method"] not in METHODS:  # as FastAPI answered for the old route
             await _send_whole(send, _json_reply(405, _error_body(f"method {scope['method']} is not allowed",
                                                                  "invalid_request_error", 405),
@@ -143,6 +144,7 @@ class Proxy:
             return
         if self.migrator.cfg.enabled and scope["method"] == "POST" \
                 and (tracked := Tracked.parse(scope["path"], body, self.migrator.cfg.max_replay_tokens)) is not None:
+            tracked.arrived = arrived
             await self._tracked(scope, tracked, receive, send)
             return
         reply = await self._forward(scope, body)

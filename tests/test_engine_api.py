@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -140,10 +141,11 @@ def test_metrics_count_prefix_cache_tokens(engine, client, model_name) -> None:
     assert after["understudy_engine_kv_blocks_total"] > 0 and after["understudy_engine_running_seqs"] == 0
     # where the time to first output went: 2 requests, each timed once, the parts inside the whole
     count = {part: after[f"understudy_engine_{part}_count"] - before[f"understudy_engine_{part}_count"]
-             for part in ("queue_seconds", "core_first_output_seconds", "first_output_seconds")}
+             for part in ("ingress_seconds", "queue_seconds", "core_first_output_seconds", "first_output_seconds")}
     assert set(count.values()) == {2}, count
     total = {part: after[f"understudy_engine_{part}_sum"] - before[f"understudy_engine_{part}_sum"] for part in count}
     assert 0 <= total["queue_seconds"] <= total["core_first_output_seconds"] <= total["first_output_seconds"], total
+    assert total["ingress_seconds"] > 0, total
 
 
 BAD_REQUESTS = [
@@ -202,6 +204,24 @@ def test_client_disconnect_mid_stream_aborts_only_that_sequence(engine, client, 
     assert h["running"] == 0 and h["waiting"] == 0
     assert h["served"] == before["served"], "the sequence ran to completion instead of being aborted"
     assert greedy(client, model_name, "next one", n=3).usage.completion_tokens == 3
+
+
+def test_a_stream_whose_client_leaves_at_once_is_aborted(engine, model_name) -> None:
+    """A stream's sequences start before its response does: a client gone before the first byte
+    must still free them."""
+    before = httpx.get(engine.url + "/health").json()
+    body = json.dumps({"model": model_name, "prompt": "Go on forever", "max_tokens": MAX_LEN - 16,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    host, port = engine.url.removeprefix("http://").split(":")
+    for _ in range(5):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 10
+    while (h := httpx.get(engine.url + "/health").json())["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert h["running"] == 0 and h["waiting"] == 0
+    assert h["served"] == before["served"], "a sequence ran to completion instead of being aborted"
 
 
 def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:

@@ -119,6 +119,7 @@ def test_a_request_that_kills_two_engines_before_any_token_is_quarantined(engine
     r, events, metrics = request(engines, {"max_tokens": 5, "die_after": {"u1": 0, "u2": 0}})
     assert r.status_code == 502 and "quarantined" in r.json()["error"]["message"], r.text
     assert 'understudy_migrations_total{result="quarantined"} 1.0' in metrics
+    assert "understudy_router_first_token_seconds_count 0.0" in metrics  # no token ever came
     assert [e["result"] for e in events] == ["quarantined"]
     assert seen(engines[2][1]) == [], "never sent to a third engine"
 
@@ -143,6 +144,8 @@ def test_a_request_making_progress_between_failures_keeps_migrating(engines):
     assert third["stream"] is True and third["return_token_ids"] is True and isinstance(third["seed"], int)
     assert 'understudy_migrations_total{result="continued"} 2.0' in metrics
     assert "understudy_migration_stall_seconds_count 2.0" in metrics
+    assert "understudy_router_first_token_seconds_count 1.0" in metrics  # the first attempt's, not the continuations'
+
 
 
 def test_the_migration_limit_ends_the_request_explicitly(engines):
