@@ -206,6 +206,13 @@ def test_client_disconnect_mid_stream_aborts_only_that_sequence(engine, client, 
     assert greedy(client, model_name, "next one", n=3).usage.completion_tokens == 3
 
 
+def test_a_body_sent_in_pieces_is_read_whole(engine, model_name) -> None:
+    body = json.dumps({"model": model_name, "prompt": "Once upon", "max_tokens": 3, "temperature": 0}).encode()
+    pieces = (body[i:i + 7] for i in range(0, len(body), 7))  # chunked transfer coding, several reads
+    r = httpx.post(engine.url + "/v1/completions", content=pieces, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
 def test_a_stream_whose_client_leaves_at_once_is_aborted(engine, model_name) -> None:
     """A stream's sequences start before its response does: a client gone before the first byte
     must still free them."""
