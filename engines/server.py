@@ -12,7 +12,7 @@ import json
 import os
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import logging
 
@@ -289,7 +289,7 @@ class OpenAIServer:
                                          max_model_len=self.max_model_len)])
 
 
-def build_app(srv: OpenAIServer):
+def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitable[None]]:
     """The engine's ASGI app. The two generation endpoints (every request pays for this path) are
     bare ASGI, as the router is: their bodies are validated by pydantic directly and every error is
     answered in OpenAI's format, without FastAPI's routing, dependency solving and middleware (at
