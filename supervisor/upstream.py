@@ -5,7 +5,6 @@ without error; every network wait is bounded by a timeout."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import ssl
 import time
@@ -259,19 +258,10 @@ class Response:
             conn, self._conn = self._conn, None
             self._client._release(self._origin, conn, reuse=self._keep_alive)
 
-    @contextlib.asynccontextmanager
-    async def _body_wait(self) -> AsyncIterator[None]:
+    def _body_wait(self) -> "_BodyWait":
         """One bounded wait for body bytes; on any failure the connection is dropped, and network
         failures become UpstreamErrors."""
-        try:
-            async with asyncio.timeout(self._client.timeout_s):
-                yield
-        except NETWORK_ERRORS as e:
-            self.close()
-            raise _upstream_error(e, "body cut short") from None
-        except BaseException:
-            self.close()
-            raise
+        return _BodyWait(self)
 
     async def _next_chunk(self) -> bytes | None:
         """The next piece of the body; None at its end."""
@@ -299,6 +289,31 @@ class Response:
         if chunk is None:
             self._done()
         return chunk
+
+
+class _BodyWait:
+    """Response._body_wait as a class: it runs once per streamed chunk, and a generator-based
+    context manager costs several times more."""
+    __slots__ = ("_resp", "_timeout")
+
+    def __init__(self, resp: Response) -> None:
+        self._resp, self._timeout = resp, asyncio.timeout(resp._client.timeout_s)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, kind, exc, tb) -> bool:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)  # turns its cancellation into TimeoutError
+        except NETWORK_ERRORS as e:
+            self._resp.close()
+            raise _upstream_error(e, "body cut short") from None
+        if exc is None:
+            return False
+        self._resp.close()
+        if isinstance(exc, NETWORK_ERRORS):
+            raise _upstream_error(exc, "body cut short") from None
+        return False
 
 
 def _request_head(method: str, target: bytes, host: bytes, headers: Headers, body: bytes) -> bytes:
