@@ -14,10 +14,10 @@ from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from .metrics import FIRST_OUTPUT_BUCKETS
 from .sequence import Output
 
 ARRIVED: ContextVar[float | None] = ContextVar("understudy_request_arrived", default=None)
-BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class FirstOutputLatency:
@@ -28,7 +28,7 @@ class FirstOutputLatency:
         self.registry = CollectorRegistry()
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, buckets=BUCKETS, registry=self.registry)
+            return Histogram(name, doc, buckets=FIRST_OUTPUT_BUCKETS, registry=self.registry)
         self.ingress = histogram("understudy_engine_ingress_seconds",
                                  "HTTP request in the front end -> handed to the engine core")
         self.queue = histogram("understudy_engine_queue_seconds", "Arrival in the engine core -> first scheduled")

@@ -34,8 +34,9 @@ def _dump(obj: Any) -> bytes:
 class Tracked:
     """A request the router can continue on another engine."""
 
-    def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62) -> None:
+    def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62, arrived: float | None = None) -> None:
         self.kind, self.req, self.max_ids = kind, req, max_ids
+        self.arrived = time.monotonic() if arrived is None else arrived  # when the router received it
         self.client_stream = bool(req.get("stream"))
         self.client_ids = bool(req.get("return_token_ids"))
         opts = req.get("stream_options")
@@ -56,11 +57,10 @@ class Tracked:
         self.done = False  # [DONE] seen
         self.progress = False  # new token ids since the flag was last cleared
         self.chunks_sent = 0  # data chunks given to a streaming client
-        self.arrived = time.monotonic()  # when the router received it (the router sets its ASGI call's time)
         self._buf = b""
 
     @classmethod
-    def parse(cls, path: str, body: bytes, max_ids: int = 1 << 62) -> "Tracked | None":
+    def parse(cls, path: str, body: bytes, max_ids: int = 1 << 62, arrived: float | None = None) -> "Tracked | None":
         """A Tracked for a request the router can continue exactly, else None (passed through as is:
         not JSON, n > 1, several prompts, a continuation already, odd types the engine will refuse)."""
         kind = PATHS.get(path)
@@ -81,7 +81,7 @@ class Tracked:
         if kind == "completions" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
                 and len(prompt) != 1:
             return None
-        return cls(kind, req, max_ids)
+        return cls(kind, req, max_ids, arrived)
 
     @property
     def replay_tokens(self) -> int:

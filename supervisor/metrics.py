@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engines.metrics import FIRST_OUTPUT_BUCKETS
+
 _FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-_FIRST = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SLOW = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
@@ -31,7 +32,7 @@ class Metrics:
                                      buckets=_FAST, registry=r)
         self.router_first_token = Histogram(
             "understudy_router_first_token_seconds", "Request received by the router -> its first token back "
-            "from the engine (continuable requests, before any continuation)", buckets=_FIRST, registry=r)
+            "from the engine (continuable requests, before any continuation)", buckets=FIRST_OUTPUT_BUCKETS, registry=r)
         self.migrations = Counter("understudy_migrations", "Requests whose primary was lost mid-request, by "
                                   "result (continued, failed, quarantined, unsupported, limit)", ["result"], registry=r)
         self.migration_stall = Histogram("understudy_migration_stall_seconds", "Gap a client sees in its "

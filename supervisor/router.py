@@ -142,9 +142,10 @@ class Proxy:
             return
         if body is None:  # our client left before sending its request whole
             return
-        if self.migrator.cfg.enabled and scope["method"] == "POST" \
-                and (tracked := Tracked.parse(scope["path"], body, self.migrator.cfg.max_replay_tokens)) is not None:
-            tracked.arrived = arrived
+        cfg = self.migrator.cfg
+        tracked = Tracked.parse(scope["path"], body, cfg.max_replay_tokens, arrived) \
+            if cfg.enabled and scope["method"] == "POST" else None
+        if tracked is not None:
             await self._tracked(scope, tracked, receive, send)
             return
         reply = await self._forward(scope, body)
