@@ -71,8 +71,9 @@ class EngineClient:
             if "stats" in msg:
                 self._stats, self._stats_at = msg["stats"], time.monotonic()
             if op == "out":
-                for key, *fields in msg["outs"]:
-                    out = Output(*fields)
+                outs = [(key, Output(*fields)) for key, *fields in msg["outs"]]
+                outs.sort(key=_not_first)  # first outputs first: see _not_first
+                for key, out in outs:
                     emit = self._emits.get(key)
                     if out.finish_reason is not None:
                         self._emits.pop(key, None)
@@ -89,3 +90,10 @@ class EngineClient:
 
     def _send(self, msg: dict) -> None:
         self._push.send(encode(msg))  # zmq queues it: never blocks the loop
+
+
+def _not_first(item: tuple[int, Output]) -> bool:
+    """Sort key: a request's first output before the rest of a step's. Each emit wakes its stream's
+    task, and the tasks run in that order, each building and writing its chunk: under load (a chunk
+    per running stream per step) a new request's first token would otherwise wait behind them."""
+    return item[1].timing is None

@@ -13,13 +13,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 from urllib.parse import quote
 
 from engines.limits import RequestLimits
 from supervisor.config import MigrationSection
 from supervisor.continuation import Tracked, error_event
+from supervisor.interrupt import Interrupt
 from supervisor.limits import Refusal, check_request, read_body
 from supervisor.metrics import Metrics
 from supervisor.migrating import Migrator, Publish
@@ -268,17 +269,17 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _unless_client_leaves(work: Awaitable[None], receive: Receive) -> None:
-    """Run `work` until it ends (its error re-raised) or our client disconnects (then it is cancelled)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(receive))
+async def _unless_client_leaves(work: Coroutine[Any, Any, None], receive: Receive) -> None:
+    """Run `work` in this task until it ends (its error re-raised) or our client disconnects (then
+    it is cancelled and this returns)."""
+    interrupt = Interrupt()
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    watcher.add_done_callback(lambda w: w.cancelled() or interrupt.fire())
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        with interrupt:
+            await work
     finally:
-        task.cancel()
-        gone.cancel()
-    if task.done() and not task.cancelled() and (error := task.exception()) is not None:
-        raise error
+        watcher.cancel()
 
 
 def _error_body(message: str, type_: str, code: int) -> dict:

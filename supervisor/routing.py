@@ -8,6 +8,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from supervisor.interrupt import Interrupt
+
 T = TypeVar("T")
 
 
@@ -34,7 +36,7 @@ class RoutingTable:
         self._changed = asyncio.Event()
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
-        self._calls: dict[int, set[asyncio.Task]] = {}  # epoch -> calls in flight to that primary
+        self._calls: dict[int, set[Interrupt]] = {}  # epoch -> calls in flight to that primary
 
     @property
     def not_ready_reason(self) -> str:
@@ -50,26 +52,24 @@ class RoutingTable:
         """The primary of `epoch` was fenced: requests still waiting on it are retried elsewhere
         now, instead of when its sockets close (after the kernel has torn its GPU context down)."""
         self._lost = {e for e in self._lost if e >= epoch - 4} | {epoch}
-        for task in self._calls.pop(epoch, ()):
-            task.cancel()
+        for call in self._calls.pop(epoch, ()):
+            call.fire()
 
     async def unless_lost(self, epoch: int, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` (a call to the primary of `epoch`); raise PrimaryLost if it is fenced first
-        (mark_lost cancels the call)."""
+        """Await `coro` (a call to the primary of `epoch`) in this task; raise PrimaryLost if that
+        primary is fenced first (mark_lost interrupts the call)."""
         if epoch in self._lost:
             coro.close()
             raise PrimaryLost(f"epoch {epoch} primary fenced")
-        task = asyncio.ensure_future(coro)
+        interrupt = Interrupt()
         calls = self._calls.setdefault(epoch, set())
-        calls.add(task)
+        calls.add(interrupt)
         try:
-            return await task  # our caller cancelled: the call is cancelled with it
-        except asyncio.CancelledError:
-            if epoch in self._lost and not asyncio.current_task().cancelling():  # not our caller's cancel
-                raise PrimaryLost(f"epoch {epoch} primary fenced") from None
-            raise
+            with interrupt:
+                return await coro
+            raise PrimaryLost(f"epoch {epoch} primary fenced")  # (reached only when interrupted)
         finally:
-            calls.discard(task)
+            calls.discard(interrupt)
             if not calls and self._calls.get(epoch) is calls:
                 del self._calls[epoch]
 

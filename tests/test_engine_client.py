@@ -1,0 +1,38 @@
+"""engines/engine_client.py over real zmq sockets: the core's side is played by the test (the
+messages engines/core_link.py sends), the client is the front end's own."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import zmq
+
+from engines.core_link import encode
+from engines.engine_client import EngineClient
+from engines.sampling import SamplingParams
+
+
+def test_a_steps_first_outputs_are_handed_out_before_the_rest(tmp_path: Path) -> None:
+    """Each emit wakes one stream; a new request's first token must not queue behind the chunks of
+    the streams already running."""
+    to_core, to_frontend = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
+    ctx = zmq.Context()
+    core_in, core_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    core_in.bind(to_core)
+    core_out.bind(to_frontend)
+    try:
+        async def main() -> list[tuple[int, str]]:
+            client = EngineClient(to_core, to_frontend)
+            order: list[tuple[int, str]] = []
+            keys = [client.submit([1, 2], SamplingParams(max_tokens=4), lambda out, i=i: order.append((i, out.delta)))
+                    for i in range(4)]
+            running = [[k, 0, f"t{k}", None, 2, 2, [7], None, None] for k in keys[:2]]
+            first = [[k, 0, f"first{k}", None, 2, 1, [7], None, [0.001, 0.004]] for k in keys[2:]]
+            core_out.send(encode({"op": "out", "outs": running + first}))
+            core_out.send(encode({"op": "stop"}))
+            await asyncio.wait_for(client.run(), 10)
+            return order
+        order = asyncio.run(main())
+        assert order == [(2, "first2"), (3, "first3"), (0, "t0"), (1, "t1")]
+    finally:
+        ctx.destroy(linger=0)
