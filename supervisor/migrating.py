@@ -34,6 +34,7 @@ Send = Callable[[dict], Awaitable[None]]
 Publish = Callable[[dict[str, Any]], None]
 RETRY_STATUSES = {502, 503}
 SAME_PRIMARY_RETRY_S = 0.25
+STREAM_END_WAIT_S = 0.25  # [DONE] -> the end of the engine's chunked body (sent right after it)
 SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no")]
 
@@ -185,6 +186,8 @@ class _Call:
             async for chunk in resp.stream():
                 had_tokens = req.n_output
                 out = req.feed(chunk)
+                if req.done:  # the connection goes back to the pool before our client hears [DONE]
+                    await resp.finish(STREAM_END_WAIT_S)
                 now = time.monotonic()
                 if not had_tokens and req.n_output and not self.migrations:
                     proxy.metrics.router_first_token.observe(now - req.arrived)

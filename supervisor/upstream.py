@@ -246,6 +246,18 @@ class Response:
         finally:
             self.close()
 
+    async def finish(self, timeout_s: float) -> None:
+        """Read what is left of the body (after an event stream's [DONE], only its end) and discard
+        it, so the connection is back in the pool before our client hears the answer is complete:
+        the client may send its next request at once, and it should find this connection idle.
+        Past ``timeout_s``, or on any error, the connection is dropped instead: the answer is whole."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while await self._next_chunk() is not None:
+                    pass
+        except (TimeoutError, UpstreamError):
+            self.close()
+
     def close(self) -> None:
         """Drop the connection unless the body was read whole (then it is back in the pool)."""
         if self._conn is not None:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from supervisor.config import MigrationSection
+from supervisor.httpserve import bind_tcp, make_server
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
 from supervisor.routing import RoutingTable, Upstream
@@ -24,12 +25,13 @@ ENGINE = textwrap.dedent('''
     from fastapi.responses import StreamingResponse
     import uvicorn
     app = FastAPI()
-    seen = []
+    seen, peers = [], []
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = json.loads(await request.body())
         seen.append(body)
+        peers.append(request.client.port)
         cont = body.get("continuation") or {}
         start = len(cont.get("output_token_ids", []))
         die_after = body.get("die_after", {}).get(sys.argv[2])
@@ -47,11 +49,16 @@ ENGINE = textwrap.dedent('''
                 sent += 1
                 await asyncio.sleep(0.01)
             yield "data: [DONE]\\n\\n"
+            await asyncio.sleep(body.get("tail_s", 0))  # the chunked body's end comes this much later
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     @app.get("/seen")
     async def get_seen():
         return seen
+
+    @app.get("/peers")
+    async def get_peers():  # the port each request came from: which connection the router used
+        return peers
 
     @app.get("/health")
     async def health():
@@ -172,3 +179,50 @@ def test_a_streaming_client_gets_one_seamless_stream(engines):
     chunks = [json.loads(x) for x in lines[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "t0 t1 t2 t3 t4 "
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in chunks)
+
+
+def closed_loop(url: str, n: int, tail_s: float) -> list[float]:
+    """A real router on a socket before the engine at `url`; a client sends n streaming requests,
+    each the moment it reads the previous one's [DONE]. Returns each request's seconds to [DONE]."""
+    async def go() -> list[float]:
+        table = RoutingTable()
+        table.set_primary(Upstream(url, "u1", 1))
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10)
+        sock = bind_tcp("127.0.0.1", 0, "router")
+        server = make_server(app, sock, "warning")
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        took = []
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=30) as c:
+                for _ in range(n):
+                    t = asyncio.get_running_loop().time()
+                    body = {"model": "m", "prompt": "p", "max_tokens": 2, "stream": True, "tail_s": tail_s}
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        async for line in r.aiter_lines():
+                            if line == "data: [DONE]":
+                                break
+                    took.append(asyncio.get_running_loop().time() - t)
+        finally:
+            server.should_exit = True
+            await serving
+        return took
+    return asyncio.run(go())
+
+
+def test_a_finished_streams_connection_is_back_in_the_pool_before_its_client_hears_done(engines):
+    """Closed-loop clients send their next request as soon as they read [DONE]; the engine's chunked
+    body ends just after that event. The next request must find the connection idle: a new
+    connection per request costs a connect and an accept in two busy event loops."""
+    closed_loop(engines[0][1], 4, tail_s=0.1)
+    peers = httpx.get(engines[0][1] + "/peers").json()
+    assert len(peers) == 4 and len(set(peers)) == 1, f"one upstream connection expected, got ports {peers}"
+
+
+def test_an_engine_that_never_ends_its_stream_after_done_costs_only_its_connection(engines):
+    """The answer is whole at [DONE]: a stream whose end does not follow is dropped after a short
+    wait (migrating.STREAM_END_WAIT_S), not held up to the upstream timeout."""
+    took = closed_loop(engines[0][1], 2, tail_s=5)
+    assert all(t < 2 for t in took), took
+    peers = httpx.get(engines[0][1] + "/peers").json()
+    assert len(peers) == 2 and peers[0] != peers[1], "the stalled connection must not be reused"
