@@ -18,10 +18,11 @@ import logging
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
 from .engine_client import EngineClient
+from .interrupt import unless_client_leaves
 from .limits import LimitError, RequestLimits
 from .first_output import FirstOutputLatency
 from .metrics import render as render_metrics
@@ -168,9 +169,9 @@ class OpenAIServer:
         if req.stream:  # handed to the core before the response starts: the head costs it no time
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             running = self._start(jobs)
-            return self._sse(self._completion_chunks(running, req.model, rid, created, prompt_tokens, include_usage,
-                                                     prompt_of if ids and req.continuation is None else None,
-                                                     ids), running)
+            return _EventStream(self._completion_chunks(running, req.model, rid, created, prompt_tokens, include_usage,
+                                                        prompt_of if ids and req.continuation is None else None,
+                                                        ids), running)
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
         new_ids: list[list[int]] = [[] for _ in jobs]
         async for i, out in self._run(self._start(jobs)):
@@ -229,8 +230,8 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             running = self._start(jobs)
-            return self._sse(self._chat_chunks(running, req.model, rid, created, len(prompt), include_usage,
-                                               prompt if ids and req.continuation is None else None, ids), running)
+            return _EventStream(self._chat_chunks(running, req.model, rid, created, len(prompt), include_usage,
+                                                  prompt if ids and req.continuation is None else None, ids), running)
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
         new_ids: list[list[int]] = [[] for _ in jobs]
         async for i, out in self._run(self._start(jobs)):
@@ -268,21 +269,6 @@ class OpenAIServer:
         if include_usage:
             yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
                                   total_tokens=prompt_tokens + sum(completion)))
-
-    def _sse(self, chunks: AsyncIterator[str], running: "_Running") -> StreamingResponse:
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for data in chunks:
-                    yield f"data: {data}\n\n"
-                    if CHUNK_DELAY_S:
-                        await asyncio.sleep(CHUNK_DELAY_S)
-            except RequestFailed as e:  # the stream is cut and says so: an error event, no [DONE]
-                log.error("stream failed: %s", e)
-                yield f"data: {json.dumps(e.body())}\n\n"
-                return
-            yield "data: [DONE]\n\n"
-        return _EventStream(body(), running, media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_names[0], created=self.created,
@@ -411,19 +397,38 @@ class _Running:
         self.live.clear()
 
 
-class _EventStream(StreamingResponse):
-    """An SSE response whose sequences were started before it: they are aborted however it ends,
-    also when it ends before its body began (the client left while the head was going out)."""
+class _EventStream:
+    """A streaming answer (server-sent events) whose sequences were started before it, as a bare
+    ASGI callable: its events go out from the request's own task (no task group, no task of its
+    own: see engines/interrupt.py), it stops when the client leaves, the last event and the body's
+    end go out in one write, and the sequences are aborted however it ends, also before its body
+    began. A stream that fails ends with an error event and no [DONE]: cut, and saying so."""
 
-    def __init__(self, content: AsyncIterator[str], running: _Running, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.running = running
+    def __init__(self, chunks: AsyncIterator[str], running: _Running) -> None:
+        self.chunks, self.running = chunks, running
 
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+    async def __call__(self, scope: dict, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await unless_client_leaves(self._send_all(send), receive)
         finally:
             self.running.abort()
+
+    async def _send_all(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        end = b"data: [DONE]\n\n"
+        try:
+            async for data in self.chunks:
+                await send({"type": "http.response.body", "body": b"data: %s\n\n" % data.encode(), "more_body": True})
+                if CHUNK_DELAY_S:
+                    await asyncio.sleep(CHUNK_DELAY_S)
+        except RequestFailed as e:
+            log.error("stream failed: %s", e)
+            end = b"data: %s\n\n" % json.dumps(e.body()).encode()
+        await send({"type": "http.response.body", "body": end, "more_body": False})
+
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
 
 
 def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:

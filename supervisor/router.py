@@ -9,18 +9,17 @@ request pays for this path, so no framework routing or request/response objects 
 (``/healthz``, ``/readyz``) and the lifespan are bare ASGI too."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
 from engines.limits import RequestLimits
 from supervisor.config import MigrationSection
 from supervisor.continuation import Tracked, error_event
-from supervisor.interrupt import Interrupt
+from engines.interrupt import unless_client_leaves
 from supervisor.limits import Refusal, check_request, read_body
 from supervisor.metrics import Metrics
 from supervisor.migrating import Migrator, Publish
@@ -160,7 +159,7 @@ class Proxy:
         """A continuable request; when our client goes away, stop (dropping the upstream connection)."""
         target, headers = _target(scope)
         # its StreamAborted is re-raised: uvicorn aborts the connection, so the cut cannot pass for an end
-        await _unless_client_leaves(self.migrator.serve(tracked, target, headers, send), receive)
+        await unless_client_leaves(self.migrator.serve(tracked, target, headers, send), receive)
 
     async def _forward(self, scope: dict, body: bytes) -> Reply:
         """Send the request to the primary (waiting for one, retrying on a new one) and get its answer."""
@@ -223,7 +222,7 @@ class Proxy:
         """Pass an event stream through chunk by chunk; when our client goes away, stop and drop the
         upstream connection (the engine then stops generating)."""
         try:
-            await _unless_client_leaves(self._pump(reply, resp, send), receive)
+            await unless_client_leaves(self._pump(reply, resp, send), receive)
         finally:
             resp.close()
 
@@ -261,25 +260,6 @@ def _target(scope: dict) -> tuple[bytes, Headers]:
     if query := scope.get("query_string"):
         target += b"?" + query
     return target, [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns once our client has disconnected."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_client_leaves(work: Coroutine[Any, Any, None], receive: Receive) -> None:
-    """Run `work` in this task until it ends (its error re-raised) or our client disconnects (then
-    it is cancelled and this returns)."""
-    interrupt = Interrupt()
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    watcher.add_done_callback(lambda w: w.cancelled() or interrupt.fire())
-    try:
-        with interrupt:
-            await work
-    finally:
-        watcher.cancel()
 
 
 def _error_body(message: str, type_: str, code: int) -> dict:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from supervisor.interrupt import Interrupt
+from engines.interrupt import Interrupt
 
 T = TypeVar("T")
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A serving change against its base on one H200, interleaved in one device call: these machines
+# differ by several ms of time to first token from one start to the next, so a change is only
+# measured against a base that runs on the same machine in the same minutes.
+#   rm -rf _base && mkdir _base && git archive BASE | tar -x -C _base
+#   bash bench/gpu_ab.sh _base        # RUNS=3, WORKLOAD=shared-prefix, CONC=32 by default
+# Both nodes serve at once on GPU 0 (configs/h200-1b.yaml, the 1b preset, bf16): this tree on ports
+# 8000/8001, the base on 8100/8101, each with its own runtime dir. The same client (this tree's
+# `understudy bench serve`, 15 s per run, no static decode) loads each in turn, base and this tree
+# alternating in ABBA order. Prints each run's row, then the medians.
+source bench/gpu_env.sh
+BASE=$(cd "${1:?usage: $0 BASE_DIR}" && pwd)
+ln -sfn "$PWD/.whl" "$BASE/.whl"
+RUNS=${RUNS:-3}
+node() {  # node NAME PORT DIR: a config for the node, then `understudy serve` from DIR's code
+  sed "s#preset: 1b#path: $M#; s#port: 8000#port: $2#; s#port: 8001#port: $(($2 + 1))#" configs/h200-1b.yaml \
+    > /tmp/$1.yaml
+  printf 'runtime_dir: /tmp/rt-%s\ncache_dir: /tmp/cache-%s\n' "$1" "$1" >> /tmp/$1.yaml
+  (cd "$3" && PYTHONPATH=/tmp/site:$3 exec python3 -m supervisor.cli serve -c /tmp/$1.yaml) > "$OUT/serve_$1.log" 2>&1 &
+  eval "pid_$1=$!"
+}
+node new 8000 "$PWD"
+node base 8100 "$BASE"
+for n in new base; do
+  wait_ready "http://127.0.0.1:$([ $n = new ] && echo 8000 || echo 8100)" && all_ready /tmp/$n.yaml \
+    || { tail -30 "$OUT/serve_$n.log"; kill -9 $pid_new $pid_base; exit 1; }
+done
+B="python3 -m supervisor.cli bench serve --client-procs 8 --workload ${WORKLOAD:-shared-prefix} --no-static --duration 15"
+for i in $(seq "$RUNS"); do
+  order="base new"; [ $((i % 2)) = 0 ] && order="new base"
+  for n in $order; do
+    row=$(timeout 120 $B -c /tmp/$n.yaml --concurrency ${CONC:-32} 2>>"$OUT/bench.err" | grep -E "^ +${CONC:-32} ")
+    echo "$n $i $row" | tee -a "$OUT/ab_rows.txt"
+  done
+done
+kill -TERM $pid_new $pid_base; wait $pid_new $pid_base
+python3 - "$OUT/ab_rows.txt" <<'PY'
+import statistics, sys
+rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 10]
+print("tree  runs  TTFT p50 ms  TTFT p99 ms  out tok/s  ITL p50 ms   (medians of bench serve's rows)")
+for tree in ("base", "new"):
+    r = [x for x in rows if x[0] == tree]
+    med = lambda col: statistics.median(float(x[col]) for x in r)
+    print(f"{tree:5} {len(r):4}  {med(7):10.2f}  {med(8):11.2f}  {med(5):9.1f}  {med(9):10.2f}")
+PY
