@@ -6,7 +6,7 @@
 #   bash bench/gpu_ab.sh _base        # RUNS=3, WORKLOAD=shared-prefix, CONC=32 by default
 # Both nodes serve at once on GPU 0 (configs/h200-1b.yaml, the 1b preset, bf16): this tree on ports
 # 8000/8001, the base on 8100/8101, each with its own runtime dir. The same client (this tree's
-# `understudy bench serve`, 15 s per run, no static decode) loads each in turn, base and this tree
+# `understudy bench serve`, DURATION=15 s per run, no static decode) loads each in turn, base and this tree
 # alternating in ABBA order. Prints each run's row, then the medians.
 source bench/gpu_env.sh
 BASE=$(cd "${1:?usage: $0 BASE_DIR}" && pwd)
@@ -25,7 +25,7 @@ for n in new base; do
   wait_ready "http://127.0.0.1:$([ $n = new ] && echo 8000 || echo 8100)" && all_ready /tmp/$n.yaml \
     || { tail -30 "$OUT/serve_$n.log"; kill -9 $pid_new $pid_base; exit 1; }
 done
-B="python3 -m supervisor.cli bench serve --client-procs 8 --workload ${WORKLOAD:-shared-prefix} --no-static --duration 15"
+B="python3 -m supervisor.cli bench serve --client-procs 8 --workload ${WORKLOAD:-shared-prefix} --no-static --duration ${DURATION:-15}"
 for i in $(seq "$RUNS"); do
   order="base new"; [ $((i % 2)) = 0 ] && order="new base"
   for n in $order; do
