@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
 from .engine_client import EngineClient
+from . import sse
 from .interrupt import unless_client_leaves
 from .limits import LimitError, RequestLimits
 from .first_output import FirstOutputLatency
@@ -414,8 +415,8 @@ class _EventStream:
             self.running.abort()
 
     async def _send_all(self, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        end = b"data: [DONE]\n\n"
+        await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+        end = sse.DONE
         try:
             async for data in self.chunks:
                 await send({"type": "http.response.body", "body": b"data: %s\n\n" % data.encode(), "more_body": True})
@@ -425,10 +426,6 @@ class _EventStream:
             log.error("stream failed: %s", e)
             end = b"data: %s\n\n" % json.dumps(e.body()).encode()
         await send({"type": "http.response.body", "body": end, "more_body": False})
-
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
 
 
 def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:

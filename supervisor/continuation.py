@@ -20,6 +20,8 @@ import secrets
 import time
 from typing import Any
 
+from engines import sse
+
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
 # The extension fields as the engine writes them (compact JSON). A literal `,"` never occurs inside
@@ -114,7 +116,7 @@ class Tracked:
     def _event(self, payload: bytes) -> bytes | None:
         if payload == b"[DONE]":
             self.done = True
-            return b"data: [DONE]\n\n" if self.client_stream else None
+            return sse.DONE if self.client_stream else None
         c = json.loads(payload)
         if self.rid is None:
             self.rid, self.created, self.model = c.get("id"), c.get("created"), c.get("model")
@@ -172,7 +174,7 @@ class Tracked:
             obj = "text_completion" if self.kind == "completions" else "chat.completion.chunk"
             out += b"data: " + _dump({"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                                       "choices": [], "usage": self._usage()}) + b"\n\n"
-        return out + b"data: [DONE]\n\n"
+        return out + sse.DONE
 
     def whole_response(self) -> bytes:
         """The one JSON response a non-streaming client asked for, from the spliced stream."""

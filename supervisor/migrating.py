@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from engines import sse
 from supervisor.config import MigrationSection
 from supervisor.continuation import Tracked, error_event
 from supervisor.routing import PrimaryLost, Upstream
@@ -35,8 +36,6 @@ Publish = Callable[[dict[str, Any]], None]
 RETRY_STATUSES = {502, 503}
 SAME_PRIMARY_RETRY_S = 0.25
 STREAM_END_WAIT_S = 0.25  # [DONE] -> the end of the engine's chunked body (sent right after it)
-SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                        (b"x-accel-buffering", b"no")]
 
 
 class StreamAborted(Exception):
@@ -200,7 +199,7 @@ class _Call:
                             self.started = True
                             proxy.count_status(200)
                             await self.send({"type": "http.response.start", "status": 200,
-                                             "headers": SSE_HEADERS + engine_headers})
+                                             "headers": sse.HEADERS + engine_headers})
                             proxy.served(up.epoch, 200, now)  # as the client times it: its first chunk
                         await self.send({"type": "http.response.body", "body": out, "more_body": True})
                         self.last_sent = now
@@ -230,7 +229,7 @@ class _Call:
         if not self.started:
             self.started = True
             self.m.proxy.count_status(200)
-            await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def _refused(self, r: _Refused) -> None:

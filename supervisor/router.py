@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
+from engines.interrupt import unless_client_leaves
 from engines.limits import RequestLimits
 from supervisor.config import MigrationSection
 from supervisor.continuation import Tracked, error_event
-from engines.interrupt import unless_client_leaves
 from supervisor.limits import Refusal, check_request, read_body
 from supervisor.metrics import Metrics
 from supervisor.migrating import Migrator, Publish

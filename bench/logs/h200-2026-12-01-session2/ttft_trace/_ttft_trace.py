@@ -1,4 +1,4 @@
-"""TEMPORARY diagnosis (not committed): per-request TTFT timeline and event-loop lag, as JSON lines
+"""Temporary diagnosis, kept as a record (not part of the product): per-request TTFT timeline and event-loop lag, as JSON lines
 in $UNDERSTUDY_TTFT_TRACE/<pid>.jsonl. time.monotonic() is CLOCK_MONOTONIC: comparable across processes."""
 import asyncio, json, os, time
 DIR = os.environ.get("UNDERSTUDY_TTFT_TRACE")
