@@ -59,7 +59,8 @@ class FirstOutputLatency:
 
 def stamp_arrival(app: Callable[[dict, Callable, Callable], Awaitable[None]]):
     """ASGI wrapper: each HTTP request's arrival, for `FirstOutputLatency.submitted` (a context
-    variable: the streaming body runs in a task of its own, which inherits it)."""
+    variable: set in the request's task, read where its endpoint hands it to the core, without
+    passing the ASGI scope down to the endpoints)."""
     async def stamped(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
             ARRIVED.set(time.monotonic())
