@@ -1,20 +1,22 @@
 """The front end's view of the engine core (engines/core_link.py): `submit`, `abort`, `stats` and
 `alive` as LLMEngine has them, over the link; outputs come back a step at a time and are handed
-to each request on the event loop."""
+to each request on the event loop.
+
+The core's messages are read by a reader callback on the zmq socket's file descriptor, not by a
+task awaiting `recv`: a step's outputs reach the requests in the loop round that sees them, one
+round sooner than through a task's wake-up, and with no future per message."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from typing import Callable
 
 import zmq
-import zmq.asyncio
 
-from .core_link import encode
+from .core_link import decode, encode
 from .sampling import SamplingParams
 from .sequence import Output
 
@@ -25,9 +27,10 @@ class EngineClient:
     """Lives on the front end's event loop; `run()` reads the core's messages until `stop`."""
 
     def __init__(self, to_core: str, to_frontend: str):
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # queue in zmq's thread: a send never blocks the loop
         self._push.connect(to_core)
         self._pull = ctx.socket(zmq.PULL)
         self._pull.connect(to_frontend)
@@ -65,31 +68,56 @@ class EngineClient:
 
     # ---- the core's messages ---------------------------------------------------------------
     async def run(self) -> None:
-        while True:
-            msg = json.loads(await self._pull.recv())
-            op = msg["op"]
-            if "stats" in msg:
-                self._stats, self._stats_at = msg["stats"], time.monotonic()
-            if op == "out":
-                outs = [(key, Output(*fields)) for key, *fields in msg["outs"]]
-                outs.sort(key=_not_first)  # first outputs first: see _not_first
-                for key, out in outs:
-                    emit = self._emits.get(key)
-                    if out.finish_reason is not None:
-                        self._emits.pop(key, None)
-                    if emit is not None:
-                        emit(out)
-            elif op == "serve" and self.on_serve:
-                self.on_serve(msg)
-            elif op == "drain" and self.on_drain:
-                self.on_drain()
-            elif op == "stop":
-                if self.on_stop:
-                    self.on_stop()
+        """Read the core's messages until it says `stop`."""
+        loop = asyncio.get_running_loop()
+        self._stopped = loop.create_future()
+        fd = self._pull.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain)
+        try:
+            self._drain()  # messages queued before the reader was added raise no edge of their own
+            await self._stopped
+        finally:
+            loop.remove_reader(fd)
+
+    def _drain(self) -> None:
+        """Handle every message queued (zmq's descriptor signals an edge: read until none is left)."""
+        while not self._stopped.done():
+            try:
+                raw = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
                 return
+            try:
+                self._handle(decode(raw))
+            except Exception:  # a malformed message must not stop the reader
+                log.exception("bad message from the core")
+
+    def _handle(self, msg: dict) -> None:
+        op = msg["op"]
+        if "stats" in msg:
+            self._stats, self._stats_at = msg["stats"], time.monotonic()
+        if op == "out":
+            outs = [(key, Output(*fields)) for key, *fields in msg["outs"]]
+            outs.sort(key=_not_first)  # first outputs first: see _not_first
+            for key, out in outs:
+                emit = self._emits.get(key)
+                if out.finish_reason is not None:
+                    self._emits.pop(key, None)
+                if emit is not None:
+                    try:
+                        emit(out)
+                    except Exception:  # one request's failure is not the others'
+                        log.exception("delivering an output of request %d", key)
+        elif op == "serve" and self.on_serve:
+            self.on_serve(msg)
+        elif op == "drain" and self.on_drain:
+            self.on_drain()
+        elif op == "stop":
+            if self.on_stop:
+                self.on_stop()
+            self._stopped.set_result(None)
 
     def _send(self, msg: dict) -> None:
-        self._push.send(encode(msg))  # zmq queues it: never blocks the loop
+        self._push.send(encode(msg), zmq.NOBLOCK)  # no high-water mark: zmq queues it
 
 
 def _not_first(item: tuple[int, Output]) -> bool:

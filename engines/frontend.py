@@ -10,6 +10,7 @@ import os
 import signal
 
 from .config import EngineConfig
+from . import event_loop
 from .engine_client import EngineClient
 from .first_output import stamp_arrival
 from .guarded_http import guarded_config
@@ -32,7 +33,7 @@ def run_frontend(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
     libc.prctl(_PR_SET_NAME, f"engine-{cfg.name}-http".encode()[:15], 0, 0, 0)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a group signal means "drain": the core decides
         signal.signal(sig, signal.SIG_IGN)
-    return asyncio.run(_serve(cfg, tokenizer, model_names, max_model_len, vocab_size, to_core, to_frontend))
+    return event_loop.run(_serve(cfg, tokenizer, model_names, max_model_len, vocab_size, to_core, to_frontend))
 
 
 async def _serve(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,

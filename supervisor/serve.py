@@ -1,7 +1,6 @@
 """`understudy serve`: config -> checks -> Supervisor.run(); boot errors exit non-zero with one line."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ def serve(config_path: str | None) -> int:
         print(f"understudy: {e}", file=sys.stderr)
         return 2
     log.info("runtime dir %s, model %s on %s, %d engines", sup.rd, sup.model_path, sup.device, len(sup.engines))
-    rc = asyncio.run(sup.run())
+    from engines import event_loop
+    rc = event_loop.run(sup.run())
     log.debug("event loop closed")
     return rc

@@ -36,3 +36,36 @@ def test_a_steps_first_outputs_are_handed_out_before_the_rest(tmp_path: Path) ->
         assert order == [(2, "first2"), (3, "first3"), (0, "t0"), (1, "t1")]
     finally:
         ctx.destroy(linger=0)
+
+
+def test_messages_that_arrive_while_it_waits_are_read_and_a_failing_emit_stops_nothing(tmp_path: Path) -> None:
+    """The reader is a callback on zmq's descriptor: outputs sent after it started waiting reach
+    their requests (each send is a new edge), several queued at once are all read, and one
+    request's emit raising leaves the others and the reader running."""
+    to_core, to_frontend = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
+    ctx = zmq.Context()
+    core_in, core_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    core_in.bind(to_core)
+    core_out.bind(to_frontend)
+    try:
+        async def main() -> list[str]:
+            client = EngineClient(to_core, to_frontend)
+            got: list[str] = []
+
+            def broken(out) -> None:  # noqa: ANN001
+                raise RuntimeError("a request's emit failed")
+            bad = client.submit([1], SamplingParams(max_tokens=4), broken)
+            good = client.submit([1], SamplingParams(max_tokens=4), lambda out: got.append(out.delta))
+            reader = asyncio.ensure_future(client.run())
+            for i in range(3):
+                await asyncio.sleep(0.05)  # the reader is idle, waiting on the descriptor
+                outs = [[k, 0, f"{k}:{i}", None, 1, 1, [7], None, None] for k in (bad, good)]
+                core_out.send(encode({"op": "out", "outs": outs}))
+                core_out.send(encode({"op": "stats", "stats": {"steps": i}}))
+            core_out.send(encode({"op": "stop"}))
+            await asyncio.wait_for(reader, 10)
+            assert client.stats() == {"steps": 2}
+            return got
+        assert asyncio.run(main()) == ["1:0", "1:1", "1:2"]
+    finally:
+        ctx.destroy(linger=0)
