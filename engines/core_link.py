@@ -13,13 +13,13 @@ Output fields; and the stats after the step), `stats` (every heartbeat), `serve`
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
 from pathlib import Path
 from typing import Callable
 
+import orjson
 import zmq
 
 from daemon.runtime_dir import ensure_private_dir
@@ -38,7 +38,10 @@ def endpoints(runtime_dir: str) -> tuple[str, str]:
 
 
 def encode(msg: dict) -> bytes:
-    return json.dumps(msg, separators=(",", ":")).encode()
+    return orjson.dumps(msg)
+
+
+decode = orjson.loads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +100,7 @@ class CoreLink:
     def _receive(self) -> None:
         while True:
             try:
-                msg = json.loads(self._pull.recv())
+                msg = decode(self._pull.recv())
                 op = msg["op"]
                 if op == "add":
                     params = SamplingParams(**msg["params"])

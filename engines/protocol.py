@@ -75,7 +75,9 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # list[int] first: a long id list then validates in one pass (smart mode tried the others on it
+    # first: 180 us for 1.5k ids instead of 14)
+    prompt: list[int] | str | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     echo: bool = False

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import logging
 
+import orjson
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -313,7 +314,7 @@ async def _generate(scope: dict, receive, model, endpoint) -> Response | None:
         if not message.get("more_body", False):
             break
     try:
-        req = model.model_validate(json.loads(b"".join(chunks)))
+        req = model.model_validate(orjson.loads(b"".join(chunks)))
     except ValidationError as e:
         return _invalid_body(e.errors())
     except ValueError as e:  # not JSON (JSONDecodeError says where), or not text at all

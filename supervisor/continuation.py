@@ -14,11 +14,12 @@ chunks handled whole, so a replay always matches the text the client has.
 """
 from __future__ import annotations
 
-import json
+import random
 import re
-import secrets
 import time
 from typing import Any
+
+import orjson
 
 from engines import sse
 
@@ -29,8 +30,11 @@ _IDS = ("prompt_token_ids", "token_ids")
 _STRIP = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
 
 
+_SEEDS = random.Random()  # seeded from os.urandom once: no system call per request, as secrets makes
+
+
 def _dump(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return orjson.dumps(obj)
 
 
 class Tracked:
@@ -44,7 +48,7 @@ class Tracked:
         opts = req.get("stream_options")
         self.include_usage = self.client_stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
         if req.get("seed") is None:  # the draw is a function of (seed, position): fix it now
-            req["seed"] = secrets.randbits(63)
+            req["seed"] = _SEEDS.getrandbits(63)
         self.rid: str | None = None
         self.created: int | None = None
         self.model: str | None = None
@@ -69,7 +73,7 @@ class Tracked:
         if kind is None:
             return None
         try:
-            req = json.loads(body)
+            req = orjson.loads(body)
         except ValueError:
             return None
         if not isinstance(req, dict) or "continuation" in req or req.get("n", 1) != 1 \
@@ -117,7 +121,7 @@ class Tracked:
         if payload == b"[DONE]":
             self.done = True
             return sse.DONE if self.client_stream else None
-        c = json.loads(payload)
+        c = orjson.loads(payload)
         if self.rid is None:
             self.rid, self.created, self.model = c.get("id"), c.get("created"), c.get("model")
         same = c.get("id") == self.rid and c.get("created") == self.created  # not a continuation's chunk
