@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 from engines.kernels.attention import decode_attention  # noqa: E402
 from engines.kernels.gemv import fused_gemv  # noqa: E402
-from engines.kernels.paged_attention import paged_attention, query_block  # noqa: E402
+from engines.kernels.paged_attention import paged_attention, query_block, split_keys  # noqa: E402
 from engines.models import AttnMeta, build_model, read_model_args  # noqa: E402
 from engines.models.fused_decode import fused_decode  # noqa: E402
 from engines.models.paged import query_blocks, reference_paged_attention, sequence_meta  # noqa: E402
@@ -138,6 +138,60 @@ def test_paged_attention_kernel_matches_the_reference(dtype: torch.dtype, heads:
                    seq_lens=torch.tensor([1, 70, 0]), block_tables=tables[:3], max_q_len=1)
     got = kernel(q[:2], dec, query_block(heads, kv_heads, True))
     torch.testing.assert_close(got.float(), want[:2].to(DEV), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 6), (4, 1)])
+def test_rope_and_cache_write_the_rows_as_rope_then_write_kv(dtype: torch.dtype, heads: int, kv_heads: int) -> None:
+    """The fused kernel against apply_rope + write_kv: the same rotated queries, the same cache rows
+    written (keys rotated, values as they were), every other row untouched."""
+    from engines.kernels.rope_cache import rope_and_cache
+    from engines.models.paged import write_kv
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    t, d, blocks, bs, positions = 11, 32, 6, 4, 64
+    qkv = torch.randn(t, heads + 2 * kv_heads, d, generator=g).to(DEV, dtype)
+    table = torch.randn(positions, d // 2, generator=g)
+    pos = torch.randint(0, positions, (t,), generator=g)
+    cos, sin = (x.to(DEV) for x in rope_factors(table[pos].cos(), table[pos].sin(), dtype))
+    slots = torch.randperm(blocks * bs, generator=g)[:t].to(DEV)
+    cache = torch.randn(2, blocks, bs, kv_heads, d, generator=g).to(DEV, dtype)
+    want_cache = cache.clone()
+    q, k = apply_rope(qkv[:, :heads + kv_heads], cos, sin).split((heads, kv_heads), dim=1)
+    write_kv(want_cache, slots, k, qkv[:, heads + kv_heads:])
+    got = rope_and_cache(qkv, cos, sin, cache, slots, heads, kv_heads)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, q, **tol)
+    torch.testing.assert_close(cache, want_cache, **tol)
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert torch.equal(cache.view(2, -1, kv_heads, d)[:, untouched.to(DEV)],
+                       want_cache.view(2, -1, kv_heads, d)[:, untouched.to(DEV)])
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_long_decode_rows_are_split_and_combined_as_one(dtype: torch.dtype) -> None:
+    """Decode rows longer than a split (flash-decoding: parts over the grid, then combined) agree
+    with the reference: at a split's edge, one past it, across many splits and at the cache's end;
+    beside a short row, a prefill chunk after long context (never split) and a padding sequence."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, bs = 8, 2, 32, 16
+    max_blocks = 2048 // bs
+    assert split_keys(max_blocks * bs) == 256  # 8 splits
+    shape = [(1, 256), (1, 257), (1, 5), (1, 1500), (1, 2048), (9, 900), (0, 0)]  # (rows, length after)
+    num_blocks = len(shape) * max_blocks + 1
+    tables = shuffled_tables(g, len(shape), max_blocks, num_blocks)
+    t = sum(n for n, _ in shape)
+    q = torch.randn(t, heads, d, generator=g).to(DEV, dtype)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d, generator=g).to(DEV, dtype)
+    cu = torch.tensor([0] + [n for n, _ in shape]).cumsum(0)
+    meta = AttnMeta(slot_mapping=torch.zeros(t, dtype=torch.long), cu_q=cu,
+                    seq_lens=torch.tensor([n for _, n in shape]), block_tables=tables, max_q_len=9)
+    want = reference_paged_attention(q.float(), cache[0].float(), cache[1].float(), meta)
+    block_q = query_block(heads, kv_heads, False)
+    cu_qb = query_blocks([n for n, _ in shape], block_q)
+    got = paged_attention(q, cache[0], cache[1], cu.to(DEV), meta.seq_lens.to(DEV), tables.to(DEV),
+                          torch.tensor(cu_qb).to(DEV), cu_qb[-1] + 3, block_q)
+    torch.testing.assert_close(got.float(), want.to(DEV), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)

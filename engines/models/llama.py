@@ -76,8 +76,12 @@ class Attention(nn.Module):
                 kv: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
-        q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)
-        write_kv(kv, meta.slot_mapping, k, qkv[:, self.heads + self.kv_heads:])
+        if qkv.is_cuda:
+            from engines.kernels.rope_cache import rope_and_cache
+            q = rope_and_cache(qkv, cos, sin, kv, meta.slot_mapping, self.heads, self.kv_heads)
+        else:
+            q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)
+            write_kv(kv, meta.slot_mapping, k, qkv[:, self.heads + self.kv_heads:])
         out = paged_attention(q, kv, meta)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
