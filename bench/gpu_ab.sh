@@ -7,7 +7,8 @@
 # Both nodes serve at once on GPU 0 (configs/h200-1b.yaml, the 1b preset, bf16): this tree on ports
 # 8000/8001, the base on 8100/8101, each with its own runtime dir. The same client (this tree's
 # `understudy bench serve`, DURATION=15 s per run, no static decode) loads each in turn, base and this tree
-# alternating in ABBA order. Prints each run's row, then the medians.
+# alternating in ABBA order. Prints each run's row, then the medians; $OUT/memory.txt has the GPU memory
+# of every process of both nodes.
 source bench/gpu_env.sh
 BASE=$(cd "${1:?usage: $0 BASE_DIR}" && pwd)
 ln -sfn "$PWD/.whl" "$BASE/.whl"
@@ -33,6 +34,10 @@ for i in $(seq "$RUNS"); do
     echo "$n $i $row" | tee -a "$OUT/ab_rows.txt"
   done
 done
+for n in new base; do  # GPU memory per process, and each node's pids (same kv_cache_bytes in both)
+  echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml
+done > "$OUT/memory.txt" 2>&1
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
 kill -TERM $pid_new $pid_base; wait $pid_new $pid_base
 python3 - "$OUT/ab_rows.txt" <<'PY'
 import statistics, sys

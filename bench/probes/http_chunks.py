@@ -40,7 +40,7 @@ async def main():
     app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=30)
     sock = bind_tcp("127.0.0.1", port, "router")
     await make_server(app, sock, "warning", name="router").serve(sockets=[sock])
-asyncio.run(main())
+from engines import event_loop; event_loop.run(main())
 '''
 
 
@@ -77,7 +77,7 @@ async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arg
 async def client(port: int, args, stop_at: float, ttft: list[float], counts: list[int],
                  total: list[float] | None = None) -> None:
     """Closed loop: stream a completion, read to the end of the chunked body, again."""
-    body = json.dumps({"model": args.model_name, "prompt": list(range(10, 10 + args.prompt_ids)),
+    body = json.dumps({"model": args.model_name, "prompt": [10 + i % 500 for i in range(args.prompt_ids)],  # within a tiny vocabulary
                        "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0,
                        "return_token_ids": True}).encode()
     req = (b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
