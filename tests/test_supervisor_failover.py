@@ -158,14 +158,17 @@ def test_kill_standby_is_replaced_and_primary_traffic_untouched(sup):
 
 def test_both_engines_killed_requests_wait_for_the_first_replacement(sup):
     st = sup.wait_all_ready()
-    pids = [e["pid"] for e in st["engines"]]
+    prim, sb = sup.primary(), sup.standby()
     mark = len(sup.events)
     with Load(sup.router_url, "model", threads=2) as load:
         time.sleep(0.3)
-        for pid in pids:  # both frozen first, so both die at once: were the second to die after taking
-            os.kill(pid, signal.SIGSTOP)  # requests, one in flight at both deaths would be quarantined
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+        # The standby first, and the primary once the supervisor knows the standby is gone (its
+        # replacement is seconds away): were the standby promoted and sent requests before its own
+        # death, a request in flight at both deaths would rightly be quarantined.
+        os.kill(sb["pid"], signal.SIGKILL)
+        sup.wait_event(lambda e: e["type"] == "transition" and e["engine"] == sb["name"] and e["from"] == "READY",
+                       since=mark, timeout_s=30)
+        os.kill(prim["pid"], signal.SIGKILL)
         ev = sup.wait_event(lambda e: e["type"] == "failover" and e["seconds"] > 0.05, since=mark, timeout_s=60)
         time.sleep(0.3)
     assert load.failures == [], load.failures[:5]  # held, then served by the first engine back
