@@ -10,7 +10,7 @@
 # alternating in ABBA order. Prints each run's row, then the medians; $OUT/memory.txt has the GPU memory
 # of every process of both nodes.
 source bench/gpu_env.sh
-BASE=$(cd "${1:?usage: $0 BASE_DIR}" && pwd)
+BASE=$(cd "${1:?usage: $0 BASE_DIR}" && pwd) || { echo "gpu_ab.sh: no base tree at $1" >&2; exit 1; }
 ln -sfn "$PWD/.whl" "$BASE/.whl"
 RUNS=${RUNS:-3}
 node() {  # node NAME PORT DIR: a config for the node, then `understudy serve` from DIR's code
