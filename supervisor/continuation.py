@@ -37,6 +37,18 @@ def _dump(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
+def parse_request(path: str, body: bytes) -> Any:
+    """The JSON body of a generation request, parsed once for the router's limits and tracking;
+    None for other paths and for a body that is not JSON (nesting too deep included): such a body
+    passes through, and the engine names what is wrong with it."""
+    if path not in PATHS:
+        return None
+    try:
+        return orjson.loads(body)
+    except ValueError:
+        return None
+
+
 class Tracked:
     """A request the router can continue on another engine."""
 
@@ -66,17 +78,12 @@ class Tracked:
         self._buf = b""
 
     @classmethod
-    def parse(cls, path: str, body: bytes, max_ids: int = 1 << 62, arrived: float | None = None) -> "Tracked | None":
-        """A Tracked for a request the router can continue exactly, else None (passed through as is:
-        not JSON, n > 1, several prompts, a continuation already, odd types the engine will refuse)."""
+    def parse(cls, path: str, req: Any, max_ids: int = 1 << 62, arrived: float | None = None) -> "Tracked | None":
+        """A Tracked for a request (its body as `parse_request` read it) the router can continue
+        exactly, else None (passed through as is: not JSON, n > 1, several prompts, a continuation
+        already, odd types the engine will refuse)."""
         kind = PATHS.get(path)
-        if kind is None:
-            return None
-        try:
-            req = orjson.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(req, dict) or "continuation" in req or req.get("n", 1) != 1 \
+        if kind is None or not isinstance(req, dict) or "continuation" in req or req.get("n", 1) != 1 \
                 or req.get("best_of") not in (None, 1):
             return None
         if not all(isinstance(req.get(k, False), bool) for k in ("stream", "return_token_ids")):

@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+from typing import Any
 import resource
 from collections.abc import Awaitable, Callable
 
@@ -23,7 +23,6 @@ from supervisor.config import UnderstudyConfig
 log = logging.getLogger("understudy")
 
 Receive = Callable[[], Awaitable[dict]]
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 FD_RESERVE = 128  # descriptors kept for everything but client connections (children, zmq, files)
 ENGINE_SLACK = 64  # an engine's listener: the router's pool plus probes and canaries
 
@@ -68,14 +67,10 @@ async def read_body(scope: dict, receive: Receive, max_bytes: int, timeout_s: fl
                                       "code": "body_timeout_s"}}) from None
 
 
-def check_request(path: str, body: bytes, limits: RequestLimits) -> None:
-    """Prompts per request, n, prompts x n of a completion request (Refusal when over)."""
-    if path not in COMPLETION_PATHS or not body.lstrip()[:1] == b"{":
-        return
-    try:
-        req = json.loads(body)
-    except ValueError:
-        return  # the engine answers malformed JSON with its own error
+def check_request(path: str, req: Any, limits: RequestLimits) -> None:
+    """Prompts per request, n, prompts x n of a completion request, `req` its body as
+    supervisor/continuation.py `parse_request` read it (Refusal when over; anything but a JSON
+    object passes: the engine answers it with its own error)."""
     if not isinstance(req, dict):
         return
     n = req.get("n", 1)

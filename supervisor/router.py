@@ -19,7 +19,7 @@ from urllib.parse import quote
 from engines.interrupt import unless_client_leaves
 from engines.limits import RequestLimits
 from supervisor.config import MigrationSection
-from supervisor.continuation import Tracked, error_event
+from supervisor.continuation import Tracked, error_event, parse_request
 from supervisor.limits import Refusal, check_request, read_body
 from supervisor.metrics import Metrics
 from supervisor.migrating import Migrator, Publish
@@ -134,8 +134,9 @@ class Proxy:
         try:  # bounded: size, time, prompts and n (supervisor/limits.py)
             limits = self.limits
             body = await read_body(scope, receive, (limits or DEFAULT_LIMITS).max_body_bytes, self.body_timeout_s)
-            if body is not None and limits is not None:
-                check_request(scope["path"], body, limits)
+            req = parse_request(scope["path"], body) if body is not None else None
+            if limits is not None:
+                check_request(scope["path"], req, limits)
         except Refusal as e:
             self.metrics.router_requests.labels(code=str(e.status)).inc()
             await _send_whole(send, _json_reply(e.status, e.body, [(b"connection", b"close")] if e.status != 400 else []))
@@ -143,7 +144,7 @@ class Proxy:
         if body is None:  # our client left before sending its request whole
             return
         cfg = self.migrator.cfg
-        tracked = Tracked.parse(scope["path"], body, cfg.max_replay_tokens, arrived) \
+        tracked = Tracked.parse(scope["path"], req, cfg.max_replay_tokens, arrived) \
             if cfg.enabled and scope["method"] == "POST" else None
         if tracked is not None:
             await self._tracked(scope, tracked, receive, send)

@@ -116,6 +116,20 @@ def test_thousand_prompts_times_n_refused_and_normal_request_is_not_starved(sup)
     assert incarnations(sup) == before
 
 
+def test_deeply_nested_body_gets_400_naming_the_json_problem(sup):
+    """5,000 nested arrays (8 KB): the router and the engine each parse a body once, and a parser
+    that gives up on its depth must become a clear 400, never a 500 or a crash."""
+    before = incarnations(sup)
+    body = b'{"model": "%s", "prompt": %s%s}' % (sup.model.encode(), b"[" * 5000, b"]" * 5000)
+    for url in (sup.router_url, sup.primary()["url"]):
+        r = httpx.post(url + "/v1/completions", content=body, timeout=30, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (url, r.text[:300])
+        err = r.json()["error"]
+        assert err["code"] == "invalid_json" and "not valid JSON" in err["message"], err
+    normal_request(sup)
+    assert incarnations(sup) == before
+
+
 def _open_idle(url: str, count: int) -> list[socket.socket]:
     host, port = url.removeprefix("http://").split(":")
     socks = []
