@@ -213,6 +213,11 @@ def test_chaos_hostile_faults_are_refused_cleanly(sup):
     big = FaultRecord(index=0, kind="big-request", t=time.time())
     idle = FaultRecord(index=1, kind="idle-connections", t=time.time())
     with Load(sup.router_url, sup.model, threads=1) as load:
+        # the load's connection first: a client that connects while the node is at its cap is refused,
+        # which it may see as a reset after connecting rather than as a connect error
+        deadline = time.monotonic() + 30
+        while not load.results and time.monotonic() < deadline:
+            time.sleep(0.02)
         asyncio.run(big_request(big, sup.router_url))
         asyncio.run(idle_connections(idle, sup.router_url, count=4 * CAP, hold_s=3.0))
     assert big.error is None and big.detail["http_status"] == 413 and big.detail["code"] == "max_body_bytes", big
