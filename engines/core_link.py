@@ -91,7 +91,7 @@ class CoreLink:
 
     def _deliver(self, batch: list[tuple[Callable, Output]]) -> None:
         """One step's outputs, in one message (scheduler thread)."""
-        outs = [[route.key, *dataclasses.astuple(out)] for route, out in batch]
+        outs = [[route.key, *out.to_row()] for route, out in batch]
         for route, out in batch:
             if out.finish_reason is not None:
                 self._keys.pop(route.key, None)

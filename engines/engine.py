@@ -216,8 +216,8 @@ class LLMEngine:
             if self.runner.tp_size > 1:
                 self._read_back()  # workers need every input token on the host: no overlap under TP
             step = self.runner.prepare(work, self._pending)
-            logits = self.runner.run(step, self._inflight.tokens if self._inflight else None)
-            launch = self._sample([w for w in work if w.samples], logits)
+            logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
+            launch = self._sample([w for w in work if w.samples], logits, picks)
         self._read_back()
         self._inflight = launch
         self._pending = {s.seq_id: row for row, s in enumerate(launch.seqs)} if launch else {}
@@ -231,21 +231,20 @@ class LLMEngine:
             return
         launch = self._inflight
         tokens = launch.wait()
-        failed = launch.failed_rows()  # sampling errors fail their request, never the loop
         for row, (seq, tok) in enumerate(zip(launch.seqs, tokens)):
             seq.unread -= 1
             if seq.finish_reason is None:
-                if row in failed:
-                    seq.fail(failed[row])
+                if tok < 0:  # sampling errors fail their request, never the loop
+                    seq.fail(launch.why_failed(row))
                 else:
                     seq.append(tok)
         self._inflight, self._pending = None, {}
 
-    def _sample(self, work: list[Scheduled], logits: torch.Tensor) -> InFlight:
+    def _sample(self, work: list[Scheduled], logits: torch.Tensor, picks: torch.Tensor) -> InFlight:
         """Launch the draw of each sequence's next token: a function of (seed, its position)."""
         seqs = [w.seq for w in work]
-        tokens, finite, errors = guarded_sample(self.sampler, logits, [s.params for s in seqs],
-                                                [w.start + w.num_new for w in work])
+        tokens, read_back, errors = guarded_sample(self.sampler, logits, picks, [s.params for s in seqs],
+                                                   [w.start + w.num_new for w in work])
         for s in seqs:
             s.unread += 1
-        return InFlight.launch(seqs, tokens, finite, errors)
+        return InFlight.launch(seqs, tokens, read_back, errors)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .sample_guard import NONFINITE
 from .sequence import Sequence
 
 
@@ -16,35 +17,27 @@ class InFlight:
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # on the device; the next decode reads its input ids from here
-    host: torch.Tensor
+    host: torch.Tensor  # the tokens read back: -1 where the row failed (engines/sample_guard.py)
     ready: torch.cuda.Event | None
-    host_finite: torch.Tensor | None = None  # row i's logits were all finite (engines/sample_guard.py)
     errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
 
     @classmethod
-    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor, finite: torch.Tensor | None = None,
+    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor, read_back: torch.Tensor,
                errors: dict[int, str] | None = None) -> InFlight:
-        """Start the device-to-host copy of `tokens` (and their finite flags) without waiting for it."""
+        """Start the device-to-host copy of `read_back` without waiting for it."""
         if tokens.device.type != "cuda":
-            return cls(seqs, tokens, tokens, None, finite, errors or {})
-        host = tokens.to("cpu", non_blocking=True)
-        host_finite = finite.to("cpu", non_blocking=True) if finite is not None else None
+            return cls(seqs, tokens, read_back, None, errors or {})
+        host = read_back.to("cpu", non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whatever thread this is
-        return cls(seqs, tokens, host, ready, host_finite, errors or {})
+        return cls(seqs, tokens, host, ready, errors or {})
 
     def wait(self) -> list[int]:
-        """The tokens on the host (blocks until the step that sampled them has run)."""
+        """The tokens on the host, -1 for a failed row (blocks until the step that sampled them has run)."""
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
 
-    def failed_rows(self) -> dict[int, str]:
-        """After ``wait``: {row: why} for the rows whose token must not be used."""
-        bad = dict(self.errors)
-        if self.host_finite is not None and not bool(self.host_finite.all()):
-            from .sample_guard import NONFINITE
-            for i, ok in enumerate(self.host_finite.tolist()):
-                if not ok:
-                    bad.setdefault(i, NONFINITE)
-        return bad
+    def why_failed(self, row: int) -> str:
+        """Why row's token is -1: its sampling raised, or else its logits were not finite."""
+        return self.errors.get(row, NONFINITE)

@@ -13,6 +13,7 @@ the model's collectives line up. Only rank 0 samples.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,6 +26,7 @@ from .block_manager import PAD_BLOCK
 from .models import AttnMeta, CausalLM
 from .models.paged import query_blocks
 from .models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
+from .sample_guard import greedy_picks
 from .scheduler import Scheduled
 
 log = logging.getLogger("engines.runner")
@@ -41,18 +43,22 @@ class KVBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Offsets of a step's inputs inside the packed int64 buffer (t rows, b sequences)."""
+    """Offsets of a step's inputs inside the packed int64 buffer (t rows, b sequences). The block
+    tables come first, so sequence i's row sits at the same place whatever the step's size: a row
+    written for one step is still right for the next (the runner rewrites only what changed)."""
 
     t: int
     b: int
     max_blocks: int
 
     @property
-    def pos(self) -> int: return self.t
+    def ids(self) -> int: return self.b * self.max_blocks
     @property
-    def slots(self) -> int: return 2 * self.t
+    def pos(self) -> int: return self.ids + self.t
     @property
-    def cu_q(self) -> int: return 3 * self.t
+    def slots(self) -> int: return self.ids + 2 * self.t
+    @property
+    def cu_q(self) -> int: return self.ids + 3 * self.t
     @property
     def cu_qb(self) -> int: return self.cu_q + self.b + 1
     @property
@@ -60,9 +66,7 @@ class Layout:
     @property
     def logit_rows(self) -> int: return self.seq_lens + self.b
     @property
-    def tables(self) -> int: return self.logit_rows + self.b
-    @property
-    def size(self) -> int: return self.tables + self.b * self.max_blocks
+    def size(self) -> int: return self.logit_rows + self.b
 
     def views(self, buf: torch.Tensor, num_logits: int | None, num_programs: int, block_q: int,
               max_q_len: int, search_steps: int) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
@@ -70,11 +74,11 @@ class Layout:
         t, b = self.t, self.b
         meta = AttnMeta(slot_mapping=buf[self.slots:self.slots + t], cu_q=buf[self.cu_q:self.cu_q + b + 1],
                         seq_lens=buf[self.seq_lens:self.seq_lens + b],
-                        block_tables=buf[self.tables:self.size].view(b, self.max_blocks), max_q_len=max_q_len,
+                        block_tables=buf[:self.ids].view(b, self.max_blocks), max_q_len=max_q_len,
                         cu_qblocks=buf[self.cu_qb:self.cu_qb + b + 1], num_programs=num_programs,
                         block_q=block_q, search_steps=search_steps,
                         logit_rows=None if num_logits is None else buf[self.logit_rows:self.logit_rows + num_logits])
-        return buf[:t], buf[self.pos:self.pos + t], meta
+        return buf[self.ids:self.ids + t], buf[self.pos:self.pos + t], meta
 
 
 @dataclass
@@ -113,7 +117,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.block_size = 0
         self.max_blocks = 0
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._sizes_by_kind: dict[int, list[int]] = {DECODE: [], MIXED: []}  # captured sizes per kind, ascending
         attn = model.model.layers[0].self_attn
         group = triton_pow2(attn.heads // attn.kv_heads)
         self.block_q = {True: max(1, 16 // group), False: max(1, 64 // group)}  # decode-only step or not
@@ -144,6 +149,8 @@ class ModelRunner:
         # Two pinned buffers, used in turn: a step is packed while the previous one's copy may not have run.
         self._hosts = [torch.zeros(cap, dtype=torch.long, pin_memory=self.device.type == "cuda") for _ in range(2)]
         self._turn = 0
+        self._tables_written: list[list[tuple[list[int], int]]] = [[], []]  # per buffer, see _write_tables
+        self._arange = np.arange(self.max_rows + 1)
         self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
         reason = fused_decode_unavailable(self.model) if self.fused_kernels else "fused_kernels is false"
         self.model.use_fused_decode = reason is None
@@ -164,14 +171,15 @@ class ModelRunner:
             self._pad(host.numpy(), step, 0, 0, 0)
             self._dev[:step.layout.size].copy_(host[:step.layout.size])
             ids, pos, meta = self._views(step)
-            self.model(ids, pos, meta)  # warm up kernels (Triton compiles) and NCCL outside capture
+            self._forward(ids, pos, meta)  # warm up kernels (Triton compiles) and NCCL outside capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(ids, pos, meta)
+                out = self._forward(ids, pos, meta)
             pool = graph.pool()
             self.graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)
+        self._sizes_by_kind = {k: [s for kk, s in sorted(self.graphs) if kk == k] for k in (DECODE, MIXED)}
         return self.graph_sizes
 
     def _graph_step(self, key: tuple[int, int], host: torch.Tensor) -> Step:
@@ -186,25 +194,23 @@ class ModelRunner:
     def prepare(self, work: list[Scheduled], pending: dict[int, int]) -> Step:
         """Pack the scheduled work into a pinned buffer. `pending` maps a sequence id to the row
         of the previous step's sampled tokens holding its unread last token."""
-        rows = sum(w.num_new for w in work)
-        max_q = max(w.num_new for w in work)
-        b = len(work)
+        q_lens = [w.num_new for w in work]
+        rows, max_q, b = sum(q_lens), max(q_lens), len(work)
         self._turn ^= 1
         host = self._hosts[self._turn]
         key = self._graph_for(rows, b, max_q)
         if key is not None:
             step = self._graph_step(key, host)
         else:
-            bq = self.block_q[max_q == 1]
-            step = Step(Layout(rows, b, self.max_blocks), rows, b, max_q, 0, None, host, bq, 0, [], [])
+            step = Step(Layout(rows, b, self.max_blocks), rows, b, max_q, 0, None, host, self.block_q[max_q == 1],
+                        0, [], [])
         layout, h, bs = step.layout, host.numpy(), self.block_size
-        ids, pos, slots, cu_q, seq_lens, logit_rows = [], [], [], [0], [], []
-        tables = h[layout.tables:layout.size].reshape(layout.b, self.max_blocks)
-        for i, w in enumerate(work):
+        self._write_tables(h, work)
+        ids, pos, slots, seq_lens, logit_rows = [], [], [], [], []
+        row = 0
+        for w in work:
             seq, start, n = w.seq, w.start, w.num_new
             end = start + n
-            known = min(end, seq.num_tokens)
-            row = cu_q[-1]
             if n == 1:
                 pos.append(start)
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
@@ -212,19 +218,22 @@ class ModelRunner:
                 p = np.arange(start, end)
                 pos.extend(p.tolist())
                 slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
-            ids.extend(seq.token_ids(start, known))
-            if known < end:  # its last token is still on the device
+            known = seq.num_tokens
+            if end <= known:
+                ids.extend(seq.token_ids(start, end))
+            else:  # its last token is still on the device
+                ids.extend(seq.token_ids(start, known))
                 ids.append(0)
                 step.pending_rows.append(row + n - 1)
                 step.pending_src.append(pending[seq.seq_id])
-            cu_q.append(row + n)
+            row += n
             seq_lens.append(end)
-            if w.samples:
-                logit_rows.append(row + n - 1)
-            tables[i, :len(seq.block_table)] = seq.block_table
-        q_lens = [w.num_new for w in work]
-        cu_qb = query_blocks(q_lens, step.block_q)
-        h[:rows] = ids
+            if end == known + seq.unread:  # the chunk reaches the sequence's end: its last row samples
+                logit_rows.append(row - 1)
+        cu_q = self._arange[:b + 1] if max_q == 1 else np.cumsum([0] + q_lens)
+        cu_qb = cu_q if step.block_q == 1 or max_q == 1 else query_blocks(q_lens, step.block_q)
+        at = layout.ids
+        h[at:at + rows] = ids
         h[layout.pos:layout.pos + rows] = pos
         h[layout.slots:layout.slots + rows] = slots
         h[layout.cu_q:layout.cu_q + b + 1] = cu_q
@@ -236,17 +245,38 @@ class ModelRunner:
         if key is not None:
             self._pad(h, step, rows, b, len(logit_rows))
         else:
-            step.num_programs = cu_qb[-1]
+            step.num_programs = int(cu_qb[-1])
         return step
+
+    def _write_tables(self, h: np.ndarray, work: list[Scheduled]) -> None:
+        """Sequence i's block table into row i of this buffer's tables. A block table only grows
+        (a preempted sequence gets a new list), so a row that held the same list when this buffer
+        was last packed takes only its new entries: most steps write nothing here."""
+        written = self._tables_written[self._turn]  # row -> (the list it holds, entries written)
+        tables = h[:len(work) * self.max_blocks].reshape(len(work), self.max_blocks)
+        for i, w in enumerate(work):
+            table = w.seq.block_table
+            held, done = written[i] if i < len(written) else (None, 0)
+            if held is not table:
+                done = 0
+            if len(table) > done:
+                tables[i, done:len(table)] = table[done:]
+            if i < len(written):
+                written[i] = (table, len(table))
+            else:
+                written.append((table, len(table)))
 
     def _graph_for(self, rows: int, b: int, max_q: int) -> tuple[int, int] | None:
         """The smallest captured graph that fits the step, if any."""
         kind, n = (DECODE, b) if max_q == 1 else (MIXED, rows)
-        return next(((k, s) for k, s in sorted(self.graphs) if k == kind and s >= n), None)
+        sizes = self._sizes_by_kind[kind]
+        i = bisect.bisect_left(sizes, n)
+        return (kind, sizes[i]) if i < len(sizes) else None
 
-    def run(self, step: Step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Run a prepared step; returns the logits of its sampling rows `[S, vocab]`. Under tensor
-        parallelism every input token must be known on the host (no pending rows)."""
+    def run(self, step: Step, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a prepared step; returns the logits of its sampling rows `[S, vocab]` and their
+        greedy picks `[S]` (engines/sample_guard.py). Under tensor parallelism every input token
+        must be known on the host (no pending rows)."""
         if self.tp_size > 1:
             if step.pending_rows:
                 raise RuntimeError("a tensor-parallel step cannot take its input tokens from the device")
@@ -284,7 +314,7 @@ class ModelRunner:
         belong to no sequence; padding sequences own no rows (so no attention programs); padding
         logit rows read row 0."""
         lay = step.layout
-        h[rows:lay.t] = 0
+        h[lay.ids + rows:lay.ids + lay.t] = 0
         h[lay.pos + rows:lay.pos + lay.t] = 0
         h[lay.slots + rows:lay.slots + lay.t] = PAD_BLOCK * self.block_size
         if b == 0:
@@ -301,16 +331,25 @@ class ModelRunner:
         meta.q_lens_host, meta.seq_lens_host = step.q_lens, step.seq_lens
         return ids, pos, meta
 
-    def _execute(self, step: Step, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's logits and their greedy picks (in the graph, so greedy batches sample for free)."""
+        logits = self.model(ids, pos, meta)
+        return logits, greedy_picks(logits)
+
+    def _execute(self, step: Step, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         self._dev[:step.layout.size].copy_(step.host[:step.layout.size], non_blocking=True)  # one copy
+        if step.graph:  # the graph reads its inputs from the buffer: no views to build
+            if step.pending_rows:
+                at = step.layout.ids
+                self._gather_pending(self._dev[at:at + step.layout.t], step, prev_tokens)
+            graph, (logits, picks) = self.graphs[step.graph]
+            graph.replay()
+            n = step.num_seqs if step.graph[0] == DECODE else step.num_logits
+            return logits[:n], picks[:n]
         ids, pos, meta = self._views(step)
         if step.pending_rows:
             self._gather_pending(ids, step, prev_tokens)
-        if step.graph:
-            graph, out = self.graphs[step.graph]
-            graph.replay()
-            return out[:step.num_seqs] if step.graph[0] == DECODE else out[:step.num_logits]
-        return self.model(ids, pos, meta)
+        return self._forward(ids, pos, meta)
 
     def _gather_pending(self, ids: torch.Tensor, step: Step, prev_tokens: torch.Tensor) -> None:
         n = len(step.pending_rows)

@@ -1,14 +1,16 @@
 """Sampling that fails a request, never the engine.
 
-``guarded_sample`` wraps the batched Sampler for the scheduler loop:
-- rows whose logits are not all finite (NaN/inf: broken weights or activations) are flagged on the
-  device, with no host sync (the flags travel with the tokens in InFlight and are read back with
-  them); their token is replaced by 0 so the next decode step reads a valid id;
-- NaN rows would make ``torch.multinomial`` raise for the whole batch, so the sampler sees their
-  logits zeroed (a harmless uniform draw that is then discarded);
+Every step's logits come with their greedy picks (``greedy_picks``: each row's argmax, or -1 where
+the row has a non-finite logit), computed inside the captured CUDA graph of the step, so a batch of
+greedy requests launches nothing more to sample. ``guarded_sample`` turns them into the tokens the
+scheduler loop reads back, with no host sync:
+- a row whose logits are not all finite (NaN/inf: broken weights or activations) reads back -1,
+  and its token on the device is 0, so the next decode step reads a valid id;
+- NaN rows would make the sampler raise for the whole batch, so it sees their logits zeroed (a
+  harmless draw that is then discarded);
 - if the sampler still raises (any other sampling error), each row is sampled alone and only the
-  rows that raise are flagged, with the error's text.
-A flagged row's sequence ends with ``finish_reason="error"`` (Sequence.fail); the server answers
+  rows that raise fail, with the error's text.
+A failed row's sequence ends with ``finish_reason="error"`` (Sequence.fail); the server answers
 that request with an OpenAI-style 500 (or an SSE error event), everything else keeps running.
 """
 from __future__ import annotations
@@ -24,12 +26,20 @@ log = logging.getLogger("engines.sampling")
 NONFINITE = "non-finite logits (NaN or inf): the model's weights or activations are broken"
 
 
-def guarded_sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
+def greedy_picks(logits: torch.Tensor) -> torch.Tensor:
+    """`[S]` int64: each row's argmax, or -1 where the row has a non-finite logit."""
+    return torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1)
+
+
+def guarded_sample(sampler: Sampler, logits: torch.Tensor, picks: torch.Tensor, params: list[SamplingParams],
                    positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, str]]:
-    """(tokens [B], finite [B] bool, {row: error} for rows whose sampling raised), on the logits' device."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    safe = logits if all(p.greedy for p in params) else torch.where(  # argmax never raises on NaN
-        finite.unsqueeze(1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    """(tokens [S] for the next step's input, every one a valid id; the tokens to read back, -1
+    for a failed row; {row: why} for rows whose sampling raised), on the logits' device. `picks`
+    are the logits' `greedy_picks`."""
+    if all(p.greedy for p in params):
+        return picks.clamp(min=0), picks, {}
+    finite = picks >= 0
+    safe = torch.where(finite.unsqueeze(1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     errors: dict[int, str] = {}
     try:
         tokens = sampler(safe, params, positions)
@@ -48,5 +58,4 @@ def guarded_sample(sampler: Sampler, logits: torch.Tensor, params: list[Sampling
             ok = torch.ones_like(finite)
             ok[list(errors)] = False
             finite = finite & ok
-    tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
-    return tokens, finite, errors
+    return torch.where(finite, tokens, 0), torch.where(finite, tokens, -1), errors

@@ -78,6 +78,7 @@ class Tokenizer:
             env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
             self._template = env.from_string(self.chat_template)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._alone: dict[int, str] = {}  # decode_alone's texts
 
         # the longest text one token spells: a prompt of more than limit * this characters has
         # more than `limit` tokens, whatever the tokenizer makes of it (engines/limits.py)
@@ -107,6 +108,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_alone(self, token_id: int) -> str:
+        """`decode([token_id])`, remembered (at most one entry per token of the vocabulary)."""
+        text = self._alone.get(token_id)
+        if text is None:
+            text = self._alone[token_id] = self.tok.decode([token_id], skip_special_tokens=True)
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render the checkpoint's chat template; the result already holds BOS if the template adds it."""
@@ -147,18 +155,18 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_tail[-4:])  # context so leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one id; return the newly completed text (may be empty)."""
         self.ids.append(token_id)
-        dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
-        full = dec(self.ids[self.prefix_offset:])
+        tok = self.tokenizer
+        start, read = self.prefix_offset, self.read_offset
+        # The window before the new id is one token most of the time (the last one emitted).
+        prefix = tok.decode_alone(self.ids[start]) if read - start == 1 else tok.decode(self.ids[start:read])
+        full = tok.decode(self.ids[start:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += delta
             return delta
         return ""

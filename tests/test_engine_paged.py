@@ -75,6 +75,29 @@ def test_block_exhaustion_preempts_and_every_request_completes(tiny_model, refer
     assert engine.blocks.used == 0 and len(engine.blocks.free) == engine.blocks.usable_blocks
 
 
+def test_packed_block_tables_follow_preemption_and_reordering(tiny_model, reference) -> None:
+    """The runner rewrites only the new entries of a block table it packed before (engines/runner.py
+    `_write_tables`): under preemption (a sequence gets a new table) and sequences finishing (rows
+    shift), every packed row must still equal its sequence's table, in both pinned buffers."""
+    batch, want = reference
+    per_block = make_engine(tiny_model, max_num_seqs=1, max_len=128).runner.model.kv_bytes_per_block(8)
+    engine = make_engine(tiny_model, max_num_seqs=8, max_len=128, block_size=8, kv_bytes=40 * per_block,
+                         prefix_caching=False)
+    runner, prepare, checked = engine.runner, engine.runner.prepare, []
+
+    def checked_prepare(work, pending):  # noqa: ANN001, ANN202
+        step = prepare(work, pending)
+        tables = step.host.numpy()[:len(work) * runner.max_blocks].reshape(len(work), runner.max_blocks)
+        for i, w in enumerate(work):
+            assert tables[i, :len(w.seq.block_table)].tolist() == w.seq.block_table
+        checked.append(len(work))
+        return step
+    runner.prepare = checked_prepare
+    seqs = run(engine, batch)
+    assert [s.output_ids for s in seqs] == want
+    assert engine.scheduler.preemptions > 0 and len(checked) > 20
+
+
 def test_a_request_with_many_prompts_takes_turns_with_others(tiny_model) -> None:
     """40 prompts of one request and 1 of another, 2 running at a time: the other request's
     sequence is admitted second, not 41st."""

@@ -174,3 +174,29 @@ def test_kv_budget_too_small_is_a_clear_error(tiny_model) -> None:
     runner = ModelRunner(build_model(args, device="meta"), torch.device("cpu"))
     with pytest.raises(KVBudgetError, match="kv_cache_bytes=65536 cannot hold one sequence of max_model_len=1024"):
         runner.allocate_kv_cache(65536, 16, 1024, 4, 256)
+
+
+def test_greedy_picks_flag_non_finite_rows_and_guarded_sample_fails_only_them() -> None:
+    """A NaN or inf row reads back -1 and feeds token 0 to the next step; the other rows, greedy or
+    sampled, keep their draw (engines/sample_guard.py)."""
+    from engines.sample_guard import greedy_picks, guarded_sample
+    logits = torch.randn(4, 50)
+    logits[1, 7] = float("nan")
+    logits[3, 2] = float("inf")
+    picks = greedy_picks(logits)
+    assert picks.tolist() == [int(logits[0].argmax()), -1, int(logits[2].argmax()), -1]
+    greedy = SamplingParams(temperature=0)
+    tokens, read_back, errors = guarded_sample(Sampler(), logits, picks, [greedy] * 4, [5] * 4)
+    assert tokens.tolist() == [picks[0], 0, picks[2], 0] and read_back.tolist() == picks.tolist() and not errors
+    hot = SamplingParams(temperature=1.0, seed=3)
+    tokens, read_back, errors = guarded_sample(Sampler(), logits, picks, [greedy, hot, hot, greedy], [5] * 4)
+    assert read_back.tolist()[1] == -1 and read_back.tolist()[3] == -1 and tokens.tolist()[1] == 0
+    assert read_back[0] == picks[0] and read_back[2] == Sampler()(logits[2:3], [hot], [5])[0]
+
+
+def test_output_rows_rebuild_the_output() -> None:
+    """The core link sends `Output.to_row()`; the front end rebuilds with `Output(*row)`."""
+    import dataclasses
+    from engines.sequence import Output
+    out = Output(7, "héllo", "stop", 12, 3, [4, 5, 6], "why", (0.25, 0.5))
+    assert Output(*out.to_row()) == out and len(out.to_row()) == len(dataclasses.fields(Output))
