@@ -29,11 +29,11 @@ from .limits import LimitError, RequestLimits
 from .first_output import FirstOutputLatency
 from .metrics import render as render_metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta,
-                       ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
+from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                       CompletionRequest, CompletionResponse, ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
 from .sampling import SamplingParams, ensure_seed
 from .sequence import Output
+from .stream_chunks import ChunkWriter
 from .tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("engines.server")
@@ -190,25 +190,18 @@ class OpenAIServer:
 
     async def _completion_chunks(self, running: "_Running", model: str, rid: str, created: int, prompt_tokens: int,
                                  include_usage: bool, prompt_of: list[list[int]] | None,
-                                 ids: bool) -> AsyncIterator[str]:
+                                 ids: bool) -> AsyncIterator[bytes]:
         completion = [0] * len(running.keys)
-        exclude: dict = {} if include_usage else {"usage": True}
-        if not ids:
-            exclude.update(_CHOICE_IDS)
+        events = ChunkWriter("completions", rid, created, model, include_usage, ids)
         first = set(range(len(running.keys))) if prompt_of is not None else set()
         async for i, out in self._run(running):
             completion[i] = out.completion_tokens
             if out.delta or out.finish_reason:
-                chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
-                    CompletionChoice(index=i, text=out.delta, finish_reason=out.finish_reason,
-                                     prompt_token_ids=prompt_of[i] if i in first else None,  # type: ignore[index]
-                                     token_ids=out.token_ids if ids else None)])
+                yield events.choice(i, out.delta, out.finish_reason, out.token_ids,
+                                    prompt_of[i] if i in first else None)  # type: ignore[index]
                 first.discard(i)
-                yield chunk.model_dump_json(exclude=exclude or None)
         if include_usage:
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
-                          total_tokens=prompt_tokens + sum(completion))
-            yield CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump_json()
+            yield events.usage(prompt_tokens, sum(completion))
 
     async def chat_completions(self, req: ChatCompletionRequest):
         self._accept(req.model)
@@ -249,28 +242,17 @@ class OpenAIServer:
         return _json(resp.model_dump_json(exclude=None if ids else {"prompt_token_ids": True, **_CHOICE_IDS}))
 
     async def _chat_chunks(self, running: "_Running", model: str, rid: str, created: int, prompt_tokens: int,
-                           include_usage: bool, prompt: list[int] | None, ids: bool) -> AsyncIterator[str]:
-        exclude: dict = {} if include_usage else {"usage": True}
-        if not ids:
-            exclude.update({"prompt_token_ids": True, **_CHOICE_IDS})
-
-        def chunk(choices, usage=None, prompt_ids=None) -> str:
-            c = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage,
-                                    prompt_token_ids=prompt_ids)
-            return c.model_dump_json(exclude=exclude or None)
+                           include_usage: bool, prompt: list[int] | None, ids: bool) -> AsyncIterator[bytes]:
+        events = ChunkWriter("chat", rid, created, model, include_usage, ids)
         for i in range(len(running.keys)):
-            yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""),
-                                         token_ids=[] if ids else None)], prompt_ids=prompt)
+            yield events.choice(i, "", None, [], prompt, role=True)
         completion = [0] * len(running.keys)
         async for i, out in self._run(running):
             completion[i] = out.completion_tokens
             if out.delta or out.finish_reason:
-                delta = Delta(content=out.delta) if out.delta else Delta()
-                yield chunk([ChatChunkChoice(index=i, delta=delta, finish_reason=out.finish_reason,
-                                             token_ids=out.token_ids if ids else None)])
+                yield events.choice(i, out.delta or None, out.finish_reason, out.token_ids)
         if include_usage:
-            yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
-                                  total_tokens=prompt_tokens + sum(completion)))
+            yield events.usage(prompt_tokens, sum(completion))
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_names[0], created=self.created,
@@ -406,7 +388,7 @@ class _EventStream:
     end go out in one write, and the sequences are aborted however it ends, also before its body
     began. A stream that fails ends with an error event and no [DONE]: cut, and saying so."""
 
-    def __init__(self, chunks: AsyncIterator[str], running: _Running) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], running: _Running) -> None:
         self.chunks, self.running = chunks, running
 
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -419,8 +401,8 @@ class _EventStream:
         await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
         end = sse.DONE
         try:
-            async for data in self.chunks:
-                await send({"type": "http.response.body", "body": b"data: %s\n\n" % data.encode(), "more_body": True})
+            async for event in self.chunks:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
                 if CHUNK_DELAY_S:
                     await asyncio.sleep(CHUNK_DELAY_S)
         except RequestFailed as e:
