@@ -38,3 +38,45 @@ def test_a_stream_that_stalls_or_is_cut_mid_body_fails_and_is_not_pooled(after, 
         assert not any(o.idle for o in client._origins.values())  # dropped, never reused
         server.close()
     asyncio.run(go())
+
+
+def test_chunks_are_taken_whole_and_malformed_ones_refused():
+    from supervisor.upstream import take_chunks
+    body = b"6\r\ndata: \r\n3;ext=1\r\nabc\r\n0\r\nx-trailer: 1\r\n\r\n"
+    assert take_chunks(body) == ([b"data: ", b"abc"], len(body), True)
+    for cut in range(len(body)):  # any prefix: the whole chunks in it, never a partial one
+        chunks, used, ended = take_chunks(body[:cut])
+        assert b"".join(chunks) == b"data: abc"[:len(b"".join(chunks))] and not ended and used <= cut
+    assert take_chunks(b"0\r\n\r\n") == ([], 5, True)
+    for bad in (b"zz\r\nab\r\n", b"2\r\nabXY", b"-1\r\n"):
+        with pytest.raises(ValueError):
+            take_chunks(bad)
+
+
+def test_a_slow_stream_within_the_timeout_is_relayed_whole_and_pooled():
+    """Chunks 0.2 s apart under a 0.3 s read timeout (and a consumer that itself pauses longer than
+    the timeout between reads) never time out: the timeout bounds each wait for the upstream, not
+    the stream. Chunks that arrived together come back joined; the connection is reused."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HEAD)
+        for i in range(4):
+            await asyncio.sleep(0.2)
+            writer.write(b"1\r\n%d\r\n" % i)
+        writer.write(b"1\r\na\r\n1\r\nb\r\n0\r\n\r\n")  # two chunks and the end in one write
+        await writer.drain()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = Client(timeout_s=0.3)
+        resp = await client.request("GET", url, b"/", [], b"")
+        pieces = []
+        async for piece in resp.stream():
+            pieces.append(piece)
+            if len(pieces) == 2:
+                await asyncio.sleep(0.5)  # the consumer is slow: not the upstream's fault
+        assert b"".join(pieces) == b"0123ab" and pieces[-1].endswith(b"3ab") and len(pieces) < 6  # joined
+        assert any(o.idle for o in client._origins.values())  # read whole: back in the pool
+        server.close()
+    asyncio.run(go())
