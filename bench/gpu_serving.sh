@@ -62,21 +62,27 @@ ttft)
   done
   stop_serve
   ;;
-profile)
+profile)  # PROFILE lists workload:clients:requests triples (default shared-prefix:32:2048)
   serve_1b
   python3 -m pip install -q --no-index --no-deps --target /tmp/spy .out/pyspy/*.whl
   eng=$(primary pid)
   http=$(pgrep -P $eng http | head -1)  # the front end's process name is engine-<name>-http
-  python3 -m supervisor.cli bench serve -c $C --client-procs 8 --workload shared-prefix --no-static \
-    --concurrency 32 --num-requests 2048 > "$OUT/profile_bench.txt" 2>&1 &
-  bench=$!; spies=""
-  sleep 6
-  for who in "router $sup" "frontend $http" "core $eng"; do
-    set -- $who
-    /tmp/spy/bin/py-spy record --pid $2 -d 6 -r 250 -f raw -o "$OUT/spy_$1.txt" --nonblocking --threads > /dev/null 2>&1 &
-    spies="$spies $!"
+  for point in ${PROFILE:-shared-prefix:32:2048}; do
+    set -- ${point//:/ }; w=$1; n=$2; r=$3
+    python3 -m supervisor.cli bench serve -c $C --client-procs 8 --workload $w --no-static \
+      --concurrency $n --num-requests $r > "$OUT/profile_${w}_bench.txt" 2>&1 &
+    bench=$!; spies=""
+    sleep 6
+    python3 bench/probes/cpu_share.py 6 router=$sup frontend=$http core=$eng > "$OUT/profile_${w}_cpu.txt" &
+    spies="$!"
+    for who in "router $sup" "frontend $http" "core $eng"; do
+      set -- $who
+      /tmp/spy/bin/py-spy record --pid $2 -d 6 -r 250 -f raw -o "$OUT/spy_${w}_$1.txt" --nonblocking --threads > /dev/null 2>&1 &
+      spies="$spies $!"
+    done
+    wait $spies $bench; echo "== $w at $n clients"; cat "$OUT/profile_${w}_cpu.txt"; tail -3 "$OUT/profile_${w}_bench.txt"
   done
-  wait $spies $bench; tail -3 "$OUT/profile_bench.txt"
+  tar -czf "$OUT/spy.tgz" -C "$OUT" $(cd "$OUT" && ls spy_*.txt) && rm "$OUT"/spy_*.txt
   stop_serve
   ;;
 *) echo "usage: $0 engine|probe|serve|ttft|profile" >&2; exit 2 ;;
