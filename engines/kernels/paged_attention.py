@@ -18,6 +18,11 @@ unnormalised sum, the running max and the softmax denominator) in a workspace, a
 combines the parts of each (sequence, head). Prefill rows and short contexts run whole in split 0;
 the grid is fixed by `max_model_len`, so a CUDA graph holds for any mix. On an H200 (1b preset,
 batch 32, 1.6k tokens of context, bench/probes/step_profile.py) a decode step went 2.22 -> 2.08 ms.
+
+Tiles of 128 keys with a two-stage pipeline (the block-table gather of the next tile overlaps this
+tile's products) came out of bench/probes/attention_tune.py on an H200: at 32 sequences of 1.6k
+shared-prefix tokens 70 -> ~40 µs a layer, at 256 sequences of 100-2048 tokens 223 -> ~175 µs
+(bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ import triton.language as tl
 
 MIN_ROWS = 16  # tl.dot's smallest M
 PREFILL_ROWS = 64
-BLOCK_KEYS = 64
+BLOCK_KEYS = 128
+NUM_WARPS, NUM_STAGES = 4, 2
 MIN_SPLIT_KEYS = 256  # keys per split of a decode row (more when max_model_len needs over MAX_SPLITS)
 MAX_SPLITS = 16
 
@@ -136,21 +142,23 @@ def query_block(heads: int, kv_heads: int, decode_only: bool) -> int:
     return max(1, rows // triton.next_power_of_2(heads // kv_heads))
 
 
-def split_keys(max_keys: int) -> int:
+def split_keys(max_keys: int, min_split_keys: int = MIN_SPLIT_KEYS, block_n: int = BLOCK_KEYS) -> int:
     """Keys per split of a long decode row, for caches of `max_keys` positions per sequence: at
-    least MIN_SPLIT_KEYS, and at most MAX_SPLITS splits (a whole number of key blocks)."""
-    per_split = max(MIN_SPLIT_KEYS, -(-max_keys // MAX_SPLITS))
-    return -(-per_split // BLOCK_KEYS) * BLOCK_KEYS
+    least `min_split_keys`, and at most MAX_SPLITS splits (a whole number of key blocks)."""
+    per_split = max(min_split_keys, -(-max_keys // MAX_SPLITS))
+    return -(-per_split // block_n) * block_n
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, cu_qblocks: torch.Tensor,
-                    num_programs: int, block_q: int, search_steps: int | None = None) -> torch.Tensor:
+                    num_programs: int, block_q: int, search_steps: int | None = None, *, block_n: int = BLOCK_KEYS,
+                    min_split_keys: int = MIN_SPLIT_KEYS, num_warps: int = NUM_WARPS,
+                    num_stages: int = NUM_STAGES) -> torch.Tensor:
     """`q [T, heads, D]`; caches `[num_blocks, block_size, kv_heads, D]` (the same strides);
     `cu_q [B+1]`, `seq_lens [B]`, `block_tables [B, max_blocks]`; `cu_qblocks [B+1]` the running
     count of `block_q`-token query blocks per sequence, `num_programs` (host) at least its last
     value. `search_steps` (default: enough for B) is fixed per engine so the kernel compiles once.
-    Returns `[T, heads, D]`."""
+    The keyword arguments are the kernel's tuning (bench/probes/attention_tune.py). Returns `[T, heads, D]`."""
     t, heads, d = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -159,7 +167,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          "and both caches laid out alike")
     out = torch.empty_like(q)
     b = seq_lens.shape[0]
-    per_split = split_keys(block_tables.shape[1] * block_size)
+    per_split = split_keys(block_tables.shape[1] * block_size, min_split_keys, block_n)
     splits = -(-block_tables.shape[1] * block_size // per_split)
     parts = b * heads * splits if splits > 1 else 1  # the workspace of split decode rows
     part_acc = torch.empty(parts * d, dtype=torch.float32, device=q.device)
@@ -170,8 +178,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0), d ** -0.5,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_SIZE=block_size, D=d,
-        BLOCK_N=BLOCK_KEYS, SEARCH_STEPS=search_steps or max(1, b.bit_length()), SPLIT_KEYS=per_split,
-        NUM_SPLITS=splits, num_warps=4)
+        BLOCK_N=block_n, SEARCH_STEPS=search_steps or max(1, b.bit_length()), SPLIT_KEYS=per_split,
+        NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_splits_kernel[(b, heads)](
             out, part_acc, part_m, part_l, cu_q, seq_lens, out.stride(0), out.stride(1), D=d,
