@@ -1,6 +1,8 @@
 """Paged decode attention's tuning on the GPU: time the kernel (engines/kernels/paged_attention.py)
 at the serving shapes of the 1b preset for each (keys per tile, warps, pipeline stages, keys per
-split), against the kernel's defaults, and print the best per shape.
+split), against the kernel's defaults, and print the best per shape. Timed inside CUDA graphs, as
+the engine runs it: timed from Python, a slow host's launch cost (~85 µs a call) hid every
+difference.
 
     python bench/probes/attention_tune.py [--quick]
 """
@@ -58,7 +60,7 @@ def main() -> None:
     print(f"{'shape':28} {'default us':>10}  best us  (block_n, warps, stages, split keys)")
     for name, args in shapes.items():
         ref = paged_attention(*args)
-        default = triton.testing.do_bench(lambda: paged_attention(*args), warmup=20, rep=100) * 1e3
+        default = triton.testing.do_bench_cudagraph(lambda: paged_attention(*args), rep=100) * 1e3
         results = []
         for block_n, warps, stages, split in grid:
             kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, min_split_keys=split)
@@ -67,7 +69,7 @@ def main() -> None:
                 if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
                     print(f"  {name}: {kw} differs from the default, skipped")
                     continue
-                t = triton.testing.do_bench(lambda: paged_attention(*args, **kw), warmup=10, rep=50) * 1e3
+                t = triton.testing.do_bench_cudagraph(lambda: paged_attention(*args, **kw), rep=50) * 1e3
             except Exception as e:  # noqa: BLE001 (a tile that does not fit: out of shared memory)
                 print(f"  {name}: {kw}: {type(e).__name__}")
                 continue
