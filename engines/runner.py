@@ -256,15 +256,14 @@ class ModelRunner:
         tables = h[:len(work) * self.max_blocks].reshape(len(work), self.max_blocks)
         for i, w in enumerate(work):
             table = w.seq.block_table
-            held, done = written[i] if i < len(written) else (None, 0)
+            if i == len(written):
+                written.append(([], 0))
+            held, done = written[i]
             if held is not table:
                 done = 0
             if len(table) > done:
                 tables[i, done:len(table)] = table[done:]
-            if i < len(written):
-                written[i] = (table, len(table))
-            else:
-                written.append((table, len(table)))
+            written[i] = (table, len(table))
 
     def _graph_for(self, rows: int, b: int, max_q: int) -> tuple[int, int] | None:
         """The smallest captured graph that fits the step, if any."""
