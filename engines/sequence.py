@@ -10,6 +10,9 @@ from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
+# Released text a sequence keeps (past what a stop string needs): appending to an ever longer string
+# copied it whole for every token, 9.4 µs a token at 1,000 tokens of 17 chars on the dev VM.
+TEXT_KEPT = 1024
 
 
 @dataclass
@@ -64,9 +67,7 @@ class Sequence:
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids[:len(prompt_ids) - replayed])
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self._text = ""
-        for token in prompt_ids[len(prompt_ids) - replayed:]:
-            self._text += self._detok.add(token)
+        self._text = "".join([self._detok.add(token) for token in prompt_ids[len(prompt_ids) - replayed:]])
         self._sent = max(0, len(self._text) - self._holdback)  # what the other engine had released
         self._unreported: list[int] = []
         self.arrived = time.monotonic()  # in the core (submit)
@@ -123,6 +124,9 @@ class Sequence:
             self.finish_reason = "length"
         end = len(self._text) if self.finish_reason else max(self._sent, len(self._text) - self._holdback)
         delta, self._sent = self._text[self._sent:end], end
+        if self._sent > TEXT_KEPT + self._holdback:  # released text matters only as stop-string context
+            cut = self._sent - self._holdback
+            self._text, self._sent = self._text[cut:], self._holdback
         if delta or self.finish_reason:
             self.emit(self.output(delta))
 

@@ -125,6 +125,24 @@ def test_stop_string_cut_and_held_back(tok: Tokenizer) -> None:
     assert outs[-1].finish_reason == "stop" and all(o.finish_reason is None for o in outs[:-1])
 
 
+def test_stop_string_found_after_released_text_is_dropped(tok: Tokenizer) -> None:
+    """A sequence keeps only TEXT_KEPT chars of released text (engines/sequence.py): a stop string
+    thousands of chars in, split across tokens, is still cut exactly and nothing is lost or repeated."""
+    from engines.sequence import TEXT_KEPT
+    text = " ".join(f"word{i}" for i in range(800)) + " the quick brown fox jumps"
+    assert len(text) > 3 * TEXT_KEPT
+    outs = []
+    seq = Sequence([tok.bos_token_id], SamplingParams(max_tokens=100_000, stop=["brown f"]), tok, set(), 100_000,
+                   outs.append)
+    for t in tok.encode(text, add_special_tokens=False):
+        seq.append(t)
+        if seq.finish_reason:
+            break
+    assert seq.finish_reason == "stop"
+    assert "".join(o.delta for o in outs) == text[:text.index("brown f")]
+    assert len(seq._text) < TEXT_KEPT + 200
+
+
 def test_stop_token_ids_and_max_tokens(tok: Tokenizer) -> None:
     outs = []
     seq = Sequence([0], SamplingParams(max_tokens=3, stop_token_ids=[42]), tok, set(), 1000, outs.append)
