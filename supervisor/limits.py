@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 import resource
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from engines.guarded_http import ListenerLimits
 from engines.limits import LimitError, RequestLimits, body_too_large, check_shape, drain

@@ -9,9 +9,15 @@ import sys
 import time
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+def stat_seconds(path: str) -> float:
+    """User + system CPU seconds from a /proc `stat` file (a process's or a thread's)."""
+    fields = open(path).read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process, all its threads."""
+    return stat_seconds(f"/proc/{pid}/stat")
 
 
 def thread_seconds(pid: int) -> dict[str, float]:
@@ -20,10 +26,9 @@ def thread_seconds(pid: int) -> dict[str, float]:
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
-            fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            out[f"{name}/{tid}"] = stat_seconds(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 

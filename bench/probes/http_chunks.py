@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from cpu_share import cpu_seconds  # (this script's folder is on sys.path)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROUTER = r'''
@@ -102,11 +104,6 @@ async def client(port: int, args, stop_at: float, ttft: list[float], counts: lis
     writer.close()
 
 
-def cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def router_target(args, stack: contextlib.ExitStack) -> tuple[int, int]:
     """The router in its own process, before a stand-in engine in ours: (port, pid to measure)."""
     srv = await asyncio.start_server(lambda r, w: engine(r, w, args), "127.0.0.1", 0)
@@ -154,10 +151,10 @@ async def main(args) -> dict:
         ttft: list[float] = []
         total: list[float] = []
         counts = [0]
-        cpu0, own0, t0 = cpu_s(pid), time.process_time(), time.monotonic()
+        cpu0, own0, t0 = cpu_seconds(pid), time.process_time(), time.monotonic()
         await asyncio.gather(*(client(port, args, t0 + args.seconds, ttft, counts, total)
                                for _ in range(args.clients)))
-        cpu, own, wall = cpu_s(pid) - cpu0, time.process_time() - own0, time.monotonic() - t0
+        cpu, own, wall = cpu_seconds(pid) - cpu0, time.process_time() - own0, time.monotonic() - t0
     return {"target": args.target, "clients": args.clients, "chunks": counts[0],
             "chunks_per_s": round(counts[0] / wall), "cpu_share": round(cpu / wall, 3),
             "us_per_chunk": round(cpu / counts[0] * 1e6, 1),

@@ -20,9 +20,9 @@ the grid is fixed by `max_model_len`, so a CUDA graph holds for any mix. On an H
 batch 32, 1.6k tokens of context, bench/probes/step_profile.py) a decode step went 2.22 -> 2.08 ms.
 
 Tiles of 128 keys with a two-stage pipeline (the block-table gather of the next tile overlaps this
-tile's products) came out of bench/probes/attention_tune.py on an H200: at 32 sequences of 1.6k
-shared-prefix tokens 70 -> ~40 µs a layer, at 256 sequences of 100-2048 tokens 223 -> ~175 µs
-(bench/RESULTS.md).
+tile's products) came out of bench/probes/attention_tune.py on an H200 (timed inside CUDA graphs):
+at 32 sequences of 1.6k shared-prefix tokens 36.2 -> 27.8 µs a layer, at 256 sequences of 100-2048
+tokens 213 -> 176 µs (bench/RESULTS.md).
 """
 from __future__ import annotations
 
