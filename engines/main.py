@@ -16,7 +16,6 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from daemon.client import WeightCacheError
 
@@ -32,7 +31,7 @@ from .frontend import run_frontend
 from .startup import StartupTimer
 from .teardown import TEARDOWN_BUDGET_S, exit_deadline, leave_group
 from .tokenizer import Tokenizer, TokenizerError
-from .weights import load_rank_weights
+from .weights import engine_source, gather_sources, load_rank_weights
 
 log = logging.getLogger("engines.main")
 _PR_SET_PDEATHSIG = 1
@@ -126,7 +125,7 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     group = init_distributed(rank, cfg.tp_size, device, dist_port)
     weights = load_rank_weights(cfg, args, rank, device)
     log.info("rank %d weights: %s", rank, weights.source)
-    dist.barrier(group=group)
+    gather_sources(weights.source, group, cfg.tp_size)  # rank 0 reports every rank's source
     runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group, cfg.fused_kernels)
     allocate_kv_cache(runner, cfg, max_model_len(cfg, args.max_position_embeddings))
     if cfg.cuda_graphs and device.type == "cuda":
@@ -194,9 +193,10 @@ def run_engine(cfg: EngineConfig) -> int:
         control.state("ATTACHING")
         with timer.phase("weights"):
             weights = load_rank_weights(cfg, args, 0, device)
-            timer.weights_source = weights.source
-            if group is not None:
-                dist.barrier(group=group)
+            sources = gather_sources(weights.source, group, cfg.tp_size)
+            timer.weights_source = engine_source(sources)
+            if len(set(sources)) > 1:
+                log.warning("weights by rank: %s", ", ".join(f"rank {r} {s}" for r, s in enumerate(sources)))
         control.state("WARMING")
         runner = ModelRunner(weights.model, device, 0, cfg.tp_size, group, cfg.fused_kernels)
         use_graphs = cfg.cuda_graphs and device.type == "cuda"

@@ -33,3 +33,27 @@ def load_rank_weights(cfg: EngineConfig, args: ModelArgs, rank: int, device: tor
         from daemon.finite import check_finite
         check_finite(model, cfg.model_path)
     return RankWeights(model, result.source, dict(result.timings), result.keepalive)
+
+
+SOURCE_BYTES = 128  # one rank's weight source on the wire (longer ones are cut)
+
+
+def gather_sources(source: str, group, tp_size: int) -> list[str]:
+    """Every rank's weight source, in rank order (a collective on the engine's gloo step group:
+    every rank calls it). A fixed-size byte tensor, not `all_gather_object`, which pickles."""
+    if tp_size == 1:
+        return [source]
+    import torch.distributed as dist
+
+    mine = torch.zeros(SOURCE_BYTES, dtype=torch.uint8)
+    raw = source.encode()[:SOURCE_BYTES]
+    mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.zeros_like(mine) for _ in range(tp_size)]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in out]
+
+
+def engine_source(sources: list[str]) -> str:
+    """The engine's weight source: `cache_hit` only if every rank mapped its daemon's arena, else the
+    first rank's miss (a TP engine that read one rank from disk did not start from the cache)."""
+    return next((s for s in sources if s != "cache_hit"), sources[0])

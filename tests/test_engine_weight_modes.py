@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,8 @@ import openai
 import psutil
 import pytest
 
-from daemon.runtime_dir import ensure_private_dir
+from daemon import framing
+from daemon.runtime_dir import daemon_socket_path, ensure_private_dir
 from engines.config import EngineConfig
 from engines.launch import EngineProcess
 
@@ -25,6 +27,21 @@ def start_daemon(model: Path, rank: int, tp: int, runtime_dir: Path, log: Path) 
         return subprocess.Popen([sys.executable, "-m", "daemon", "--model", str(model), "--rank", str(rank),
                                  "--tp-size", str(tp), "--device", "cpu", "--runtime-dir", str(runtime_dir)],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+
+def wait_daemon_ready(proc: subprocess.Popen, runtime_dir: Path, rank: int, log: Path, timeout: float = 60) -> None:
+    """Until the daemon answers `status` with state ready (an engine in `client` mode started
+    before that loads from disk: `disk:no_daemon`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"daemon rank {rank} exited {proc.returncode}: {log.read_text()}"
+        try:
+            if framing.request(daemon_socket_path(runtime_dir, rank), {"op": "status"}, 5)["daemon"]["state"] == "ready":
+                return
+        except (OSError, framing.FrameError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"daemon rank {rank} not ready after {timeout} s: {log.read_text()}")
 
 
 def daemons_of(runtime_dir: Path) -> list[psutil.Process]:
@@ -40,10 +57,14 @@ def daemons_of(runtime_dir: Path) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine-modes")
-    rt = {k: ensure_private_dir(tmp / f"rt-{k}") for k in ("hit", "miss", "own", "tp2")}
-    daemons = [start_daemon(tiny_model, 0, 1, rt["hit"], tmp / "daemon-hit.log")]
-    daemons += [start_daemon(tiny_model, r, 2, rt["tp2"], tmp / f"daemon-tp2-{r}.log") for r in (0, 1)]
-    specs = {"hit": ("client", 1), "miss": ("client", 1), "own": ("daemon", 1), "tp2": ("client", 2)}
+    rt = {k: ensure_private_dir(tmp / f"rt-{k}") for k in ("hit", "miss", "own", "tp2", "tp2half")}
+    # (runtime dir, rank, tp): tp2half has rank 0's daemon only, so its rank 1 loads from disk
+    wanted = [("hit", 0, 1), ("tp2", 0, 2), ("tp2", 1, 2), ("tp2half", 0, 2)]
+    daemons = [start_daemon(tiny_model, r, tp, rt[k], tmp / f"daemon-{k}-{r}.log") for k, r, tp in wanted]
+    for proc, (k, r, _) in zip(daemons, wanted):
+        wait_daemon_ready(proc, rt[k], r, tmp / f"daemon-{k}-{r}.log")
+    specs = {"hit": ("client", 1), "miss": ("client", 1), "own": ("daemon", 1), "tp2": ("client", 2),
+             "tp2half": ("client", 2)}
     procs = {}
     try:
         for key, (mode, tp) in specs.items():
@@ -76,7 +97,7 @@ def generate(proc: EngineProcess, model: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("key,source", [("hit", "cache_hit"), ("miss", "disk:no_daemon"), ("own", "cache_hit"),
-                                        ("tp2", "cache_hit")])
+                                        ("tp2", "cache_hit"), ("tp2half", "disk:no_daemon")])
 def test_weight_source_and_openai_client(engines, tiny_model, key, source) -> None:
     proc = engines[key]
     assert proc.ready["weights_source"] == source
@@ -86,8 +107,8 @@ def test_weight_source_and_openai_client(engines, tiny_model, key, source) -> No
     assert text and streamed == text
     # every mode serves the same model: the disk-loaded engine is the reference
     assert text == generate(engines["miss"], tiny_model.name)[0]
-    if proc.cfg.tp_size == 2:  # rank 1 mapped its own daemon's arena too
-        assert "rank 1 weights: cache_hit" in proc.log_path.read_text()
+    if proc.cfg.tp_size == 2:  # rank 1 reports its own source: a miss there is the engine's miss
+        assert f"rank 1 weights: {source}" in proc.log_path.read_text()
 
 
 def test_daemon_mode_starts_a_detached_daemon(engines) -> None:
