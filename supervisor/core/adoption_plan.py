@@ -1,14 +1,14 @@
 """Re-adoption decisions as a pure function (DESIGN.md §8, reconcile style): from what a previous
 supervisor recorded, what is observed now (process start times, health checks) and what the config
 wants, decide per child: adopt, stop, or forget; and per slot: adopt or start. No process is touched
-here; ``supervisor/adopt.py`` carries the plan out.
+here; ``supervisor/core/adoption.py`` applies it, ``supervisor/effects/survey.py`` observes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from supervisor.child_records import ChildRecord, ChildRecords, same_process
+from supervisor.core.records import ChildRecord, ChildRecords, same_process
 
 ADOPTABLE_STATE = "READY"  # a child caught mid-start or mid-drain is stopped and started afresh
 
