@@ -30,8 +30,8 @@ stop_serve() {
 case "${1:-engine}" in
 engine)
   timeout 200 python3 -m pytest -q tests/test_kernels.py tests/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
-  timeout 200 python3 -m engines.bench validate --device cuda --runs 1 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -20
-  timeout 150 python3 -m engines.bench decode $M --device cuda --batches 1,8,32,64,128,256 --prompt-len 256 --tokens 128 --json \
+  timeout 200 python3 -m harness.bench.engine validate --device cuda --runs 1 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -20
+  timeout 150 python3 -m harness.bench.engine decode $M --device cuda --batches 1,8,32,64,128,256 --prompt-len 256 --tokens 128 --json \
     2>&1 | tee "$OUT/decode.log" | tail -12
   timeout 150 python3 bench/probes/offline_nano.py $M 2>&1 | tee "$OUT/offline_nano.log" | tail -4
   ;;

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from .config import EngineConfig
+from engines.config import EngineConfig
+from harness import ROOT
 
 READY_PREFIX = "ENGINE_READY "
 
@@ -52,7 +53,7 @@ class EngineProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "engines", "--config-json", cfg.model_dump_json()],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parent.parent)
+                env={**os.environ, **(env or {})}, cwd=ROOT)
         self.pid = self.proc.pid
         self.ready: dict | None = None
 

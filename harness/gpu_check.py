@@ -1,4 +1,4 @@
-"""`python -m daemon.gpu_check`: validate the `cuda` transport and run the benchmarks on a GPU host.
+"""`python -m harness.gpu_check`: validate the `cuda` transport and run the benchmarks on a GPU host.
 
 Checks, with real processes: a cuda daemon fills its arena; two clients attach and read the same
 bytes as a disk load; GPU memory grows by the arena once, not per client (nvidia-smi); a client's
@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from harness import ROOT
+
 
 CLIENT_SCRIPT = r"""
 import hashlib, json, sys, torch
@@ -55,7 +56,7 @@ for line in sys.stdin:
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -74,7 +75,7 @@ class Client:
 
     def __init__(self, model: Path, rt: Path, mode: str, device: str, dtype: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, str(model), str(rt), mode, device, dtype],
-                                     cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     cwd=ROOT, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line:
@@ -112,7 +113,7 @@ def run_checks(model: Path, gpu: int = 0, dtype: str | None = None, transport: s
     mem0 = gpu_memory_mib(gpu)
     daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--model", str(model), "--device", transport,
                                "--gpu-id", str(gpu), "--dtype", dtype, "--runtime-dir", str(rt)],
-                              cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+                              cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     clients: list[Client] = []
     try:
         deadline = time.monotonic() + 600
@@ -179,7 +180,7 @@ def run_checks(model: Path, gpu: int = 0, dtype: str | None = None, transport: s
 
 
 def _bench(argv: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "daemon.bench", *argv, "--json"], cwd=REPO, env=_env(),
+    out = subprocess.run([sys.executable, "-m", "harness.bench.weights", *argv, "--json"], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=1800)
     if out.returncode:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
@@ -187,7 +188,7 @@ def _bench(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m daemon.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint folder (default: make-model --preset 1b in a temp dir)")
     p.add_argument("--gpu-id", type=int, default=0)
     p.add_argument("--transport", choices=["cuda", "cpu"], default="cuda", help="cpu: dry run without a GPU")

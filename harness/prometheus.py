@@ -1,4 +1,5 @@
-"""Prometheus text from the admin /metrics: snapshots, deltas and histogram quantiles."""
+"""Prometheus text (an admin or engine /metrics page): snapshots, deltas and histogram quantiles; the
+one Prometheus reader of the harness."""
 from __future__ import annotations
 
 import math

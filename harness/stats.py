@@ -1,10 +1,24 @@
-"""Percentiles and distribution summaries over plain lists of seconds."""
+"""Percentiles and summaries of plain lists of figures: the one statistics module of the harness
+(chaos reports interpolate between ranks; the benchmarks report nearest-rank percentiles)."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
-from .schema import Distribution
+from pydantic import BaseModel
+
+
+class Distribution(BaseModel):
+    """Summary of a list of seconds."""
+
+    n: int
+    min: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    max: float | None = None
+    mean: float | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -21,19 +35,28 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list: always one of the values."""
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
 def summarize(values: Sequence[float]) -> Distribution:
     """n, min, p50, p90, p99, max and mean of `values` (all None when empty)."""
     if not values:
         return Distribution(n=0)
-    return Distribution(
-        n=len(values),
-        min=min(values),
-        p50=percentile(values, 50),
-        p90=percentile(values, 90),
-        p99=percentile(values, 99),
-        max=max(values),
-        mean=sum(values) / len(values),
-    )
+    return Distribution(n=len(values), min=min(values), p50=percentile(values, 50), p90=percentile(values, 90),
+                        p99=percentile(values, 99), max=max(values), mean=sum(values) / len(values))
+
+
+def bench_summary(xs: Sequence[float], ndigits: int = 3) -> dict[str, float]:
+    """A benchmark's figures: nearest-rank p50 and p99, mean, max and min ({} when empty)."""
+    if not xs:
+        return {}
+    return {"p50": round(nearest_rank(xs, 50), ndigits), "p99": round(nearest_rank(xs, 99), ndigits),
+            "mean": round(statistics.fmean(xs), ndigits), "max": round(max(xs), ndigits),
+            "min": round(min(xs), ndigits)}
 
 
 def relative_difference(a: float, b: float) -> float:

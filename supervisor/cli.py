@@ -1,5 +1,6 @@
 """`understudy`: the console script. Subcommands that belong to other packages are imported lazily,
-so `understudy status` stays fast (no torch import)."""
+so `understudy status` stays fast (no torch import); `chaos` and `bench` run the drivers of harness/,
+which the product never imports."""
 from __future__ import annotations
 
 import argparse
@@ -7,13 +8,14 @@ import sys
 from importlib import import_module
 
 DELEGATED = {
-    "chaos": "supervisor.chaos.cli",
+    "chaos": "harness.chaos.cli",
     "make-model": "engines.make_model",
     "daemon": "daemon.cli",
 }
-BENCH = {"attach": "daemon.bench", "load": "daemon.bench", "decode": "engines.bench",
-         "restart": "engines.bench", "validate": "engines.bench", "failover": "supervisor.bench_failover",
-         "serve": "supervisor.bench_serve", "supervisor-restart": "supervisor.bench_readopt"}
+BENCH = {"attach": "harness.bench.weights", "load": "harness.bench.weights", "decode": "harness.bench.engine",
+         "restart": "harness.bench.engine", "validate": "harness.bench.engine", "failover": "harness.bench.failover",
+         "serve": "harness.bench.serve", "supervisor-restart": "harness.bench.readopt"}
+WHOLE_ARGV = ("harness.bench.weights", "harness.bench.engine")  # their own subcommands: `attach`, `decode`...
 
 
 def _delegate(module: str, argv: list[str]) -> int:
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) < 2 or argv[1] not in BENCH:
             print(f"usage: understudy bench {{{'|'.join(BENCH)}}} ...", file=sys.stderr)
             return 2
-        return _delegate(BENCH[argv[1]], argv[2:] if BENCH[argv[1]].startswith("supervisor.") else argv[1:])
+        return _delegate(BENCH[argv[1]], argv[1:] if BENCH[argv[1]] in WHOLE_ARGV else argv[2:])
     ns = build_parser().parse_args(argv)
     if ns.cmd == "serve":
         if ns.check:
@@ -76,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from supervisor.serve import serve
         return serve(ns.config)
-    from supervisor.admin_client import run_command
+    from supervisor.admin.client import run_command
     if ns.cmd == "token":
-        from supervisor.admin_client import print_token
+        from supervisor.admin.client import print_token
         return print_token(ns.config)
     if ns.cmd == "status":
         return run_command(ns.config, "GET", "/status", ns.json)

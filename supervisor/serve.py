@@ -23,9 +23,9 @@ def serve(config_path: str | None) -> int:
     """Run the supervisor in the foreground; the process exit code."""
     from supervisor.arbiter import Supervisor
     from supervisor.errors import BootError
-    from supervisor.httpserve import BindError
+    from supervisor.effects.servers import BindError
     from supervisor.model_prep import ModelError, resolve_model
-    from supervisor.token import TokenError
+    from supervisor.admin.token import TokenError
     try:
         cfg = load_config(config_path)
     except ConfigError as e:
@@ -43,7 +43,7 @@ def serve(config_path: str | None) -> int:
     except (ModelError, BindError, BootError, TokenError) as e:
         print(f"understudy: {e}", file=sys.stderr)
         return 2
-    log.info("runtime dir %s, model %s on %s, %d engines", sup.rd, sup.model_path, sup.device, len(sup.engines))
+    log.info("runtime dir %s, model %s on %s, %d engines", sup.rd, sup.model_path, sup.device, len(sup.node.engines))
     from engines import event_loop
     rc = event_loop.run(sup.run())
     log.debug("event loop closed")

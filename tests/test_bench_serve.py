@@ -11,9 +11,10 @@ import threading
 import pytest
 
 from engines.loopback import free_port
-from supervisor.bench_serve.metrics import HIT, QUERIED, parse_counters, prefix_delta
-from supervisor.bench_serve.workloads import WORKLOADS, Lengths, Workload, make_requests
-from supervisor.testing import ROOT, running
+from harness.bench.serve.metrics import HIT, QUERIED, parse_counters, prefix_delta
+from harness.bench.serve.workloads import WORKLOADS, Lengths, Workload, make_requests
+from harness import ROOT
+from harness.node import running
 
 CONFIG = """
 runtime_dir: {rt}

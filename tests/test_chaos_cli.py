@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from engines.loopback import free_port
-from supervisor.chaos.cli import EXIT_ABORTED, EXIT_USAGE, main
-from supervisor.chaos.options import ChaosOptions, parse_counts, require_loopback
+from harness.chaos.cli import EXIT_ABORTED, EXIT_USAGE, main
+from harness.chaos.options import ChaosOptions, parse_counts, require_loopback
 
 
 @pytest.fixture()

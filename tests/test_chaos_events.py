@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from supervisor.chaos.events import (
+from harness.chaos.events import (
     EventParseError, FailoverEvent, RecoveredEvent, TransitionEvent, parse_event, to_wall_clock,
 )
-from supervisor.chaos.listener import EventListener
-from supervisor.events import EventBus
+from harness.chaos.listener import EventListener
+from supervisor.effects.bus import EventBus
 
 
 def _frame(**obj: object) -> bytes:

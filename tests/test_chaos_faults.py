@@ -10,9 +10,9 @@ import time
 import psutil
 import pytest
 
-from supervisor.chaos.faults import fatal_names, pick_target, replaced, settled
-from supervisor.chaos.records import EngineView, FaultRecord, StatusSample
-from supervisor.chaos.signals import SignalError, group_alive, signal_group
+from harness.chaos.faults import fatal_names, pick_target, replaced, settled
+from harness.chaos.records import EngineView, FaultRecord, StatusSample
+from harness.chaos.signals import SignalError, group_alive, signal_group
 
 
 def _sample(a: tuple[str, str, int], b: tuple[str, str, int], daemon: tuple[str, int] = ("READY", 9)) -> StatusSample:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.chaos.cli import EXIT_ABORTED, EXIT_OK, main
-from supervisor.testing import Harness
+from harness.chaos.cli import EXIT_ABORTED, EXIT_OK, main
+from harness.node import Harness
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.chaos.analysis import RunData, build_report, inside, merge
-from supervisor.chaos.events import FailoverEvent, RecoveredEvent, TransitionEvent
-from supervisor.chaos.metrics_text import MetricsSnapshot
-from supervisor.chaos.records import EngineView, FaultRecord, RequestRecord, StatusSample
-from supervisor.chaos.schema import ChaosReport, MemorySample
-from supervisor.chaos.writer import write_report
+from harness.chaos.analysis import RunData, build_report, inside, merge
+from harness.chaos.events import FailoverEvent, RecoveredEvent, TransitionEvent
+from harness.prometheus import MetricsSnapshot
+from harness.chaos.records import EngineView, FaultRecord, RequestRecord, StatusSample
+from harness.chaos.schema import ChaosReport, MemorySample
+from harness.chaos.writer import write_report
 from supervisor.metrics import Metrics
 
 T0 = 1_700_000_000.0
@@ -174,9 +174,9 @@ def test_fault_windows_merge_and_lookup() -> None:
 
 def test_cache_counts_replacements_seen_only_in_events() -> None:
     """A replacement that came and went between two /status polls still counts, once."""
-    from supervisor.chaos.analysis import cache_from_status
-    from supervisor.chaos.events import RecoveredEvent
-    from supervisor.chaos.records import EngineView, StatusSample
+    from harness.chaos.analysis import cache_from_status
+    from harness.chaos.events import RecoveredEvent
+    from harness.chaos.records import EngineView, StatusSample
 
     def sample(t: float, inc: int, source: str) -> StatusSample:
         return StatusSample(t=t, epoch=1, daemons=[], engines=[
@@ -191,10 +191,10 @@ def test_cache_counts_replacements_seen_only_in_events() -> None:
 
 def test_greedy_differences_are_split_by_continuation() -> None:
     """Outputs unlike their endpoint's most common one, and how many of those were continued."""
-    from supervisor.chaos.analysis import continued_ids, greedy_differing
-    from supervisor.chaos.events import MigrationEvent
-    from supervisor.chaos.report_md import _differ_split
-    from supervisor.chaos.schema import RequestCounts, Requests
+    from harness.chaos.analysis import continued_ids, greedy_differing
+    from harness.chaos.events import MigrationEvent
+    from harness.chaos.report_md import _differ_split
+    from harness.chaos.schema import RequestCounts, Requests
 
     def req(i: int, endpoint: str, text: str) -> RequestRecord:
         return RequestRecord(id=i, endpoint=endpoint, stream=False, t_start=T0, t_end=T0, ok=True,

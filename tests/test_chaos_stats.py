@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from supervisor.chaos.metrics_text import MetricsParseError, MetricsSnapshot
-from supervisor.chaos.stats import percentile, relative_difference, summarize
+from harness.prometheus import MetricsParseError, MetricsSnapshot
+from harness.stats import percentile, relative_difference, summarize
 
 
 def test_percentile_interpolates_between_ranks() -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemon.bench import main as bench_main
+from harness.bench.weights import main as bench_main
 
 REPO = Path(__file__).resolve().parent.parent
 

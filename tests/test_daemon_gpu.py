@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_cuda_transport_shares_read_only_and_survives_the_daemon(tiny_model):
-    from daemon.gpu_check import run_checks
+    from harness.gpu_check import run_checks
 
     rows = run_checks(tiny_model, gpu=0)
     failed = [f"{name}: {detail}" for name, ok, detail in rows
@@ -17,7 +17,7 @@ def test_cuda_transport_shares_read_only_and_survives_the_daemon(tiny_model):
 
 
 def test_bench_attach_cuda_runs(capsys):
-    from daemon.bench import main
+    from harness.bench.weights import main
 
     assert main(["attach", "--tensors", "1000", "--total-mb", "256", "--device", "cuda", "--repeat", "1", "--json"]) == 0
     assert "per_tensor_over_arena" in capsys.readouterr().out

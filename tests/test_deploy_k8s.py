@@ -16,8 +16,8 @@ import yaml
 from supervisor.config_load import parse_config
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
-from supervisor.routing import RoutingTable
-from supervisor.testing import ROOT
+from supervisor.router.routing import RoutingTable
+from harness import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSIONS = ("1.34.0", "1.37.0")  # the oldest and newest schemas kubernetes-validate 1.37.0 ships

@@ -15,7 +15,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.testing import ROOT, running
+from harness import ROOT
+
+from harness.node import running
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "understudy.json"
 CONFIG = """

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from engines.config import EngineConfig
-from engines.launch import EngineProcess
+from harness.engine_process import EngineProcess
 from engines.startup import PHASES
 from engines.tokenizer import Tokenizer
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 
-from engines import bench
 from engines.startup import PHASES
+from harness.bench import engine as bench
+from harness.bench.restart import bench_restart
 
 
 def test_bench_decode_cli_reports_batches_and_floor(tiny_model, capsys) -> None:
@@ -19,7 +20,7 @@ def test_bench_decode_cli_reports_batches_and_floor(tiny_model, capsys) -> None:
 
 
 def test_bench_restart_spawn_server_beats_cold_start(tiny_model, tmp_path) -> None:
-    res = bench.bench_restart(str(tiny_model), "cpu", None, runs=1, kv_cache_bytes=8 << 20, max_num_seqs=4,
+    res = bench_restart(str(tiny_model), "cpu", None, runs=1, kv_cache_bytes=8 << 20, max_num_seqs=4,
                               work_dir=tmp_path)
     cold, spawn = res["modes"]["cold"], res["modes"]["spawn"]
     for mode in (cold, spawn):

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
-from engines.bench import fused_as_accurate, fused_logit_error, graphs_match_eager
+from harness.bench.decode import fused_as_accurate, fused_logit_error, graphs_match_eager
 from engines.config import EngineConfig
-from engines.launch import EngineProcess, wait_for_ready_line
+from harness.engine_process import EngineProcess, wait_for_ready_line
 from engines.spawn_client import SpawnClient
 
 def complete(base_url: str, stream: bool = False, **body) -> str:

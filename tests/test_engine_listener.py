@@ -8,8 +8,8 @@ import httpx
 
 from engines.config import EngineConfig
 from engines.guarded_http import ListenerLimits
-from engines.launch import EngineProcess
-from supervisor.testing import closed_by_peer
+from harness.engine_process import EngineProcess
+from harness.node import closed_by_peer
 
 
 def test_engine_listener_caps_and_times_out_idle_connections(tiny_model, tmp_path):

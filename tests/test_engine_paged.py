@@ -13,7 +13,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def prompts(engine, n: int, length: int, seed: int = 0) -> list[list[int]]:
-    from engines.bench import random_prompts
+    from harness.bench.decode import random_prompts
     return random_prompts(n, length, engine.tokenizer.vocab_size, seed)
 
 

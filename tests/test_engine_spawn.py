@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engines.config import EngineConfig
-from engines.launch import wait_for_ready_line
+from harness.engine_process import wait_for_ready_line
 from engines.spawn_client import SpawnClient, SpawnError
 
 ROOT = Path(__file__).resolve().parent.parent

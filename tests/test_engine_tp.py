@@ -10,10 +10,10 @@ import openai
 import psutil
 import pytest
 
-from supervisor.launch import group_alive
+from supervisor.effects.processes import group_alive
 
 from engines.config import EngineConfig
-from engines.launch import EngineProcess
+from harness.engine_process import EngineProcess
 
 PROMPTS = ["The quick brown fox", "Hello there", "In a hole in the ground there lived a"]
 

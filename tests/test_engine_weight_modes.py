@@ -16,7 +16,7 @@ import pytest
 from daemon import framing
 from daemon.runtime_dir import daemon_socket_path, ensure_private_dir
 from engines.config import EngineConfig
-from engines.launch import EngineProcess
+from harness.engine_process import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The weights came from"

@@ -1,4 +1,4 @@
-"""The admin event stream (supervisor/event_stream.py): bounded history, resume by Last-Event-ID, events from
+"""The admin event stream (supervisor/admin/event_stream.py): bounded history, resume by Last-Event-ID, events from
 the supervisor's real EventBus (zmq PUB over ipc) to every client, a client that falls behind dropped,
 one that stops reading cut after the write timeout (real uvicorn, real sockets), a limit on clients."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import zmq
 from fastapi import FastAPI, Request
 
-from supervisor.event_stream import _DROPPED, EventFanout, TooManyClients
-from supervisor.events import EventBus
-from supervisor.httpserve import bind_tcp, make_server
+from supervisor.admin.event_stream import _DROPPED, EventFanout, TooManyClients
+from supervisor.effects.bus import EventBus
+from supervisor.effects.servers import bind_tcp, make_server
 
 
 def test_history_is_bounded_and_a_resume_gets_only_what_it_missed():

@@ -2,7 +2,7 @@
 from weights checked finite; a checked one is never replaced by an unchecked one."""
 from __future__ import annotations
 
-from supervisor.canary import CanaryResult, GoldenStore
+from supervisor.effects.canary import CanaryResult, GoldenStore
 
 CHECKED = {"weights_finite": True, "content_digest": "d1", "weights_source": "cache_hit"}
 

@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
-from supervisor.chaos.hostile import post_early_answer
-from supervisor.testing import Harness, Load, closed_by_peer, running
+from harness.chaos.hostile import post_early_answer
+from harness.load import Load
+from harness.node import Harness, closed_by_peer, running
 
 CONFIG = """
 runtime_dir: {rt}
@@ -207,8 +208,8 @@ def test_open_files_exhausted_supervisor_keeps_serving(sup):
 
 def test_chaos_hostile_faults_are_refused_cleanly(sup):
     """`understudy chaos` fault kinds big-request and idle-connections against the live node."""
-    from supervisor.chaos.hostile import big_request, idle_connections
-    from supervisor.chaos.records import FaultRecord
+    from harness.chaos.hostile import big_request, idle_connections
+    from harness.chaos.records import FaultRecord
     before = incarnations(sup)
     big = FaultRecord(index=0, kind="big-request", t=time.time())
     idle = FaultRecord(index=1, kind="idle-connections", t=time.time())
@@ -283,7 +284,7 @@ def test_legal_maximum_body_is_tokenized_without_stalling_heartbeats(tmp_path, t
 def test_chaos_options_know_the_hostile_kinds_and_bound_them():
     from pydantic import ValidationError
 
-    from supervisor.chaos.options import ChaosOptions
+    from harness.chaos.options import ChaosOptions
     base = dict(data_url="http://127.0.0.1:1", admin_url="http://127.0.0.1:2", token="t", out_dir="x")
     opts = ChaosOptions(**base, faults={"big-request": 1, "idle-connections": 2}, idle_connections=300)
     assert sorted(opts.fault_plan()) == ["big-request", "idle-connections", "idle-connections"]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from engines.config import EngineConfig
-from engines.launch import EngineProcess
+from harness.engine_process import EngineProcess
 
 MAX_LEN = 256
 MODEL = "tiny-llama0"  # the tiny_model fixture's folder name

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from supervisor.testing import running
+from harness.node import running
 
 CONFIG = """
 runtime_dir: {rt}

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from supervisor.config import MigrationSection
-from supervisor.httpserve import bind_tcp, make_server
+from supervisor.effects.servers import bind_tcp, make_server
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
-from supervisor.routing import RoutingTable, Upstream
+from supervisor.router.routing import RoutingTable, Upstream
 from tests.test_supervisor_router import start_upstream
 
 ENGINE = textwrap.dedent('''

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engines.config import BOOT_ERROR_EXIT, EngineConfig
-from engines.launch import EngineProcess, EngineStartError
+from harness.engine_process import EngineProcess, EngineStartError
 
 
 def corrupt(src, dst, tensor: str, value: float):
@@ -61,9 +61,9 @@ def test_overflowing_logits_fail_the_request_not_the_engine(tiny_model, tmp_path
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events and "[DONE]" not in events[-1], events  # the cut stream says so
         assert json.loads(events[-1][6:])["error"]["code"] == "sampling_error"
-        from supervisor.canary import run_canary
+        from supervisor.effects.canary import run_canary
 
-        from supervisor.upstream import Client
+        from supervisor.router.upstream import Client
 
         async def canary():
             return await run_canary(Client(timeout_s=30), proc.url, name, "The quick brown fox", 4, 30)
@@ -86,7 +86,7 @@ admin: {{port: 0}}
 
 
 def test_supervisor_refuses_nan_checkpoint_at_boot(tiny_model, tmp_path):
-    from supervisor.testing import Harness
+    from harness.node import Harness
     model = corrupt(tiny_model, tmp_path / "nan-model", "model.layers.1.mlp.up_proj.weight", float("nan"))
     h = Harness(tmp_path, SUP_CONFIG.format(rt=tmp_path / "rt", model=model))
     try:
@@ -98,7 +98,7 @@ def test_supervisor_refuses_nan_checkpoint_at_boot(tiny_model, tmp_path):
 
 
 def test_supervisor_never_promotes_an_engine_with_non_finite_logits(tiny_model, tmp_path):
-    from supervisor.testing import Harness
+    from harness.node import Harness
     model = corrupt(tiny_model, tmp_path / "huge-model", "lm_head.weight", 3e38)
     h = Harness(tmp_path, SUP_CONFIG.format(rt=tmp_path / "rt", model=model))
     try:

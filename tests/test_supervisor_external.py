@@ -15,7 +15,11 @@ import time
 import httpx
 import pytest
 
-from supervisor.testing import ROOT, Harness, Load
+from harness import ROOT
+
+from harness.load import Load
+
+from harness.node import Harness
 
 EXT_ENGINE = textwrap.dedent('''
     """A stand-in for vLLM/SGLang: an OpenAI-style server we did not write the weights path of."""

@@ -15,7 +15,11 @@ import httpx
 import psutil
 import pytest
 
-from supervisor.testing import ROOT, Harness, Load
+from harness import ROOT
+
+from harness.load import Load
+
+from harness.node import Harness
 
 CONFIG = """
 runtime_dir: {rt}

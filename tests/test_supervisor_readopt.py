@@ -13,7 +13,11 @@ import time
 
 import psutil
 
-from supervisor.testing import Harness, OpenLoad, listening
+from harness.handover import listening
+
+from harness.load import OpenLoad
+
+from harness.node import Harness
 
 CONFIG = """
 runtime_dir: {rt}
@@ -106,7 +110,7 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
             second.stop()
         first.stop()
         if first.proc.returncode == -signal.SIGKILL and second is None:
-            from supervisor.stale import check_and_clean
+            from supervisor.effects.stale import check_and_clean
             check_and_clean(tmp_path / "rt")
         router.close()
         admin.close()
@@ -124,9 +128,9 @@ def test_chaos_kill_supervisor_fault_restarts_it_on_its_own_sockets(tmp_path, ti
     copies of its listening sockets (pidfd_getfd), SIGKILLs it and starts it again on them."""
     import asyncio
 
-    from supervisor.chaos.admin import AdminClient
-    from supervisor.chaos.faults import FaultInjector, replaced, settled
-    from supervisor.chaos.status_view import parse_status
+    from harness.chaos.admin import AdminClient
+    from harness.chaos.faults import FaultInjector, replaced, settled
+    from harness.chaos.status_view import parse_status
 
     h = Harness(tmp_path, CONFIG.format(rt=tmp_path / "rt", model=tiny_model), notify=False)
     new_pid = None
@@ -179,7 +183,7 @@ def test_chaos_kill_supervisor_fault_restarts_it_on_its_own_sockets(tmp_path, ti
                 time.sleep(0.1)
         h.stop()
         if h.proc.returncode == -signal.SIGKILL and new_pid is None:
-            from supervisor.stale import check_and_clean
+            from supervisor.effects.stale import check_and_clean
             check_and_clean(tmp_path / "rt")
 
 
@@ -230,5 +234,5 @@ def test_an_engine_whose_spawn_was_in_flight_is_stopped_not_orphaned(tmp_path, t
             second.stop()
         h.stop()
         if second is None:
-            from supervisor.stale import check_and_clean
+            from supervisor.effects.stale import check_and_clean
             check_and_clean(rt)

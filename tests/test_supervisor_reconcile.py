@@ -1,5 +1,5 @@
-"""Re-adoption decisions without processes (supervisor/reconcile.py), the records file, and the
-socket-activation handover (supervisor/socket_activation.py)."""
+"""Re-adoption decisions without processes (supervisor/core/adoption_plan.py), the records file, and the
+socket-activation handover (supervisor/effects/socket_activation.py, harness/handover.py)."""
 from __future__ import annotations
 
 import os
@@ -9,9 +9,12 @@ import sys
 
 import pytest
 
-from supervisor.child_records import ChildRecord, ChildRecords, read_records, write_records
-from supervisor.reconcile import Wanted, plan_adoption
-from supervisor.socket_activation import ActivationError, handover_argv, inherited_sockets
+from supervisor.core.records import ChildRecord, ChildRecords
+
+from supervisor.effects.records_file import read_records, write_records
+from supervisor.core.adoption_plan import Wanted, plan_adoption
+from harness.handover import handover_argv
+from supervisor.effects.socket_activation import ActivationError, inherited_sockets
 
 WANT = Wanted(daemons={"daemon-rank0": "kd"}, engines={"a": "ke", "b": "ke"}, spawn_server="ks")
 
@@ -137,7 +140,7 @@ def test_inherited_sockets_refuse_what_is_not_a_listening_tcp_socket():
 
 def test_handover_gives_the_child_fds_3_and_4_with_names(tmp_path):
     router, admin = _listener(), _listener()
-    probe = ("import json, os, socket; from supervisor.socket_activation import inherited_sockets;"
+    probe = ("import json, os, socket; from supervisor.effects.socket_activation import inherited_sockets;"
              "pid = os.environ['LISTEN_PID'] == str(os.getpid()); s = inherited_sockets();"
              "print(json.dumps([pid, {k: [v.fileno(), v.getsockname()[1]] for k, v in s.items()},"
              "'LISTEN_FDS' in os.environ]))")

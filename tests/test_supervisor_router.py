@@ -16,7 +16,7 @@ from engines.loopback import free_port
 from supervisor.config import MigrationSection
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
-from supervisor.routing import RoutingTable, Upstream
+from supervisor.router.routing import RoutingTable, Upstream
 
 UPSTREAM = textwrap.dedent('''
     import asyncio, json, sys

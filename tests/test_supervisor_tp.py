@@ -9,7 +9,9 @@ import time
 import psutil
 import pytest
 
-from supervisor.testing import Harness, Load
+from harness.load import Load
+
+from harness.node import Harness
 
 
 @pytest.fixture(scope="module")

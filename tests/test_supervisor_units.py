@@ -7,12 +7,12 @@ import uuid
 
 import pytest
 
-from supervisor.backoff import RestartPolicy
-from supervisor.canary import CanaryResult, GoldenStore, compare, model_fingerprint
-from supervisor.exitstatus import describe_returncode
+from supervisor.core.backoff import RestartPolicy
+from supervisor.effects.canary import CanaryResult, GoldenStore, compare, model_fingerprint
+from supervisor.core.exitstatus import describe_returncode
 from supervisor.metrics import Metrics
-from supervisor.sdnotify import Notifier
-from supervisor.states import ALLOWED, State, TransitionError, check_transition
+from supervisor.effects.sdnotify import Notifier
+from supervisor.core.states import ALLOWED, State, TransitionError, check_transition
 
 
 def test_every_state_has_a_row():
@@ -158,7 +158,7 @@ def test_is_exiting_sees_a_killed_process_before_it_is_reaped():
     import sys
     import time
 
-    from supervisor.pidwatch import is_exiting
+    from supervisor.effects.pidwatch import is_exiting
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -175,7 +175,7 @@ def test_is_exiting_sees_a_killed_process_before_it_is_reaped():
 
 
 def test_watchdog_is_fed_while_serving_or_progressing_and_not_when_stuck():
-    from supervisor.watchdog import WatchdogGate
+    from supervisor.core.watchdog import WatchdogGate
     g = WatchdogGate(stuck_after_s=10.0, last_progress=100.0)
     assert g.should_feed(105.0, serving=False)           # starting: progress 5 s ago
     assert not g.should_feed(111.0, serving=False)       # no primary, no progress for 11 s: stuck
@@ -194,14 +194,14 @@ def test_stuck_window_defaults_to_startup_timeout_plus_four_backoff_caps():
 
 
 def test_not_ready_text_says_what_each_engine_is_doing():
-    from supervisor.slots import EngineSlot
-    from supervisor.why import not_ready_text
+    from supervisor.core.model import Engine
+    from supervisor.core.why import not_ready_text
     policy = RestartPolicy(0.5, 30, 120, 5)
-    a = EngineSlot("a", policy, state=State.BACKOFF, crash_loop=True, retry_at=130.0, last_exit="exit code 1",
+    a = Engine("a", policy, state=State.BACKOFF, crash_loop=True, retry_at=130.0, last_exit="exit code 1",
                    log_line="engine a: failed to start: CheckpointError: model.safetensors truncated")
-    b = EngineSlot("b", policy, state=State.FATAL, reason="flapping: 5 failures within 120s")
-    c = EngineSlot("c", policy, state=State.WARMING, started_at=95.0, incarnation=3)
-    d = EngineSlot("d", policy, state=State.READY)
+    b = Engine("b", policy, state=State.FATAL, reason="flapping: 5 failures within 120s")
+    c = Engine("c", policy, state=State.WARMING, started_at=95.0, incarnation=3)
+    d = Engine("d", policy, state=State.READY)
     text = not_ready_text([a, b, c, d], now=100.0)
     assert text == ("engine a: crash loop, next try in 30 s, last exit: exit code 1 (engine a: failed to start: "
                     "CheckpointError: model.safetensors truncated); engine b: FATAL: flapping: 5 failures within "
@@ -225,7 +225,7 @@ def test_admin_host_must_be_loopback_unless_allowed(host, ok):
 
 def test_logs_are_rotated_per_start_never_appended_across_runs(tmp_path):
     import os
-    from supervisor.launch import open_log
+    from supervisor.effects.processes import open_log
     log = tmp_path / "logs" / "a-1.log"
     for run in ("first", "second", "third"):
         fd = open_log(log)
@@ -249,7 +249,7 @@ def test_tests_never_write_the_users_cache():
 
 def test_readme_links_exist_in_the_clone():
     import re
-    from supervisor.testing import ROOT
+    from harness import ROOT
     text = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(([^)#]+)\)", text) + re.findall(r"`([\w./-]+\.md)`", text):
         assert (ROOT / target).is_file(), f"README.md links {target}, which a clone does not have"

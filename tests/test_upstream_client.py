@@ -1,4 +1,4 @@
-"""The router's lean HTTP client (supervisor/upstream.py) against raw-socket servers: a stream that
+"""The router's lean HTTP client (supervisor/router/upstream.py) against raw-socket servers: a stream that
 stalls mid-body times out, one cut mid-body is an error, and neither connection is reused."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from supervisor.upstream import Client, RemoteProtocolError, UpstreamTimeout
+from supervisor.router.upstream import Client, RemoteProtocolError, UpstreamTimeout
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 CHUNK = b"6\r\ndata: \r\n"
@@ -41,7 +41,7 @@ def test_a_stream_that_stalls_or_is_cut_mid_body_fails_and_is_not_pooled(after, 
 
 
 def test_chunks_are_taken_whole_and_malformed_ones_refused():
-    from supervisor.upstream import take_chunks
+    from supervisor.router.upstream import take_chunks
     body = b"6\r\ndata: \r\n3;ext=1\r\nabc\r\n0\r\nx-trailer: 1\r\n\r\n"
     assert take_chunks(body) == ([b"data: ", b"abc"], len(body), True)
     for cut in range(len(body)):  # any prefix: the whole chunks in it, never a partial one

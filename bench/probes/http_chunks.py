@@ -31,10 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 ROUTER = r'''
 import asyncio, sys
-from supervisor.httpserve import bind_tcp, make_server
+from supervisor.effects.servers import bind_tcp, make_server
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
-from supervisor.routing import RoutingTable, Upstream
+from supervisor.router.routing import RoutingTable, Upstream
 upstream, port = sys.argv[1], int(sys.argv[2])
 async def main():
     table = RoutingTable()
@@ -130,7 +130,7 @@ async def engine_target(args, stack: contextlib.ExitStack) -> tuple[int, int]:
     import psutil
 
     from engines.config import EngineConfig
-    from engines.launch import EngineProcess
+    from harness.engine_process import EngineProcess
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     cfg = EngineConfig(name="probe", model_path=args.model, port=0, runtime_dir=f"{tmp}/rt", weight_cache_mode="off",
                        max_model_len=args.prompt_ids + args.tokens + 8, max_num_seqs=args.clients)

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engines.bench import local_engine
+from harness.bench.decode import local_engine
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engines.bench import local_engine
+from harness.bench.decode import local_engine
 from engines.inflight import InFlight
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence

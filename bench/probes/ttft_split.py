@@ -38,7 +38,7 @@ def histograms(text: str, parts: tuple[str, ...]) -> dict[str, dict[str, float]]
 def scrape(engine_url: str, config: str | None) -> dict[str, dict[str, float]]:
     out = histograms(httpx.get(engine_url + "/metrics", timeout=10).text, ENGINE_PARTS)
     if config is not None:
-        from supervisor.admin_client import call
+        from supervisor.admin.client import call
         status, text = call(config, "GET", "/metrics", timeout_s=10)
         if status == 200:
             out.update(histograms(text, ROUTER_PARTS))

@@ -17,36 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
-    return s[k]
-
-
-def bench_config(path: str | None, workdir: Path, args: argparse.Namespace) -> str:
-    """The user's config with a private runtime dir, free ports, and no flapping limit."""
-    from supervisor.config_load import load_config
-    cfg = load_config(path).model_dump()
-    cfg["runtime_dir"] = str(workdir / "rt")
-    cfg["router"]["port"] = 0
-    cfg["admin"]["port"] = 0
-    cfg["admin"]["token_file"] = None
-    cfg["failover"]["flap_max"] = max(cfg["failover"]["flap_max"], 4 * args.runs + 10)
-    if args.preset:
-        cfg["model"]["preset"] = args.preset
-    if args.device:
-        cfg["device"] = args.device
-    if args.model:
-        cfg["model"]["path"] = args.model
-    return yaml.safe_dump(cfg)
+from harness.bench.private_node import add_target_args, bench_config, say
+from harness.stats import bench_summary
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from supervisor.testing import Harness, Load
+    from harness.load import Load
+    from harness.node import Harness
     workdir = Path(tempfile.mkdtemp(prefix="understudy-bench-"))
     h = Harness(workdir, bench_config(args.config, workdir, args), notify=False)
     kill_to_success: list[float] = []
@@ -58,7 +35,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         st = h.wait_all_ready(args.boot_timeout)
         model = st["model"]["name"]
         overhead = router_overhead(h, model, args.overhead_requests, args.max_tokens) if args.overhead_requests else {}
-        _log(args, f"ready: {st['model']['path']} on {st['model']['device']}; {args.runs} runs, "
+        say(args, f"ready: {st['model']['path']} on {st['model']['device']}; {args.runs} runs, "
                    f"{args.concurrency} clients, {args.max_tokens} tokens per request")
         with Load(h.router_url, model, threads=args.concurrency, max_tokens=args.max_tokens) as load:
             for i in range(args.runs):
@@ -79,16 +56,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    since=mark, timeout_s=args.boot_timeout)
                 recovery_s.append(rec["seconds"])
                 sources.append(rec.get("weights_source") or "")
-                _log(args, f"run {i + 1}/{args.runs}: kill -> first success {1000 * (t - t_kill):.1f} ms "
+                say(args, f"run {i + 1}/{args.runs}: kill -> first success {1000 * (t - t_kill):.1f} ms "
                            f"(supervisor failover {1000 * ev['seconds']:.2f} ms, replacement READY in "
                            f"{rec['seconds']:.2f} s, {rec.get('weights_source')})")
         requests, failed = len(load.results), len(load.failures)
         return {
             "bench": "failover", "runs": args.runs, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
             "device": st["model"]["device"], "model": st["model"]["path"], "dtype": st["model"]["dtype"],
-            "kill_to_first_success_ms": _summary([x * 1000 for x in kill_to_success]),
-            "supervisor_failover_ms": _summary([x * 1000 for x in failover_s]),
-            "replacement_ready_s": _summary(recovery_s),
+            "kill_to_first_success_ms": bench_summary([x * 1000 for x in kill_to_success]),
+            "supervisor_failover_ms": bench_summary([x * 1000 for x in failover_s]),
+            "replacement_ready_s": bench_summary(recovery_s),
             "replacement_cache_hits": sum(s == "cache_hit" for s in sources),
             "requests": requests, "failed_requests": failed, "router_overhead_ms": overhead,
             "failures": [str(f[2]) for f in load.failures[:5]],
@@ -113,25 +90,6 @@ def router_overhead(h, model: str, n: int, max_tokens: int) -> dict[str, float]:
     d, r = statistics.median(times["direct"]) * 1000, statistics.median(times["router"]) * 1000
     return {"direct_median": round(d, 3), "router_median": round(r, 3), "added_median": round(r - d, 3),
             "requests": n}
-
-
-def _summary(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    return {"p50": round(percentile(xs, 50), 3), "p99": round(percentile(xs, 99), 3),
-            "mean": round(statistics.fmean(xs), 3), "max": round(max(xs), 3), "min": round(min(xs), 3)}
-
-
-def add_target_args(p: argparse.ArgumentParser) -> None:
-    """The options that say which supervisor a bench starts (read by `bench_config`)."""
-    p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
-    p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
-    p.add_argument("--model", help="checkpoint folder (overrides model.path)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-
-
-def _log(args: argparse.Namespace, msg: str) -> None:
-    print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from supervisor.bench_failover import _log, _summary, add_target_args, bench_config
+from harness.bench.private_node import add_target_args, bench_config, say
+from harness.stats import bench_summary
 
 ADOPTED_LINE = "re-adopted from the previous supervisor"
 
@@ -51,7 +52,9 @@ def _adopted_at(log: Path, timeout_s: float) -> tuple[float, float, float] | tup
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from supervisor.testing import Harness, OpenLoad, listening
+    from harness.handover import listening
+    from harness.load import OpenLoad
+    from harness.node import Harness
     workdir = Path(tempfile.mkdtemp(prefix="understudy-bench-"))
     text = bench_config(args.config, workdir, args)
     held = {"router": listening(), "admin": listening()}
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         h.wait_booted(args.boot_timeout)
         st = h.wait_all_ready(args.boot_timeout)
         model = st["model"]["name"]
-        _log(args, f"ready: {st['model']['path']} on {st['model']['device']}; {args.runs} supervisor kills "
+        say(args, f"ready: {st['model']['path']} on {st['model']['device']}; {args.runs} supervisor kills "
                    f"at {args.rate:g} req/s")
         load = OpenLoad(h.router_url, model, args.rate, args.max_tokens).start()
         try:
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "process_start_to_adopted_s": process_s,
                              "lost": len(lost), "refused": len(refused),
                              "engine_restarts": sum(before[k] != after.get(k) for k in before)})
-                _log(args, f"kill {i + 1}/{args.runs}: serving again {runs[-1]['serving_again_s']} s, children "
+                say(args, f"kill {i + 1}/{args.runs}: serving again {runs[-1]['serving_again_s']} s, children "
                            f"re-adopted at {runs[-1]['adopted_s']} s (first log line at "
                            f"{runs[-1]['first_log_line_s']} s; "
                            f"{process_s} s after its process started), lost {len(lost)}, refused "
@@ -99,9 +102,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "bench": "supervisor-restart", "runs": args.runs, "rate": args.rate, "max_tokens": args.max_tokens,
             "device": st["model"]["device"], "model": st["model"]["path"],
-            "serving_again_s": _summary([r["serving_again_s"] for r in runs if r["serving_again_s"] is not None]),
-            "adopted_s": _summary([r["adopted_s"] for r in runs if r["adopted_s"] is not None]),
-            "process_start_to_adopted_s": _summary([r["process_start_to_adopted_s"] for r in runs
+            "serving_again_s": bench_summary([r["serving_again_s"] for r in runs if r["serving_again_s"] is not None]),
+            "adopted_s": bench_summary([r["adopted_s"] for r in runs if r["adopted_s"] is not None]),
+            "process_start_to_adopted_s": bench_summary([r["process_start_to_adopted_s"] for r in runs
                                                      if r["process_start_to_adopted_s"] is not None]),
             "lost": sum(r["lost"] for r in runs), "refused": sum(r[2] == "refused" for r in results),
             "children_restarted": sum(r["engine_restarts"] for r in runs),

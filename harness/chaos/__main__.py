@@ -1,4 +1,4 @@
-"""`python -m supervisor.chaos ...` = `understudy chaos ...`."""
+"""`python -m harness.chaos ...` = `understudy chaos ...`."""
 import sys
 
 from .cli import main

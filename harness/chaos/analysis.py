@@ -13,12 +13,12 @@ from .events import Event, MigrationEvent, RecoveredEvent
 from .honest import honest_metrics
 from .matching import EventIndex, SuccessIndex, fault_window, outcome
 from .memory import growth_pct
-from .metrics_text import MetricsSnapshot
+from harness.prometheus import MetricsSnapshot
 from .records import FaultRecord, RequestRecord, StatusSample
 from .schema import (
     Cache, ChaosReport, Check, FaultOutcome, KindSummary, Latency, Memory, RequestCounts, Requests,
 )
-from .stats import summarize
+from harness.stats import summarize
 
 
 @dataclass

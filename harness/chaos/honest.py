@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .events import Event
-from .metrics_text import Histogram, MetricsSnapshot
+from harness.prometheus import Histogram, MetricsSnapshot
 from .schema import ChaosReport, MetricComparison
-from .stats import percentile, relative_difference
+from harness.stats import percentile, relative_difference
 
 P = "understudy_"
 

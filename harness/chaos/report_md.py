@@ -1,7 +1,9 @@
 """report.md: the ChaosReport for people."""
 from __future__ import annotations
 
-from .schema import ChaosReport, Distribution, RequestCounts, Requests
+from harness.stats import Distribution
+
+from .schema import ChaosReport, RequestCounts, Requests
 
 
 def _s(x: float | None, unit: str = "s") -> str:

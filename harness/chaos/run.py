@@ -16,7 +16,7 @@ from .faults import FaultInjector
 from .listener import EventListener
 from .loadgen import LoadGenerator
 from .memory import pid_listening_on, sample_tree
-from .metrics_text import MetricsParseError, MetricsSnapshot
+from harness.prometheus import MetricsParseError, MetricsSnapshot
 from .options import ChaosOptions
 from .poller import StatusPoller
 from .schema import ChaosReport

@@ -5,19 +5,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from harness.stats import Distribution
+
 REPORT_VERSION = 1
-
-
-class Distribution(BaseModel):
-    """Summary of a list of seconds."""
-
-    n: int
-    min: float | None = None
-    p50: float | None = None
-    p90: float | None = None
-    p99: float | None = None
-    max: float | None = None
-    mean: float | None = None
 
 
 class RequestCounts(BaseModel):

@@ -97,7 +97,8 @@ def kill_and_restart(pid: int, admin_url: str, log_fallback: Path) -> dict:
             time.sleep(0.005)
         else:
             raise RestartError(f"supervisor pid {pid} still alive {DEATH_WAIT_S:g}s after SIGKILL")
-        from supervisor.socket_activation import ENV_KEYS, handover_argv
+        from harness.handover import handover_argv
+        from supervisor.effects.socket_activation import ENV_KEYS
         env = {k: v for k, v in env.items() if k not in ENV_KEYS}
         names = list(held)
         log = _log_target(proc, log_fallback)

@@ -1,9 +1,10 @@
 """Where the supervisor is: data/admin URLs, token and events endpoint, from flags or its config."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness.state_file import read_state
 
 
 class TargetError(ValueError):
@@ -30,12 +31,7 @@ def _read_token(path: Path) -> str:
 
 def _state_urls(runtime_dir: Path) -> tuple[str | None, str | None]:
     """The URLs a running supervisor wrote to state.json (needed when the config says port 0)."""
-    try:
-        state = json.loads((runtime_dir / "state.json").read_text())
-    except (OSError, ValueError):
-        return None, None
-    if not isinstance(state, dict):
-        return None, None
+    state = read_state(runtime_dir) or {}
     return state.get("router_url"), state.get("admin_url")
 
 

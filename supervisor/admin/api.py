@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 
 from supervisor.errors import AdminError
-from supervisor.status_page import StatusPage
+from supervisor.admin.status_page import StatusPage
 
 
 class AdminTarget(Protocol):

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import HTMLResponse, Response
 
-from supervisor.event_stream import EventFanout, TooManyClients
+from supervisor.admin.event_stream import EventFanout, TooManyClients
 
 PAGE = Path(__file__).with_name("ui") / "status.html"
 

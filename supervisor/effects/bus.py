@@ -8,7 +8,7 @@ from typing import Any
 
 import zmq
 
-from supervisor.zmq_ipc import bind_private_ipc
+from supervisor.effects.zmq_ipc import bind_private_ipc
 
 log = logging.getLogger("understudy.events")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.upstream import Client, UpstreamError
+from supervisor.router.upstream import Client, UpstreamError
 
 
 @dataclass
@@ -110,6 +110,22 @@ class GoldenStore:
             json.dump(data, f)
         os.replace(tmp, self.dir / f"{key}.json")
         return data
+
+
+def weights_provenance(facts: dict[str, Any], source: str | None) -> dict[str, Any]:
+    """Whether the engine's weights were checked finite, and their content digest: a cache hit maps
+    the daemons' arenas (each checked when loaded); a disk load is checked by the engine itself
+    (engines/weights.py: it exits 3 otherwise); external engines are not checked. ``facts``:
+    supervisor/core/engine_health.py weights_facts."""
+    src, digest = source or "", None
+    daemons = facts.get("daemons") or []
+    if src.startswith("cache_hit"):
+        finite = bool(daemons) and all(d.get("weights_finite") is True for d in daemons)
+        digest = next(((d.get("fingerprint") or {}).get("content_digest") for d in daemons if d.get("fingerprint")),
+                      None)
+    else:
+        finite = True if src.startswith("disk") and not facts.get("external") else None
+    return {"weights_source": src or None, "weights_finite": finite, "content_digest": digest}
 
 
 def _superseded(golden: dict[str, Any], prov: dict[str, Any]) -> bool:

@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from supervisor.zmq_ipc import bind_private_ipc
+from supervisor.effects.zmq_ipc import bind_private_ipc
 
 log = logging.getLogger("understudy.control")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from daemon import framing
-from supervisor.pidwatch import try_reap
+from supervisor.effects.pidwatch import is_exiting, try_reap
 
 log = logging.getLogger("understudy.launch")
 
@@ -88,7 +88,7 @@ def child_env() -> dict[str, str]:
     """Our environment, minus systemd's notify variables (only the supervisor talks to systemd),
     plus the repo on PYTHONPATH so ``-m engines`` works without an install."""
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -158,7 +158,6 @@ class AdoptedHandle:
         self.pid = pid
 
     def running(self) -> bool:
-        from supervisor.pidwatch import is_exiting
         return not is_exiting(self.pid)
 
     def exit_status(self) -> int | None:

@@ -1,61 +1,22 @@
-"""``{runtime_dir}/children.json``: what a supervisor must know to re-adopt its children after it died.
-
-One record per live child (daemon, spawn server, engine): pid plus its start time (so a reused pid
-is never taken for ours), incarnation, role, URL and the key of the config it was started with.
-Written by atomic rename, 0600, on every change (every state transition, promotion, spawn).
-"""
+"""``{runtime_dir}/children.json``: written once per pass that changed what it holds (atomic rename,
+0600), read by the next supervisor to re-adopt the children (supervisor/core/records.py is the
+format, supervisor/core/adoption.py the decisions)."""
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal
 
 import psutil
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
+
+from supervisor.core.model import Node
+from supervisor.core.records import RECORDS_VERSION, ChildRecord, ChildRecords
+from supervisor.core.states import State
 
 log = logging.getLogger("understudy")
 
 RECORDS_FILE = "children.json"
-RECORDS_VERSION = 1
-CREATE_TIME_TOLERANCE_S = 0.05  # psutil reports boot time + jiffies: two reads of one process agree
-
-
-class ChildRecord(BaseModel):
-    """One child as its supervisor last saw it."""
-
-    model_config = ConfigDict(extra="ignore")
-    kind: Literal["daemon", "spawn_server", "engine"]
-    name: str
-    pid: int
-    create_time: float
-    config_key: str
-    state: str = ""
-    incarnation: int = 0
-    role: str | None = None
-    port: int = 0
-    url: str = ""
-    spawned: bool = False  # forked by the spawn server (it knows the exit status), not our own child
-
-
-class ChildRecords(BaseModel):
-    """The whole file."""
-
-    model_config = ConfigDict(extra="ignore")
-    version: int = RECORDS_VERSION
-    supervisor_pid: int
-    epoch: int = 0
-    primary: str | None = None
-    drained: bool = False   # an operator's node drain outlives a supervisor crash (not a clean stop)
-    stopped: bool = False   # written by a supervisor that stopped cleanly
-    children: list[ChildRecord] = []
-
-
-def config_key(**fields: Any) -> str:
-    """A short stable hash of what a child was started with (a different key is never adopted)."""
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 def create_time(pid: int) -> float | None:
@@ -69,9 +30,34 @@ def create_time(pid: int) -> float | None:
         return None
 
 
-def same_process(recorded: float, observed: float | None) -> bool:
-    """Whether a pid's observed start time is the recorded one (else: gone, or the pid was reused)."""
-    return observed is not None and abs(observed - recorded) <= CREATE_TIME_TOLERANCE_S
+class Snapshots:
+    """Every child with a pid as a record; start times are read once per pid."""
+
+    def __init__(self) -> None:
+        self.create_times: dict[int, float | None] = {}
+
+    def records(self, node: Node) -> ChildRecords:
+        children = []
+        for c in node.children():
+            if not c.pid:
+                continue
+            started = self.create_times.get(c.pid)
+            if started is None:
+                started = self.create_times[c.pid] = create_time(c.pid)
+            if started is None:
+                continue  # already gone: nothing to adopt
+            extra: dict = {"state": c.state.value, "incarnation": c.incarnation}
+            if c.kind == "spawn_server":
+                extra = {"state": "READY" if c.state == State.READY else "STARTING"}
+            elif c.kind == "engine":
+                extra.update(role=c.role.value, port=c.port, url=c.url, spawned=c.spawned)
+            children.append(ChildRecord(kind=c.kind, name=c.name, pid=c.pid, create_time=started,
+                                        config_key=node.wanted.key(c.kind, c.name) or "", **extra))
+        live = {c.pid for c in children}
+        for pid in [p for p in self.create_times if p not in live]:
+            del self.create_times[pid]
+        return ChildRecords(supervisor_pid=os.getpid(), epoch=node.epoch, primary=node.primary,
+                            drained=node.drained, stopped=node.finished, children=children)
 
 
 def write_records(rd: Path, records: ChildRecords) -> None:

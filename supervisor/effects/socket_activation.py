@@ -4,7 +4,7 @@ With ``understudy.socket`` the kernel keeps the data port listening while the su
 connections made meanwhile wait in the backlog instead of being refused. Names come from
 ``LISTEN_FDNAMES`` (``FileDescriptorName=`` in the socket unit: ``router``, ``admin``); without
 names the first fd is the router's, the second the admin API's. Tests and chaos hand sockets over
-the same way (pass_fds + LISTEN_FDS/LISTEN_PID).
+the same way (harness/handover.py).
 """
 from __future__ import annotations
 
@@ -63,34 +63,3 @@ def inherited_sockets(env: dict[str, str] | None = None, pid: int | None = None)
         raise ActivationError(f"LISTEN_FDNAMES: unknown socket name(s) {sorted(unknown)}; "
                               f"expected {' and/or '.join(DEFAULT_NAMES)} (FileDescriptorName=)")
     return out
-
-
-def handover_argv(fds: list[int], names: list[str], argv: list[str]) -> list[str]:
-    """``argv`` started with listening sockets ``fds`` as systemd would hand them over (fds 3, 4, ...,
-    LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES): run it with ``pass_fds=fds``. The trampoline keeps the
-    pid (exec), which LISTEN_PID must name. Used by tests and by chaos ``kill-supervisor``."""
-    import sys
-    return [sys.executable, "-m", "supervisor.socket_activation", ",".join(map(str, fds)), ":".join(names),
-            "--", *argv]
-
-
-def _trampoline(args: list[str]) -> None:
-    """``FD,FD NAME:NAME -- ARGV``: move the fds to 3, 4, ..., set the variables, exec ARGV."""
-    fds, names, sep, *argv = args
-    if sep != "--" or not argv:
-        raise SystemExit("usage: python -m supervisor.socket_activation FD[,FD...] NAME[:NAME...] -- ARGV")
-    src = [int(f) for f in fds.split(",")]
-    import fcntl
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in src]  # out of the way: a source may sit on 3 or 4
-    for fd in src:
-        os.close(fd)
-    for i, fd in enumerate(high):
-        os.dup2(fd, SD_LISTEN_FDS_START + i)  # inheritable
-        os.close(fd)
-    os.environ.update(LISTEN_FDS=str(len(src)), LISTEN_PID=str(os.getpid()), LISTEN_FDNAMES=names)
-    os.execvp(argv[0], argv)
-
-
-if __name__ == "__main__":
-    import sys
-    _trampoline(sys.argv[1:])

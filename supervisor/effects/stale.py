@@ -28,7 +28,7 @@ def _alive_supervisor(pid: int) -> bool:
 def check_and_clean(rd: Path, kill: bool = True) -> list[int]:
     """RuntimeDirInUse if a live supervisor owns ``rd``; otherwise SIGKILL the process groups of the
     children the dead one recorded (only those whose command line names ``rd``); returns them.
-    ``kill=False``: only the check (the children are re-adopted or stopped by supervisor/adopt.py)."""
+    ``kill=False``: only the check (the children are re-adopted or stopped by the first pass: supervisor/core/adoption.py)."""
     try:
         st = json.loads((rd / "state.json").read_text())
     except (OSError, ValueError):

@@ -1,4 +1,4 @@
-"""The router's continuation loop: serve one continuable request (supervisor/continuation.py), and
+"""The router's continuation loop: serve one continuable request (supervisor/router/continuation.py), and
 when its primary is lost mid-request, continue it on the new primary and splice the answer.
 
 Rules (DESIGN.md §4, issues 11 and 12):
@@ -17,24 +17,20 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from engines import sse
 from supervisor.config import MigrationSection
-from supervisor.continuation import Tracked, error_event
-from supervisor.routing import PrimaryLost, Upstream
-from supervisor.upstream import NOT_RELAYED, ConnectError, Headers, UpstreamError, UpstreamTimeout
-
-if TYPE_CHECKING:
-    from supervisor.router import Proxy
+from supervisor.router.attempts import Upstreams
+from supervisor.router.continuation import Tracked, error_event
+from supervisor.router.replies import Send
+from supervisor.router.routing import PrimaryLost, Upstream
+from supervisor.router.upstream import NOT_RELAYED, ConnectError, Headers, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("understudy.router")
 
-Send = Callable[[dict], Awaitable[None]]
 Publish = Callable[[dict[str, Any]], None]
-RETRY_STATUSES = {502, 503}
-SAME_PRIMARY_RETRY_S = 0.25
 STREAM_END_WAIT_S = 0.25  # [DONE] -> the end of the engine's chunked body (sent right after it)
 
 
@@ -51,11 +47,11 @@ class _Refused(Exception):
 
 
 class Migrator:
-    """Serves Tracked requests for a Proxy (its table, client, metrics and hold policy)."""
+    """Serves Tracked requests (with the table, client, metrics and hold policy of ``upstreams``)."""
 
-    def __init__(self, proxy: "Proxy", cfg: MigrationSection, publish: Publish | None) -> None:
-        self.proxy, self.cfg, self.publish = proxy, cfg, publish
-        m = proxy.metrics
+    def __init__(self, upstreams: Upstreams, cfg: MigrationSection, publish: Publish | None) -> None:
+        self.u, self.cfg, self.publish = upstreams, cfg, publish
+        m = upstreams.metrics
         self._results = {r: m.migrations.labels(result=r) for r in
                          ("continued", "failed", "quarantined", "unsupported", "limit")}
 
@@ -68,7 +64,7 @@ class Migrator:
               chunks_before: int | None = None) -> None:
         self._results[result].inc()
         if stall_s is not None:
-            self.proxy.metrics.migration_stall.observe(stall_s)
+            self.u.metrics.migration_stall.observe(stall_s)
         if self.publish is not None:
             self.publish({"type": "migration", "result": result, "request_id": req.rid or "",
                           "tokens_replayed": req.n_output if replayed is None else replayed, "stall_s": stall_s,
@@ -93,45 +89,22 @@ class _Call:
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
 
     async def run(self) -> None:
-        proxy, table = self.m.proxy, self.m.proxy.table
-        start = time.monotonic()
-        deadline = start + proxy.hold_timeout_s
-        failed_epoch: int | None = None
-        last_error = "no primary"
-        held = False
-        while True:
-            up = table.primary
-            if up is None or (failed_epoch is not None and up.epoch == failed_epoch):
-                held = True
-                up = None if table.stopping else await table.wait_primary(
-                    deadline, not_epoch=failed_epoch,
-                    settle_s=SAME_PRIMARY_RETRY_S if failed_epoch is not None else None)
-                if up is None:
-                    proxy.metrics.router_hold.observe(time.monotonic() - start)
-                    reason = "the supervisor is stopping" if table.stopping else (
-                        last_error if failed_epoch is not None else table.not_ready_reason)
-                    return await self._give_up("failed" if self.migrations else None, 503,
-                                               f"no engine available within {proxy.hold_timeout_s:g}s: {reason}")
-            if failed_epoch is not None:
-                proxy.metrics.router_retries.inc()
-            if held:
-                proxy.metrics.router_hold.observe(time.monotonic() - start)
-                held = False
+        u = self.m.u
+        attempts = u.attempts()
+        while (up := await attempts.primary()) is not None:
             self.epoch, self.answered = up.epoch, False  # (here: an attempt fenced before it ran took nothing)
             try:
-                await table.unless_lost(up.epoch, self._attempt(up))
+                await attempts.call(up, self._attempt(up))
                 return await self._finish()
             except _Refused as r:
-                if r.status in RETRY_STATUSES and time.monotonic() < deadline:
-                    failed_epoch, last_error = up.epoch, f"{up.name}: HTTP {r.status}"
+                if attempts.may_retry(r.status):
+                    attempts.failed(up, f"HTTP {r.status}")
                     continue
                 return await self._refused(r)
             except UpstreamTimeout:
-                return await self._give_up("failed" if self.migrations else None, 504,
-                                           f"engine {up.name} did not answer within router.upstream_timeout_s="
-                                           f"{proxy.upstream_timeout_s:g}s")
+                return await self._give_up("failed" if self.migrations else None, 504, u.timed_out(up.name))
             except (UpstreamError, PrimaryLost) as e:
-                failed_epoch, last_error = up.epoch, f"{up.name}: {type(e).__name__} {e}".strip()
+                attempts.failed(up, e)
                 if isinstance(e, ConnectError):  # never reached the engine: a plain retry
                     continue
             if self.answered:
@@ -147,7 +120,8 @@ class _Call:
             self.migrations += 1
             self.migrating_since, self.replayed = self.last_sent, self.req.n_output
             self.chunks_before = self.req.chunks_sent
-            deadline = time.monotonic() + proxy.hold_timeout_s
+            attempts.hold_again()
+        return await self._give_up("failed" if self.migrations else None, 503, attempts.unavailable())
 
     def _lost_with(self, epoch: int) -> None:
         """The primary of `epoch` failed while working on this request."""
@@ -174,8 +148,8 @@ class _Call:
 
     async def _attempt(self, up: Upstream) -> None:
         """Send the request (or its continuation) to `up` and relay its stream until [DONE]."""
-        proxy, req = self.m.proxy, self.req
-        resp = await proxy.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
+        u, req = self.m.u, self.req
+        resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
         try:
             if resp.status != 200 or not resp.is_event_stream:
                 raise _Refused(resp.status, resp.headers, await resp.read())
@@ -189,7 +163,7 @@ class _Call:
                     await resp.finish(STREAM_END_WAIT_S)
                 now = time.monotonic()
                 if not had_tokens and req.n_output and not self.migrations:
-                    proxy.metrics.router_first_token.observe(now - req.arrived)
+                    u.metrics.router_first_token.observe(now - req.arrived)
                 if self.migrating_since is not None and (req.progress or req.finish_reason or req.done):
                     self.m.count("continued", req, now - self.migrating_since, self.replayed, self.chunks_before)
                     self.migrating_since = None
@@ -197,10 +171,10 @@ class _Call:
                     if out:
                         if not self.started:
                             self.started = True
-                            proxy.count_status(200)
+                            u.count_status(200)
                             await self.send({"type": "http.response.start", "status": 200,
                                              "headers": sse.HEADERS + engine_headers})
-                            proxy.served(up.epoch, 200, now)  # as the client times it: its first chunk
+                            u.served(up.epoch, 200, now)  # as the client times it: its first chunk
                         await self.send({"type": "http.response.body", "body": out, "more_body": True})
                         self.last_sent = now
                 else:
@@ -213,29 +187,29 @@ class _Call:
 
     async def _finish(self) -> None:
         """The answer is whole: end the stream, or send the one response."""
-        proxy, req = self.m.proxy, self.req
+        u, req = self.m.u, self.req
         if req.client_stream:
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
             body = req.whole_response()
-            proxy.count_status(200)
+            u.count_status(200)
             await self.send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 *self.headers_out]})
             await self.send({"type": "http.response.body", "body": body})
-            proxy.served(self.epoch, 200)
+            u.served(self.epoch, 200)
 
     async def _body(self, data: bytes) -> None:
         if not self.started:
             self.started = True
-            self.m.proxy.count_status(200)
+            self.m.u.count_status(200)
             await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def _refused(self, r: _Refused) -> None:
         """The engine refused: before any byte went out (the first attempt), pass its answer on."""
         if not self.started and not self.migrations:
-            self.m.proxy.count_status(r.status)
+            self.m.u.count_status(r.status)
             headers = [(k, v) for k, v in r.headers if k not in NOT_RELAYED]
             await self.send({"type": "http.response.start", "status": r.status, "headers": [
                 *headers, (b"content-length", str(len(r.body)).encode())]})
@@ -254,10 +228,10 @@ class _Call:
             await self.send({"type": "http.response.body", "body": error_event(message, type_, status),
                              "more_body": True})
             raise StreamAborted(message)
-        self.m.proxy.count_status(status)
+        self.m.u.count_status(status)
         body = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 503:
-            headers.append((b"retry-after", str(self.m.proxy.retry_after_s).encode()))
+            headers.append((b"retry-after", str(self.m.u.retry_after_s).encode()))
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})

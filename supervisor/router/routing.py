@@ -32,7 +32,7 @@ class RoutingTable:
         self.drained = False
         self.stopping = False
         self._not_ready = "starting: no engine READY yet"
-        self.explain: Callable[[], str] | None = None  # what each engine is doing (supervisor/why.py)
+        self.explain: Callable[[], str] | None = None  # what each engine is doing (supervisor/core/why.py)
         self._changed = asyncio.Event()
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced

@@ -5,7 +5,7 @@ time to first token (TTFT) and inter-token latency (ITL: gaps between content ch
 a client sees them. Prompts are token ids of exact lengths on /v1/completions (random ids, seeded;
 no tokenizer), `ignore_eos` on, greedy by default; output tokens are counted from the final
 `usage` chunk (`stream_options.include_usage`), else from content chunks (the report says which).
-After the sweep, the engine's static decode (`engines.bench decode`, same checkpoint, device,
+After the sweep, the engine's static decode (`harness.bench.engine decode`, same checkpoint, device,
 dtype, max_model_len and kernels) runs at each point's batch, and each point gets the ratio
 live output tok/s / static tok/s. Prefix-cache hit rate per point comes from the Prometheus
 counters (supervisor admin /metrics, `--metrics-url`, or the endpoint's own /metrics); "n/a" when

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from .client import RequestResult
-from .static import ROOT
+from harness import ROOT
 
 
 def shares(n_bodies: int, concurrency: int, procs: int) -> list[tuple[list[int], int]]:
@@ -28,7 +28,7 @@ def run_point_procs(url: str, path: str, bodies: list[bytes], concurrency: int, 
     children = []
     try:
         for idx, workers in shares(len(bodies), concurrency, procs):
-            p = subprocess.Popen([sys.executable, "-m", "supervisor.bench_serve.client_proc"], cwd=ROOT, env=env,
+            p = subprocess.Popen([sys.executable, "-m", "harness.bench.serve.client_proc"], cwd=ROOT, env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             job = {"url": url, "path": path, "bodies": [bodies[i].decode() for i in idx], "concurrency": workers,
                    "timeout_s": timeout_s, "duration_s": duration_s}

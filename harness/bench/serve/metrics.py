@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import httpx
 
+from harness.prometheus import MetricsParseError, MetricsSnapshot
+
 from .stats import PrefixCache
 
 QUERIED = "understudy_prefix_cache_queried_tokens_total"
@@ -11,18 +13,11 @@ HIT = "understudy_prefix_cache_hit_tokens_total"
 
 def parse_counters(text: str, names: tuple[str, ...] = (QUERIED, HIT)) -> dict[str, float]:
     """Each named metric summed over its label sets; a name absent from the page is absent here."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        metric, _, rest = line.partition(" ")
-        base = metric.partition("{")[0]
-        if base in names:
-            try:
-                out[base] = out.get(base, 0.0) + float(rest.split()[0])
-            except (ValueError, IndexError):
-                continue
-    return out
+    try:
+        snap = MetricsSnapshot.parse(text)
+    except MetricsParseError:
+        return {}
+    return {name: snap.total(name) for name in names if snap.has(name)}
 
 
 def scrape(sources: list[tuple[str, dict[str, str]]]) -> tuple[str, dict[str, float]] | None:

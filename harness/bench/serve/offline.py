@@ -1,4 +1,4 @@
-"""In-process mode: the engine without HTTP (engines.bench.local_engine), every request submitted
+"""In-process mode: the engine without HTTP (harness.bench.decode.local_engine), every request submitted
 at once to its scheduler loop; per-request output lengths, timings taken from its callbacks."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
                 max_num_seqs: int, cuda_graphs: bool, fused_kernels: bool, temperature: float,
                 ignore_eos: bool, timeout_s: float) -> tuple[list[RequestResult], float, dict]:
     """(results, seconds from the first submit to the last finish, engine facts)."""
-    from engines.bench import local_engine
+    from harness.bench.decode import local_engine
     from engines.sampling import SamplingParams
 
     print(f"bench serve: offline engine {model_dir} on {device}, max_model_len {max_model_len}, "

@@ -24,7 +24,7 @@ class Report(BaseModel):
     ignore_eos: bool
     started: str
     points: list[Point]
-    static: dict[str, Any] | None = None  # engines.bench decode's result, or {"skipped": why}
+    static: dict[str, Any] | None = None  # harness.bench.engine decode's result, or {"skipped": why}
     notes: list[str] = []
     total_errors: int = 0
 

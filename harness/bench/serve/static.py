@@ -1,4 +1,4 @@
-"""The engine's static decode figure for the same run: `python -m engines.bench decode` in a
+"""The engine's static decode figure for the same run: `python -m harness.bench.engine decode` in a
 subprocess (after the live sweep, so the two do not compete), same checkpoint, device, dtype,
 max_model_len and kernels as the server."""
 from __future__ import annotations
@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+from harness import ROOT
 
 from .target import Target
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def static_batches(concurrency: list[int], max_num_seqs: int | None) -> dict[int, int]:
@@ -20,7 +19,7 @@ def static_batches(concurrency: list[int], max_num_seqs: int | None) -> dict[int
 
 
 def decode_command(t: Target, batches: list[int], tokens: int, prompt_len: int) -> list[str]:
-    cmd = [sys.executable, "-m", "engines.bench", "decode", str(t.model_dir),
+    cmd = [sys.executable, "-m", "harness.bench.engine", "decode", str(t.model_dir),
            "--batches", ",".join(map(str, batches)), "--tokens", str(tokens), "--prompt-len", str(prompt_len),
            "--json"]
     if t.device:
@@ -37,7 +36,7 @@ def decode_command(t: Target, batches: list[int], tokens: int, prompt_len: int) 
 
 
 def run_static(t: Target, batches: list[int], tokens: int, prompt_len: int, timeout_s: float) -> dict:
-    """engines.bench decode's JSON result, with `tokens_per_s` keyed by int batch; raises
+    """harness.bench.engine decode's JSON result, with `tokens_per_s` keyed by int batch; raises
     RuntimeError with the command's tail when it fails."""
     cmd = decode_command(t, batches, tokens, prompt_len)
     print(f"bench serve: static decode: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@ import statistics
 
 from pydantic import BaseModel
 
-from supervisor.bench_failover import percentile
+from harness.stats import nearest_rank
 
 from .client import RequestResult
 
@@ -23,7 +23,7 @@ class Dist(BaseModel):
         if not xs:
             return None
         ms = [x * 1000 for x in xs]
-        return cls(p50=round(percentile(ms, 50), 3), p99=round(percentile(ms, 99), 3),
+        return cls(p50=round(nearest_rank(ms, 50), 3), p99=round(nearest_rank(ms, 99), 3),
                    mean=round(statistics.fmean(ms), 3), count=len(ms))
 
 

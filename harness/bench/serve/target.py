@@ -52,7 +52,7 @@ def _router_url(cfg, config_path: str | None) -> str:  # noqa: ANN001
 
 def resolve(args: argparse.Namespace) -> Target:
     """The target from `-c`/`--url` and the override options; never guesses what it cannot read."""
-    from supervisor.admin_client import ClientError, admin_endpoint
+    from supervisor.admin.client import ClientError, admin_endpoint
     from supervisor.config_load import ConfigError, load_config
 
     use_config = args.config is not None or args.url is None

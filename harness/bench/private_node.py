@@ -1,0 +1,40 @@
+"""The supervisor a node benchmark starts for itself: the given config (or the embedded default)
+with a private runtime dir, free ports and no flapping limit, so it never touches a production
+instance; the options that choose it, and where progress lines go."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def bench_config(path: str | None, workdir: Path, args: argparse.Namespace) -> str:
+    """The user's config with a private runtime dir, free ports, and no flapping limit."""
+    from supervisor.config_load import load_config
+    cfg = load_config(path).model_dump()
+    cfg["runtime_dir"] = str(workdir / "rt")
+    cfg["router"]["port"] = 0
+    cfg["admin"]["port"] = 0
+    cfg["admin"]["token_file"] = None
+    cfg["failover"]["flap_max"] = max(cfg["failover"]["flap_max"], 4 * args.runs + 10)
+    if args.preset:
+        cfg["model"]["preset"] = args.preset
+    if args.device:
+        cfg["device"] = args.device
+    if args.model:
+        cfg["model"]["path"] = args.model
+    return yaml.safe_dump(cfg)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """The options that say which supervisor a bench starts (read by `bench_config`)."""
+    p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
+    p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
+    p.add_argument("--model", help="checkpoint folder (overrides model.path)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+
+
+def say(args: argparse.Namespace, msg: str) -> None:
+    print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -1,0 +1,89 @@
+"""Probe: one check of a child, its answer as an event. An engine's readiness (HTTP up, the canary
+through its real HTTP path, compared with the golden answer, which the first engine to pass records)
+and health (the canary again); a daemon's status while it loads and its pings once READY; a new spawn
+server's ping."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from daemon import framing
+from supervisor.config import UnderstudyConfig
+from supervisor.core.actions import Probe
+from supervisor.core.events import DaemonAnswered, Event, HealthChecked, Pinged, ReadyChecked
+from supervisor.effects.canary import GoldenStore, compare, is_listening, run_canary, weights_provenance
+from supervisor.effects.processes import SpawnClient
+from supervisor.router.upstream import Client
+
+log = logging.getLogger("understudy")
+
+STATUS_TIMEOUT_S = 5.0
+PING_TIMEOUT_S = 2.0
+STARTUP_TIMEOUT_S = 2.0
+
+
+def daemon_status(path: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
+    """One ``status`` request on a daemon socket (blocking; run in a thread)."""
+    return framing.request(path, {"op": "status"}, timeout_s)
+
+
+class Checks:
+    def __init__(self, cfg: UnderstudyConfig, model_name: str, http: Client, golden: GoldenStore, fingerprint: str,
+                 spawn_client: SpawnClient) -> None:
+        self.cfg, self.model_name, self.http = cfg, model_name, http
+        self.golden, self.fingerprint = golden, fingerprint
+        self.spawn_ping = SpawnClient(spawn_client.path, PING_TIMEOUT_S)
+
+    async def probe(self, a: Probe) -> Event:
+        if a.what == "ready":
+            return await self.ready(a)
+        if a.what == "health":
+            res = await self._canary(a.target)
+            golden = self.golden.get(self.fingerprint)
+            return HealthChecked(a.name, a.incarnation,
+                                 res.error if not res.ok else (compare(golden, res) if golden else None))
+        if a.what == "status":
+            try:
+                return DaemonAnswered(a.name, a.incarnation, await asyncio.to_thread(daemon_status, a.target))
+            except (OSError, ValueError) as e:
+                return DaemonAnswered(a.name, a.incarnation, None, str(e))
+        try:
+            if a.kind == "daemon":
+                await asyncio.to_thread(daemon_status, a.target, PING_TIMEOUT_S)
+                return Pinged(a.name, a.incarnation, True)
+            reply = await self.spawn_ping.call({"op": "ping"})
+            return Pinged(a.name, a.incarnation, bool(reply.get("ok")), "" if reply.get("ok") else str(reply))
+        except (OSError, ValueError, ImportError) as e:
+            return Pinged(a.name, a.incarnation, False, str(e))
+
+    async def ready(self, a: Probe) -> ReadyChecked:
+        """HTTP up, then the canary must match the golden answer (recorded by the first to pass)."""
+        if not await is_listening(self.http, a.target):
+            return ReadyChecked(a.name, a.incarnation, listening=False)
+        res = await self._canary(a.target)
+        if not res.ok:
+            return ReadyChecked(a.name, a.incarnation, listening=True, broken=res.broken, error=res.error or "")
+        facts = a.detail
+        startup = None
+        if facts.get("weights_source") is None and not facts.get("external"):
+            startup = await self._startup(a.target)  # the weights' source, for the golden's provenance
+        source = (startup or {}).get("weights_source") or facts.get("weights_source")
+        golden = self.golden.record(self.fingerprint, res, a.name, weights_provenance(facts, source))
+        return ReadyChecked(a.name, a.incarnation, listening=True, answered=True, mismatch=compare(golden, res),
+                            startup=startup)
+
+    async def _canary(self, url: str):  # noqa: ANN202
+        c = self.cfg
+        return await run_canary(self.http, url, self.model_name, c.canary.prompt, c.canary.max_tokens,
+                                c.failover.probe_timeout_s)
+
+    async def _startup(self, url: str) -> dict[str, Any] | None:
+        """GET /startup: phases and weights source (when the control channel did not bring them)."""
+        try:
+            status, body = await self.http.fetch("GET", url, "/startup", timeout_s=STARTUP_TIMEOUT_S)
+            return json.loads(body) if status == 200 else None
+        except Exception as e:  # noqa: BLE001 (startup info is a report, not a readiness condition)
+            log.debug("%s: /startup unavailable: %s", url, e)
+            return None

@@ -1,0 +1,82 @@
+"""What each child is started with, from the node's config: an engine's EngineConfig (or an external
+engine's command line), a daemon's and the spawn server's argv; and their config keys (a recorded
+child started with another key is never re-adopted)."""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon.cli import daemon_argv
+from engines.config import EngineConfig
+from engines.guarded_http import ListenerLimits
+from engines.loopback import free_port
+from supervisor.config import UnderstudyConfig, template_fields
+from supervisor.core.adoption_plan import Wanted
+from supervisor.core.records import config_key
+from supervisor.effects.processes import python_argv
+
+ENGINE_SLACK = 64  # an engine's listener: the router's pool plus probes and canaries
+ENGINE_VOLATILE = {"port", "incarnation", "dist_port", "control_endpoint"}  # differ per incarnation
+
+
+@dataclass(frozen=True)
+class ChildConfigs:
+    """The node's config, the model resolved (path, device) and the runtime dir."""
+
+    cfg: UnderstudyConfig
+    model_path: Path
+    device: str
+    rd: Path
+    control_endpoint: str = ""
+
+    @property
+    def external(self) -> bool:
+        return self.cfg.engines.kind == "external"
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.name or self.model_path.name
+
+    def engine(self, name: str, incarnation: int, port: int) -> EngineConfig:
+        e, m = self.cfg.engines, self.cfg.model
+        return EngineConfig(
+            name=name, model_path=str(self.model_path), tp_size=m.tp_size, dtype=m.dtype, device=self.device,
+            gpu_ids=self.cfg.resolved_gpu_ids() if self.device == "cuda" else [], host="127.0.0.1", port=port,
+            weight_cache_mode=e.weight_cache_mode, runtime_dir=str(self.rd), control_endpoint=self.control_endpoint,
+            incarnation=incarnation, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
+            max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
+            kv_block_size=e.kv_block_size, prefix_caching=e.prefix_caching, cuda_graphs=e.cuda_graphs,
+            fused_kernels=e.fused_kernels, heartbeat_interval_s=e.heartbeat_interval_s,
+            dist_port=free_port() if m.tp_size > 1 else 0, served_model_name=self.model_name,
+            limits=self.cfg.limits.request_limits(),
+            listener=ListenerLimits(max_connections=self.cfg.router.max_connections + ENGINE_SLACK,
+                                    header_timeout_s=self.cfg.limits.header_timeout_s))
+
+    def external_engine(self, name: str, port: int) -> tuple[list[str], str, dict[str, str]]:
+        """(argv, url, extra env) of an external engine listening on ``port``."""
+        ext = self.cfg.engines.external
+        fields = template_fields(port, str(self.model_path), name, self.model_name, self.cfg.resolved_gpu_ids())
+        return [a.format(**fields) for a in shlex.split(ext.command)], ext.url.format(**fields).rstrip("/"), ext.env
+
+    def daemon(self, rank: int) -> list[str]:
+        m = self.cfg.model
+        gpu = self.cfg.resolved_gpu_ids()[rank] if self.device == "cuda" else None
+        return daemon_argv(self.model_path, rank, m.tp_size, self.device, m.dtype, self.rd, gpu)
+
+    def spawn_server(self) -> list[str]:
+        return python_argv("engines.spawn_server", "--socket", str(self.rd / "spawn.sock"))
+
+    def wanted(self, engines: list[str], ranks: int, spawn_server: bool, fingerprint: str) -> Wanted:
+        """The config key of every slot (what a recorded child must have been started with)."""
+        daemons = {f"daemon-rank{r}": config_key(argv=self.daemon(r), fingerprint=fingerprint) for r in range(ranks)}
+        keys = {}
+        for name in engines:
+            if self.external:
+                ext = self.cfg.engines.external
+                what = {"command": ext.command, "url": ext.url, "env": ext.env}
+            else:
+                what = self.engine(name, 0, 0).model_dump(exclude=ENGINE_VOLATILE)
+            keys[name] = config_key(engine=what, spawn=self.cfg.engines.spawn, fingerprint=fingerprint)
+        spawn = config_key(argv=self.spawn_server()) if spawn_server else None
+        return Wanted(daemons, keys, spawn)

@@ -1,0 +1,172 @@
+"""Carrying out a pass's actions: the router's switch and fences first (a failover is decided and
+done in the same pass), the quick ones in place, the slow ones (starts, probes, exit statuses,
+re-adoption checks) as tasks whose results come back as events. After the pass: state.json and
+children.json once if anything they show changed, the gauges, systemd's watchdog, orphan reaping."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from supervisor.core.actions import (Action, Answer, Attach, AwaitGone, CheckAdoptable, Drain, Fence, Finish, Hold,
+                                     Measure, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start, Stop, Survey)
+from supervisor.core.events import (AdoptionChecked, DaemonAnswered, Event, ExitRead, GroupsGone, HealthChecked,
+                                    LaunchFailed, Pinged, ReadyChecked, Surveyed)
+from supervisor.core.model import Node
+from supervisor.effects.checks import Checks
+from supervisor.effects.control import ControlChannel
+from supervisor.effects.launcher import Launcher
+from supervisor.effects.processes import kill_group
+from supervisor.effects.publisher import Publisher
+from supervisor.effects.reaper import Reaper
+from supervisor.effects.sdnotify import Notifier
+from supervisor.effects.survey import Surveyor
+from supervisor.router.routing import RoutingTable, Upstream
+
+log = logging.getLogger("understudy")
+
+URGENT = (Fence, Promote, Hold)
+REAP_ORPHANS_S = 1.0
+
+
+class Effects:
+    """The parts that act on the world, and what to call with each result (``record``)."""
+
+    def __init__(self, *, table: RoutingTable, launcher: Launcher, reaper: Reaper, checks: Checks,
+                 surveyor: Surveyor, publisher: Publisher, control: ControlChannel, notifier: Notifier,
+                 record: Callable[[Event], None], answer: Callable[[Answer], None],
+                 persist: Callable[[Node], None], finish: Callable[[int], Coroutine[Any, Any, None]]) -> None:
+        self.table, self.launcher, self.reaper, self.checks = table, launcher, reaper, checks
+        self.surveyor, self.publisher, self.control, self.notifier = surveyor, publisher, control, notifier
+        self.record, self.answer, self.persist, self.finish = record, answer, persist, finish
+        self.tasks: set[asyncio.Task] = set()
+        self._last_watchdog = self._last_reap = 0.0
+        self._reap_errors = 0
+
+    def carry_out(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, URGENT):
+                self._do(a)
+        for a in actions:
+            if not isinstance(a, URGENT):
+                self._do(a)
+
+    def _do(self, a: Action) -> None:
+        if isinstance(a, Fence):
+            kill_group(a.pid)
+        elif isinstance(a, Promote):
+            if a.lost_epoch is not None:
+                self.table.mark_lost(a.lost_epoch)  # requests in flight on the fenced primary retry now
+            self.table.set_primary(Upstream(a.url, a.name, a.epoch))
+            if a.detected_at is not None:
+                self.table.start_failover_clock(a.epoch, a.detected_at)  # the router observes failover_seconds
+        elif isinstance(a, Hold):
+            if a.lost_epoch is not None:
+                self.table.mark_lost(a.lost_epoch)
+            self.table.set_primary(None, a.reason)
+        elif isinstance(a, RouterFlags):
+            self.table.drained = a.drained
+            if a.stopping:
+                self.table.stop()
+        elif isinstance(a, Stop):
+            kill_group(a.pid, a.sig)
+        elif isinstance(a, Publish):
+            self.publisher.publish(a)
+        elif isinstance(a, Measure):
+            self.publisher.measure(a)
+        elif isinstance(a, Notify):
+            self.publisher.notify(a)
+        elif isinstance(a, Answer):
+            self.answer(a)
+        elif isinstance(a, Attach):
+            self.launcher.attach(a)
+        elif isinstance(a, Start):
+            self._task(self.launcher.start(a), a)
+        elif isinstance(a, Probe):
+            self._task(self.checks.probe(a), a)
+        elif isinstance(a, Reap):
+            self._task(self.reaper.reap(a), a)
+        elif isinstance(a, Drain):
+            self._task(self._drain(a), a)
+        elif isinstance(a, Survey):
+            self._task(self.surveyor.survey(a), a)
+        elif isinstance(a, CheckAdoptable):
+            self._task(self.surveyor.check(a), a)
+        elif isinstance(a, AwaitGone):
+            self._task(self.surveyor.await_gone(a), a)
+        elif isinstance(a, Finish):
+            self._task(self.finish(a.exit_code), a)
+        else:
+            raise TypeError(f"no effect for {a!r}")
+
+    def _task(self, coro: Coroutine[Any, Any, Event | None], action: Action) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=action.brief())
+        self.tasks.add(task)
+        task.add_done_callback(lambda t: self._done(t, action))
+
+    def _done(self, task: asyncio.Task, action: Action) -> None:
+        """The result goes back to the loop as an event. A bug is logged and published, never silent,
+        and reported as the action's failure (a child never waits for an answer that will not come)."""
+        self.tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            if task.result() is not None:
+                self.record(task.result())
+            return
+        log.error("internal error in task %s (serving goes on)", task.get_name(), exc_info=exc)
+        self.publisher.bus.publish({"type": "internal_error", "task": task.get_name(), "error": repr(exc)[:300]})
+        failure = failed(action, f"{type(exc).__name__}: {exc}")
+        if failure is not None:
+            self.record(failure)
+
+    async def _drain(self, a: Drain) -> None:
+        if not await self.control.send(a.name, a.incarnation, {"cmd": "drain"}):
+            kill_group(a.pid, signal.SIGTERM)
+
+    def after_pass(self, node: Node) -> None:
+        now = time.monotonic()
+        if node.dirty:
+            node.dirty = False
+            self.persist(node)
+            self.publisher.gauges(node)
+        wd = self.notifier.watchdog_interval_s
+        if wd is not None and not node.stuck and now - self._last_watchdog >= wd:
+            self._last_watchdog = now
+            self.notifier.watchdog()
+        if now - self._last_reap >= REAP_ORPHANS_S:
+            self._last_reap = now
+            try:
+                self.reaper.orphans({c.pid for c in node.children() if c.pid})
+            except OSError as e:  # e.g. EMFILE: the node keeps serving; the next round tries again
+                self._reap_errors += 1
+                if self._reap_errors in (1, 10, 100) or self._reap_errors % 1000 == 0:
+                    log.error("reaping orphans failed (%d times so far): %r; serving goes on", self._reap_errors, e)
+
+    def cancel(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+
+
+def failed(a: Action, error: str) -> Event | None:
+    """What an action that raised reports: its failure, in the event it would have answered with."""
+    if isinstance(a, Start):
+        return LaunchFailed(a.name, a.incarnation, error)
+    if isinstance(a, Reap):
+        return ExitRead(a.name, a.incarnation, a.pid, None)
+    if isinstance(a, Probe):
+        return {"ready": ReadyChecked(a.name, a.incarnation, listening=False),
+                "health": HealthChecked(a.name, a.incarnation, error),
+                "status": DaemonAnswered(a.name, a.incarnation, None, error)}.get(
+            a.what, Pinged(a.name, a.incarnation, False, error))
+    if isinstance(a, Survey):
+        return Surveyed({}, error=error)
+    if isinstance(a, CheckAdoptable):
+        return AdoptionChecked({}, error=error)
+    if isinstance(a, AwaitGone):
+        return GroupsGone(a.pids)
+    return None

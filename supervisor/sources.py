@@ -1,0 +1,51 @@
+"""The event sources that are not an effect's answer: signals, the engines' control channel, and the
+primary's exit poll. Each only records an event (the pass does the work)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from supervisor.core.events import Event, Exited, Said, StopAsked
+from supervisor.core.model import Node
+from supervisor.effects.control import ControlChannel
+from supervisor.effects.pidwatch import is_exiting
+
+log = logging.getLogger("understudy")
+
+Record = Callable[[Event], None]
+
+
+def on_signal(sig: int, record: Record) -> None:
+    """SIGTERM/SIGINT stop the node; SIGHUP is only said (no config reload)."""
+    name = signal.Signals(sig).name
+    log.info("received %s", name)
+    if sig in (signal.SIGTERM, signal.SIGINT):
+        record(StopAsked(name))
+    elif sig == signal.SIGHUP:
+        log.info("SIGHUP: config reload is not supported; use `understudy rollout` to restart engines")
+
+
+async def control_messages(control: ControlChannel, record: Record) -> None:
+    """Every valid message from an engine (malformed ones are logged by the channel)."""
+    while True:
+        msg = await control.recv()
+        if msg is not None:
+            record(Said(msg.engine, msg.incarnation, msg.type, dict(msg.model_extra or {})))
+
+
+async def primary_exit_poll(node: Node, period_s: float, record: Record) -> None:
+    """Fail over as soon as the primary starts to exit, not when its pidfd fires after teardown
+    (a GPU process spends ~100 ms in the kernel after SIGKILL): PF_EXITING, every ``period_s``."""
+    told: int | None = None
+    while True:
+        await asyncio.sleep(period_s)
+        p = node.primary_engine()
+        try:
+            exiting = p is not None and p.pid and p.pid != told and not node.stopping and is_exiting(p.pid)
+        except OSError:  # e.g. EMFILE: the next poll tells (and the pidfd does anyway)
+            continue
+        if exiting:
+            told = p.pid
+            record(Exited(p.name, p.incarnation, p.pid))
