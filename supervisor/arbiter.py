@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import itertools
-import json
 import logging
-import os
 import signal
 import socket
 import time
@@ -22,11 +19,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from supervisor.admin.requests import AdminRequests
 from supervisor.admin.status_view import status_view
 from supervisor.admin.token import ensure_token
 from supervisor.config import UnderstudyConfig
-from supervisor.core.actions import Answer
-from supervisor.core.events import Asked, Event, StopAsked
+from supervisor.core.events import Event, StopAsked
 from supervisor.core.model import Node, Settings, new_node
 from supervisor.core.reconcile import reconcile, wake_in
 from supervisor.core.why import not_ready_text
@@ -39,13 +36,14 @@ from supervisor.effects.launcher import Launcher
 from supervisor.effects.pidwatch import become_subreaper
 from supervisor.effects.publisher import Publisher
 from supervisor.effects.reaper import Reaper
-from supervisor.effects.records_file import Snapshots, read_records, write_records
+from supervisor.effects.records_file import read_records
 from supervisor.effects.runner import Effects
 from supervisor.effects.sdnotify import Notifier
 from supervisor.effects.servers import bind_tcp, listener_limits, make_server, raise_open_files_limit
 from supervisor.effects.socket_activation import ActivationError, inherited_sockets
+from supervisor.effects.state_files import StateFiles
 from supervisor.effects.survey import Surveyor
-from supervisor.errors import AdminError, BootError
+from supervisor.errors import BootError
 from supervisor.metrics import Metrics
 from supervisor.router.app import build_router
 from supervisor.router.routing import RoutingTable
@@ -73,13 +71,6 @@ class Supervisor:
                                              external=cfg.engines.external.command if self.external else None)
         self.exit_code = 0
         self.inbox: list[Event] = []
-        self._answers: dict[int, asyncio.Future[Answer]] = {}
-        self._requests = itertools.count(1)
-        self._snapshots = Snapshots()
-
-    @property
-    def stopping(self) -> bool:
-        return self.node.stopping
 
     # ------------------------------------------------------------------ setup
     def prepare(self) -> None:
@@ -117,6 +108,8 @@ class Supervisor:
                                    self.configs.wanted(engines, ranks, spawn_server, self.fingerprint), records,
                                    now=time.monotonic())
         self.table.explain = lambda: not_ready_text(self.node.engines.values(), time.monotonic())
+        self.admin = AdminRequests(self.node, self.status_dict, self.metrics, self.record)
+        self.state_files = StateFiles(self.rd, self.status_dict)
         self.fixed = {"router_url": self.router_url, "admin_url": self.admin_url, "runtime_dir": str(self.rd),
                       "events": self.bus.endpoint, "token_file": str(self.token_file),
                       "model": {"path": str(self.model_path), "name": self.model_name, "device": self.device,
@@ -153,8 +146,8 @@ class Supervisor:
                                      launcher.spawn_client),
                        surveyor=Surveyor(self.rd, self.http, self.external),
                        publisher=Publisher(self.bus, self.metrics, self.notifier, ready), control=self.control,
-                       notifier=self.notifier, record=self.record, answer=self._answer, persist=self.persist,
-                       finish=self._finish)
+                       notifier=self.notifier, record=self.record, answer=self.admin.answer,
+                       persist=self.state_files.write, finish=self._finish)
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> int:
@@ -218,7 +211,7 @@ class Supervisor:
         self._essential_task(self._servers[0].serve(sockets=[self.router_sock]), "router")
         admin = await asyncio.to_thread(importlib.import_module, "supervisor.admin.api")
         if not self.node.stopping:
-            self._servers.append(make_server(admin.build_admin(self, self.token), self.admin_sock, lvl,
+            self._servers.append(make_server(admin.build_admin(self.admin, self.token), self.admin_sock, lvl,
                                              admin_limits, "admin"))
             self._essential_task(self._servers[1].serve(sockets=[self.admin_sock]), "admin")
 
@@ -242,10 +235,8 @@ class Supervisor:
             srv.should_exit = True
         await asyncio.sleep(FINAL_GRACE_S)
         self.effects.cancel()
-        self.persist(self.node)
-        for fut in self._answers.values():
-            if not fut.done():
-                fut.set_result(Answer(0, 409, {"error": "the supervisor is stopping"}))
+        self.state_files.write(self.node)
+        self.admin.refuse_waiting()
         await self.http.aclose()
         self.control.close()
         self.bus.close()
@@ -255,57 +246,10 @@ class Supervisor:
         for task in list(self._essential):
             task.cancel()
 
-    # ------------------------------------------------------------------ state files
-    def persist(self, node: Node) -> None:
-        """``state.json`` (the /status body) and, once re-adoption has used the previous one, ``children.json``."""
-        try:
-            data = json.dumps(self.status_dict(), indent=1, default=str)
-            tmp = self.rd / f".state.json.{os.getpid()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-            os.replace(tmp, self.rd / "state.json")
-        except OSError as e:
-            log.warning("cannot write state.json: %s", e)
-        if node.phase != "adopting":
-            write_records(self.rd, self._snapshots.records(node))
 
-    # ------------------------------------------------------------------ admin API (supervisor/admin/api.py)
     def status_dict(self) -> dict[str, Any]:
+        """The ``GET /status`` body (and state.json)."""
         return status_view(self.node, self.fixed, time.monotonic())
-
-    def metrics_text(self) -> bytes:
-        return self.metrics.render()
-
-    async def admin_promote(self) -> dict[str, Any]:
-        return await self._ask("promote")
-
-    async def admin_set_drained(self, drained: bool) -> dict[str, Any]:
-        return await self._ask("drain" if drained else "undrain")
-
-    async def admin_restart(self, name: str, force: bool = False) -> dict[str, Any]:
-        return await self._ask("restart", name, force)
-
-    async def admin_rollout(self) -> dict[str, Any]:
-        return await self._ask("rollout")
-
-    async def _ask(self, intent: str, engine: str = "", force: bool = False) -> dict[str, Any]:
-        """An admin request is an event; its answer comes from the pass that decides it."""
-        rid = next(self._requests)
-        fut = self._answers[rid] = self.loop.create_future()
-        self.record(Asked(rid, intent, engine, force))
-        try:
-            answer = await fut
-        finally:
-            self._answers.pop(rid, None)
-        if answer.status != 200:
-            raise AdminError(answer.status, answer.body.get("error", ""))
-        return answer.body
-
-    def _answer(self, a: Answer) -> None:
-        fut = self._answers.get(a.request)
-        if fut is not None and not fut.done():
-            fut.set_result(a)
 
 
 def _url(sock: socket.socket) -> str:

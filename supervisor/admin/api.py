@@ -14,6 +14,10 @@ from supervisor.admin.status_page import StatusPage
 
 
 class AdminTarget(Protocol):
+    """What the API asks of the node (supervisor/admin/requests.py)."""
+
+    stopping: bool
+
     def status_dict(self) -> dict[str, Any]: ...
     def metrics_text(self) -> bytes: ...
     async def admin_promote(self) -> dict[str, Any]: ...
@@ -33,7 +37,7 @@ def build_admin(target: AdminTarget, token: str) -> FastAPI:
             raise AdminError(401, "missing or wrong bearer token (see admin.token_file, or `understudy token`)")
 
     page = StatusPage(lambda: target.status_dict()["events"],  # /ui and /events (status_page.py)
-                      stopping=lambda: bool(getattr(target, "stopping", False)))
+                      stopping=lambda: target.stopping)
     app = FastAPI(title="understudy admin", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=page.lifespan, dependencies=[Depends(auth)])
     page.register(app)

@@ -16,7 +16,7 @@ from supervisor.core.events import (CHILD_EVENTS, AdoptionChecked, Asked, Daemon
 from supervisor.core.failover import ensure_primary, route
 from supervisor.core.model import Node
 from supervisor.core.states import State
-from supervisor.core.watchdog import judge
+from supervisor.core.stuck import judge
 
 log = logging.getLogger("understudy")
 

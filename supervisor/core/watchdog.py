@@ -4,21 +4,12 @@ Stuck, precisely: no READY primary routed, and for ``stuck_after_s`` no progress
 any child state transition (a spawn started, an engine READY, FAILED, BACKOFF...), a startup phase
 or state reported by an engine, or a daemon's load advancing. A crash loop is progress (each retry
 is a spawn); a start that hangs with no timeout firing, or a supervisor that stopped acting, is not.
-Then WATCHDOG=1 stops and systemd (WatchdogSec) restarts the node (supervisor/effects/runner.py feeds it).
+Then WATCHDOG=1 stops and systemd (WatchdogSec) restarts the node (supervisor/core/stuck.py judges,
+supervisor/effects/runner.py feeds it).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from supervisor.core.actions import Notify
-from supervisor.core.why import not_ready_reason
-
-if TYPE_CHECKING:
-    from supervisor.core.model import Node
-
-log = logging.getLogger("understudy")
 
 
 @dataclass
@@ -40,16 +31,3 @@ class WatchdogGate:
         """Feed WATCHDOG=1 now?"""
         return serving or now - self.last_progress <= self.stuck_after_s
 
-
-def judge(node: "Node") -> None:
-    """The pass's verdict: stuck (said once, at ERROR and in systemd's STATUS) or fed."""
-    now = node.now
-    feed = node.stopping or node.watchdog.should_feed(now, node.serving())
-    if not feed and not node.stuck:
-        secs = node.watchdog.stuck_for(now, False)
-        why = f"stuck: no READY primary and no progress for {secs:.0f}s ({not_ready_reason(node, now)})"
-        log.error("%s; no longer feeding the systemd watchdog", why)
-        node.emit(Notify("stuck", why[:400]))
-    if node.stuck != (not feed):
-        node.stuck = not feed
-        node.dirty = True
