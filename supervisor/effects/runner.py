@@ -45,62 +45,39 @@ class Effects:
         self.tasks: set[asyncio.Task] = set()
         self._last_watchdog = self._last_reap = 0.0
         self._reap_errors = 0
+        self._quick: dict[type, Callable[[Any], object]] = {  # done in place
+            Fence: lambda a: kill_group(a.pid), Stop: lambda a: kill_group(a.pid, a.sig),
+            Promote: self._promote, Hold: self._hold, RouterFlags: self._flags,
+            Publish: self.publisher.publish, Measure: self.publisher.measure, Notify: self.publisher.notify,
+            Answer: self.answer, Attach: self.launcher.attach}
+        self._slow: dict[type, Callable[[Any], Coroutine[Any, Any, Event | None]]] = {  # tasks: results as events
+            Start: self.launcher.start, Probe: self.checks.probe, Reap: self.reaper.reap, Drain: self._drain,
+            Survey: self.surveyor.survey, CheckAdoptable: self.surveyor.check, AwaitGone: self.surveyor.await_gone,
+            Finish: lambda a: self.finish(a.exit_code)}
 
     def carry_out(self, actions: list[Action]) -> None:
-        for a in actions:
-            if isinstance(a, URGENT):
-                self._do(a)
-        for a in actions:
-            if not isinstance(a, URGENT):
-                self._do(a)
+        for a in sorted(actions, key=lambda a: not isinstance(a, URGENT)):  # (a stable sort: in order otherwise)
+            if type(a) in self._quick:
+                self._quick[type(a)](a)
+            else:
+                self._task(self._slow[type(a)](a), a)
 
-    def _do(self, a: Action) -> None:
-        if isinstance(a, Fence):
-            kill_group(a.pid)
-        elif isinstance(a, Promote):
-            if a.lost_epoch is not None:
-                self.table.mark_lost(a.lost_epoch)  # requests in flight on the fenced primary retry now
-            self.table.set_primary(Upstream(a.url, a.name, a.epoch))
-            if a.detected_at is not None:
-                self.table.start_failover_clock(a.epoch, a.detected_at)  # the router observes failover_seconds
-        elif isinstance(a, Hold):
-            if a.lost_epoch is not None:
-                self.table.mark_lost(a.lost_epoch)
-            self.table.set_primary(None, a.reason)
-        elif isinstance(a, RouterFlags):
-            self.table.drained = a.drained
-            if a.stopping:
-                self.table.stop()
-        elif isinstance(a, Stop):
-            kill_group(a.pid, a.sig)
-        elif isinstance(a, Publish):
-            self.publisher.publish(a)
-        elif isinstance(a, Measure):
-            self.publisher.measure(a)
-        elif isinstance(a, Notify):
-            self.publisher.notify(a)
-        elif isinstance(a, Answer):
-            self.answer(a)
-        elif isinstance(a, Attach):
-            self.launcher.attach(a)
-        elif isinstance(a, Start):
-            self._task(self.launcher.start(a), a)
-        elif isinstance(a, Probe):
-            self._task(self.checks.probe(a), a)
-        elif isinstance(a, Reap):
-            self._task(self.reaper.reap(a), a)
-        elif isinstance(a, Drain):
-            self._task(self._drain(a), a)
-        elif isinstance(a, Survey):
-            self._task(self.surveyor.survey(a), a)
-        elif isinstance(a, CheckAdoptable):
-            self._task(self.surveyor.check(a), a)
-        elif isinstance(a, AwaitGone):
-            self._task(self.surveyor.await_gone(a), a)
-        elif isinstance(a, Finish):
-            self._task(self.finish(a.exit_code), a)
-        else:
-            raise TypeError(f"no effect for {a!r}")
+    def _promote(self, a: Promote) -> None:
+        if a.lost_epoch is not None:
+            self.table.mark_lost(a.lost_epoch)  # requests in flight on the fenced primary are retried now
+        self.table.set_primary(Upstream(a.url, a.name, a.epoch))
+        if a.detected_at is not None:
+            self.table.start_failover_clock(a.epoch, a.detected_at)  # the router observes failover_seconds
+
+    def _hold(self, a: Hold) -> None:
+        if a.lost_epoch is not None:
+            self.table.mark_lost(a.lost_epoch)
+        self.table.set_primary(None, a.reason)
+
+    def _flags(self, a: RouterFlags) -> None:
+        self.table.drained = a.drained
+        if a.stopping:
+            self.table.stop()
 
     def _task(self, coro: Coroutine[Any, Any, Event | None], action: Action) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=action.brief())
