@@ -18,7 +18,7 @@ log = logging.getLogger("engines.control")
 
 
 class ControlChannel:
-    """Sends state/phase/startup/heartbeat messages; receives `{"cmd": ...}` commands."""
+    """Sends state/phase/startup/heartbeat messages; receives `{"cmd": ..., ...}` commands."""
 
     def __init__(self, endpoint: str | None, name: str, incarnation: int):
         self.name, self.incarnation = name, incarnation
@@ -46,9 +46,10 @@ class ControlChannel:
     def state(self, state: str, **extra) -> None:
         self.send("state", state=state, **extra)
 
-    def poll_commands(self) -> list[str]:
-        """Commands received since the last poll (never blocks). Malformed frames are logged and skipped."""
-        cmds: list[str] = []
+    def poll_commands(self) -> list[dict]:
+        """Commands received since the last poll, each a dict with a string `cmd` (never blocks).
+        Malformed frames are logged and skipped."""
+        cmds: list[dict] = []
         while True:
             with self._lock:
                 if self.sock is None or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -58,9 +59,9 @@ class ControlChannel:
                 except zmq.Again:
                     return cmds
             try:
-                cmd = json.loads(raw)["cmd"]
-                if not isinstance(cmd, str):
-                    raise TypeError("cmd is not a string")
+                cmd = json.loads(raw)
+                if not isinstance(cmd, dict) or not isinstance(cmd.get("cmd"), str):
+                    raise TypeError("not an object with a string cmd")
                 cmds.append(cmd)
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring malformed control frame %r: %s", raw[:200], e)
