@@ -56,6 +56,7 @@ class LLMEngine:
         self.inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self.steps = 0
         self.served = 0
+        self.generated_tokens = 0  # tokens appended to sequences since start (output tok/s, in heartbeats)
         self.draining = False
         self.stopped = threading.Event()  # set when the loop has exited
         self.on_drained: Callable[[], None] | None = None
@@ -111,8 +112,8 @@ class LLMEngine:
                 "waiting": len(self.scheduler.waiting), "served": self.served,
                 "kv_blocks_used": b.used, "kv_blocks_total": b.usable_blocks,
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
-                "preemptions": self.scheduler.preemptions, "kv_mode": b.mode,
-                "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
+                "preemptions": self.scheduler.preemptions, "generated_tokens": self.generated_tokens,
+                "kv_mode": b.mode, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
                 "continuation_reused_tokens": self.continuation_reused,
                 "continuation_recomputed_tokens": self.continuation_recomputed}
 
@@ -313,6 +314,7 @@ class LLMEngine:
             return
         launch = self._inflight
         tokens = launch.wait()
+        appended = 0
         for row, (seq, tok) in enumerate(zip(launch.seqs, tokens)):
             seq.unread -= 1
             if seq.finish_reason is None:
@@ -320,6 +322,8 @@ class LLMEngine:
                     seq.fail(launch.why_failed(row))
                 else:
                     seq.append(tok)
+                    appended += 1
+        self.generated_tokens += appended
         self._inflight, self._pending = None, {}
 
     def _sample(self, work: list[Scheduled], logits: torch.Tensor, picks: torch.Tensor) -> InFlight:

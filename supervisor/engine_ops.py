@@ -33,7 +33,7 @@ SPAWN_SERVER_WAIT_S = 30.0  # a start waits this long for a spawn server being r
 
 ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
 HEARTBEAT_FIELDS = ("steps", "running", "waiting", "served", "kv_blocks_used", "kv_blocks_total",
-                    "prefix_queried_tokens", "prefix_hit_tokens", "preemptions")
+                    "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "generated_tokens")
 
 
 class EngineOps:
