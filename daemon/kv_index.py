@@ -201,7 +201,7 @@ class BlockIndex:
                                  f"(the pool's writer epoch is {epoch - 1})")
         s = state == SEALED
         lo, hi, gen, ep = e["key_lo"][s], e["key_hi"][s], e["gen"][s], e["epoch"][s]
-        torn = (word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)
+        torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
             raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
         by_key = np.lexsort((hi, lo))

@@ -26,8 +26,6 @@ from array import array
 from collections import OrderedDict
 from typing import Callable, Literal
 
-import numpy as np
-
 from daemon.kv_index import Adoption, BlockIndex
 
 from .kv_publish import Publisher
@@ -108,11 +106,10 @@ class BlockManager:
         start, n = self.shared.start, len(self.shared)
         self.gens[start:start + n] = adoption.gens.tolist()
         self.free = adoption.free[::-1].tolist()
-        sealed = adoption.sealed.tolist()
-        lo, hi = np.zeros(self.num_blocks, np.uint64), np.zeros(self.num_blocks, np.uint64)
-        lo[adoption.sealed], hi[adoption.sealed] = adoption.key_lo, adoption.key_hi
-        self.key_lo, self.key_hi = lo.tolist(), hi.tolist()
-        self.block_of = dict(zip(adoption.key_lo.tolist(), sealed))
+        sealed, lo, hi = adoption.sealed.tolist(), adoption.key_lo.tolist(), adoption.key_hi.tolist()
+        for block, k_lo, k_hi in zip(sealed, lo, hi):  # (parked: every other block is unkeyed already)
+            self.key_lo[block], self.key_hi[block] = k_lo, k_hi
+        self.block_of = dict(zip(lo, sealed))
         self.evictable = OrderedDict.fromkeys(sealed)  # oldest stamp first
         self.quarantined = set(adoption.quarantined.tolist())
         self._stamp = adoption.next_stamp

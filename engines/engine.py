@@ -71,6 +71,8 @@ class LLMEngine:
         self._outbox: list[tuple[Callable[[Output], None], Output]] = []  # this step's outputs, in order
         self._inflight: InFlight | None = None  # the last step's sampled tokens, read back by the next step
         self._pending: dict[int, int] = {}  # seq_id -> its row in self._inflight.tokens
+        if control is not None:  # commands wake the loop through the inbox (engines/control.py)
+            control.on_command(lambda cmd: self.inbox.put(("cmd", cmd)))
 
     # ---- API (any thread) ------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
@@ -149,8 +151,6 @@ class LLMEngine:
             while not self._stop:
                 self.last_tick = time.monotonic()
                 self._heartbeat()
-                for cmd in (self.control.poll_commands() if self.control else []):
-                    self.command(cmd)
                 block = not self.has_work
                 self._take_inbox(block)
                 if self.has_work:
@@ -181,6 +181,8 @@ class LLMEngine:
                 seq = self.scheduler.abort(obj)  # type: ignore[arg-type]
                 if seq is not None:
                     seq.abort()
+            elif kind == "cmd":
+                self.command(obj)  # type: ignore[arg-type]
             elif kind == "drain":
                 self._start_draining()
             try:

@@ -73,13 +73,14 @@ class SharedPool:
         t0 = time.perf_counter()
         index = self.mapping.index
         adoption = index.claim(self.mapping.layout, self.mapping.fingerprint)
+        claimed = time.perf_counter()
         if adoption.reset_reason:
             log.error("KV index rejected (%s): the pool starts empty; nothing it held is served",
                       adoption.reset_reason)
         blocks.become_writer(adoption, index, Publisher(index, blocks.gens, device))
         return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
                 "quarantined_blocks": len(adoption.quarantined), "index_reset": adoption.reset_reason,
-                "seconds": time.perf_counter() - t0}
+                "claim_seconds": claimed - t0, "seconds": time.perf_counter() - t0}
 
     def demote(self, blocks: BlockManager) -> None:
         """Give the writer role up (every step completed, every shared block released)."""
