@@ -24,15 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="reader threads for the cold load")
     p.add_argument("--max-load-mbps", type=float, default=None,
                    help="cap the cold-load read rate (MB/s), to rehearse slow disks")
+    p.add_argument("--kv-pool-bytes", type=int, default=0,
+                   help="allocate the rank's shared KV pool of this many bytes (0: none)")
+    p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block of the pool")
+    p.add_argument("--kv-slots", type=int, default=2, help="engine slots that get scratch blocks in the pool")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
 def daemon_argv(model: str | os.PathLike, rank: int, tp_size: int, device: str, dtype: str,
-                runtime_dir: str | os.PathLike, gpu_id: int | None = None) -> list[str]:
+                runtime_dir: str | os.PathLike, gpu_id: int | None = None, kv_pool_bytes: int = 0,
+                kv_block_size: int = 16, kv_slots: int = 2) -> list[str]:
     """The command line that starts one rank's daemon with this interpreter."""
     argv = [sys.executable, "-m", "daemon", "--model", str(model), "--rank", str(rank), "--tp-size", str(tp_size),
             "--device", device, "--dtype", dtype, "--runtime-dir", str(runtime_dir)]
+    if kv_pool_bytes:
+        argv += ["--kv-pool-bytes", str(kv_pool_bytes), "--kv-block-size", str(kv_block_size),
+                 "--kv-slots", str(kv_slots)]
     return argv + (["--gpu-id", str(gpu_id)] if device == "cuda" and gpu_id is not None else [])
 
 
@@ -47,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = DaemonConfig(model_path=args.model, rank=args.rank, tp_size=args.tp_size, device=args.device,
                            gpu_id=args.gpu_id, dtype=args.dtype, runtime_dir=args.runtime_dir,
-                           threads=args.threads, max_load_mbps=args.max_load_mbps)
+                           threads=args.threads, max_load_mbps=args.max_load_mbps,
+                           kv_pool_bytes=args.kv_pool_bytes, kv_block_size=args.kv_block_size, kv_slots=args.kv_slots)
         if cfg.rank >= cfg.tp_size:
             raise ValueError(f"--rank {cfg.rank} is outside 0..{cfg.tp_size - 1} (--tp-size {cfg.tp_size})")
         daemon = WeightDaemon(cfg)

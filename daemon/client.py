@@ -27,7 +27,7 @@ from .arena import ArenaError, Manifest, bind, build_views, check_materialised, 
 from .cli import daemon_argv
 from .fingerprint import CacheConfig
 from .framing import FrameError, close_fds, peer_uid, recv_frame, send_frame
-from .protocol import PROTOCOL_VERSION, REPLY, ArenaHandle, Attach, Error, Hello, Loading, Mismatch, Ok
+from .protocol import PROTOCOL_VERSION, REPLY, ArenaHandle, Attach, Error, Hello, KVAttach, Loading, Mismatch, Ok
 from .quant import UnsupportedQuantForIPCError, check_quant_allowed
 from .runtime_dir import daemon_socket_path
 
@@ -110,19 +110,11 @@ def attach(model_on_meta: nn.Module, cache_config: CacheConfig, runtime_dir: str
         raise CacheMiss("unsupported_quant", str(e)) from None
     path = daemon_socket_path(runtime_dir, rank)
     timings: dict[str, float] = {}
-    with _connect(path) as sock:
+    with open_session(path) as sock:
         timings["connect_s"] = time.perf_counter() - t0
-        reply, fds = _request(sock, Hello(client=f"pid {os.getpid()}").model_dump(mode="json"), path)
-        close_fds(fds)
-        if isinstance(reply, Error):
-            raise CacheMiss("refused", f"daemon at {path} refused us: {reply.message}")
-        if not isinstance(reply, Ok):
-            raise CacheMiss("protocol_error", f"daemon at {path} answered hello with {reply.type}")
-        if reply.daemon.protocol != PROTOCOL_VERSION:
-            raise CacheMiss("protocol_error", f"daemon at {path} speaks protocol {reply.daemon.protocol}, "
-                                              f"we speak {PROTOCOL_VERSION}")
         t_wait = time.perf_counter()
-        handle, fds = _attach_when_ready(sock, cache_config, path, wait_s)
+        reply, fds = when_ready(sock, Attach(fingerprint=cache_config), path, wait_s)
+        handle = reply.arena
         timings["wait_s"] = time.perf_counter() - t_wait
     try:
         t1 = time.perf_counter()
@@ -149,6 +141,25 @@ def attach(model_on_meta: nn.Module, cache_config: CacheConfig, runtime_dir: str
         raise CacheMiss("attach_failed", str(e)) from None
     timings["total_s"] = time.perf_counter() - t0
     return WeightsResult("cache_hit", timings, mapping, f"{len(mapping.manifest.names)} tensors, {mapping.size} bytes")
+
+
+def open_session(path: Path) -> socket.socket:
+    """A connection to the daemon at `path` that said hello in our protocol; CacheMiss otherwise."""
+    sock = _connect(path)
+    try:
+        reply, fds = _request(sock, Hello(client=f"pid {os.getpid()}").model_dump(mode="json"), path)
+        close_fds(fds)
+        if isinstance(reply, Error):
+            raise CacheMiss("refused", f"daemon at {path} refused us: {reply.message}")
+        if not isinstance(reply, Ok):
+            raise CacheMiss("protocol_error", f"daemon at {path} answered hello with {reply.type}")
+        if reply.daemon.protocol != PROTOCOL_VERSION:
+            raise CacheMiss("protocol_error", f"daemon at {path} speaks protocol {reply.daemon.protocol}, "
+                                              f"we speak {PROTOCOL_VERSION}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _connect(path: Path) -> socket.socket:
@@ -189,24 +200,25 @@ def _request(sock: socket.socket, request: dict, path: Path):
         raise CacheMiss("protocol_error", f"daemon at {path} sent a malformed reply: {str(e).splitlines()[0]}") from None
 
 
-def _attach_when_ready(sock: socket.socket, cache_config: CacheConfig, path: Path,
-                       wait_s: float) -> tuple[ArenaHandle, list[int]]:
+def when_ready(sock: socket.socket, request: Attach | KVAttach, path: Path, wait_s: float) -> tuple[Ok, list[int]]:
+    """Send `request` until the daemon answers it `ok` with two fds (it answers `loading` meanwhile)."""
     deadline = time.monotonic() + wait_s
-    request = Attach(fingerprint=cache_config).model_dump(mode="json")
+    frame = request.model_dump(mode="json")
     delay = 0.02
     while True:
-        reply, fds = _request(sock, request, path)
-        if isinstance(reply, Ok) and reply.arena is not None and len(fds) == 2:
-            return reply.arena, fds
+        reply, fds = _request(sock, frame, path)
+        if isinstance(reply, Ok) and (reply.arena or reply.kv_pool) is not None and len(fds) == 2:
+            return reply, fds
         close_fds(fds)
         if isinstance(reply, Mismatch):
-            ours, theirs = cache_config.model_dump(), reply.fingerprint.model_dump()
+            ours, theirs = request.fingerprint.model_dump(), reply.fingerprint.model_dump()
             detail = ", ".join(f"{f} (ours {ours[f]!r}, daemon {theirs[f]!r})" for f in reply.fields)
             raise CacheMiss("mismatch", f"daemon at {path} holds different weights: {detail}")
         if isinstance(reply, Error):
             raise CacheMiss("daemon_error", f"daemon at {path}: {reply.message}")
         if not isinstance(reply, Loading):
-            raise CacheMiss("protocol_error", f"daemon at {path} answered attach with {reply.type} and {len(fds)} fds")
+            raise CacheMiss("protocol_error", f"daemon at {path} answered {request.op} with {reply.type} and "
+                                              f"{len(fds)} fds")
         if time.monotonic() >= deadline:
             p = reply.progress
             raise CacheMiss("loading_timeout", f"daemon at {path} still loading after {wait_s:.1f} s "

@@ -2,7 +2,8 @@
 
 Requests carry `op`; replies carry `type` (`ok`, `mismatch`, `loading`, `error`).
 An `attach` answered `ok` also passes two fds: the arena, and a sealed memfd holding the manifest
-(a manifest of 100k tensors does not fit in one frame).
+(a manifest of 100k tensors does not fit in one frame). A `kv_attach` answered `ok` passes the
+shared KV pool and its block index (daemon/kv_pool.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .fingerprint import CacheConfig
+from .kv_layout import KVLayout
 
 PROTOCOL_VERSION = 1
 
@@ -30,6 +32,13 @@ class Attach(_Msg):
     fingerprint: CacheConfig
 
 
+class KVAttach(_Msg):
+    """Ask for the rank's shared KV pool (answered `ok` + `kv_pool` + fds [pool, index])."""
+
+    op: Literal["kv_attach"] = "kv_attach"
+    fingerprint: CacheConfig
+
+
 class Status(_Msg):
     op: Literal["status"] = "status"
 
@@ -38,7 +47,7 @@ class Ping(_Msg):
     op: Literal["ping"] = "ping"
 
 
-Request = Annotated[Union[Hello, Attach, Status, Ping], Field(discriminator="op")]
+Request = Annotated[Union[Hello, Attach, KVAttach, Status, Ping], Field(discriminator="op")]
 REQUEST = TypeAdapter(Request)
 
 
@@ -67,6 +76,7 @@ class DaemonInfo(_Msg):
     attaches: int = 0
     error: str | None = None
     weights_finite: bool | None = None  # every tensor was checked finite after loading (None: not yet)
+    kv_pool: KVLayout | None = None  # the shared KV pool, once allocated (None: this daemon has none)
 
 
 class ArenaHandle(_Msg):
@@ -77,10 +87,21 @@ class ArenaHandle(_Msg):
     manifest_bytes: int
 
 
+class KVPoolHandle(_Msg):
+    """How to map the KV pool fd (fds[0], `size` bytes) and its index memfd (fds[1], `index_bytes`)."""
+
+    transport: Literal["cpu", "cuda"]
+    size: int
+    index_bytes: int
+    layout: KVLayout
+    pool_id: str  # hex: the pool's identity (a restarted daemon's pool is another pool)
+
+
 class Ok(_Msg):
     type: Literal["ok"] = "ok"
     daemon: DaemonInfo
     arena: ArenaHandle | None = None
+    kv_pool: KVPoolHandle | None = None
 
 
 class Mismatch(_Msg):

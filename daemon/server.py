@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .arena import Manifest, bind, build_views, check_materialised, layout
 from .fingerprint import CacheConfig, make_cache_config
 from .framing import FrameError, PeerClosed, close_fds, peer_uid, recv_frame, send_frame
-from .protocol import (REQUEST, ArenaHandle, Attach, DaemonInfo, Error, Hello, Loading, Mismatch, Ok,
-                       Ping, Progress, Status)
+from .protocol import (REQUEST, ArenaHandle, Attach, DaemonInfo, Error, Hello, KVAttach, KVPoolHandle, Loading,
+                       Mismatch, Ok, Ping, Progress, Status)
 from .quant import check_quant_allowed
 from .runtime_dir import daemon_socket_path, ensure_private_dir
 
@@ -49,6 +49,9 @@ class DaemonConfig(BaseModel):
     runtime_dir: str
     threads: int | None = Field(default=None, ge=1)
     max_load_mbps: float | None = Field(default=None, gt=0)
+    kv_pool_bytes: int = Field(default=0, ge=0, description="the rank's shared KV pool (0: none)")
+    kv_block_size: int = Field(default=16, ge=1, le=1024)
+    kv_slots: int = Field(default=2, ge=1, le=64, description="engine slots: each gets a few scratch blocks")
 
     @property
     def torch_device(self) -> str:
@@ -76,6 +79,7 @@ class WeightDaemon:
         self.arena = None
         self.manifest: Manifest | None = None
         self.manifest_fd = -1
+        self.kv_pool = None  # daemon/kv_pool.py KVPool, once allocated
         self.clients = 0
         self.lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -218,7 +222,7 @@ class WeightDaemon:
     def _reply(self, req) -> tuple[BaseModel, tuple[int, ...]]:
         if isinstance(req, (Hello, Status, Ping)):
             return Ok(daemon=self.info()), ()
-        assert isinstance(req, Attach)
+        assert isinstance(req, (Attach, KVAttach))
         if self.state == "failed":
             return Error(message=f"daemon rank {self.cfg.rank} failed to load: {self.error}"), ()
         if self.fingerprint is not None:
@@ -227,11 +231,21 @@ class WeightDaemon:
                 return Mismatch(fields=fields, fingerprint=self.fingerprint), ()
         if self.state != "ready":
             return Loading(progress=self.progress), ()
+        if isinstance(req, KVAttach):
+            return self._kv_reply()
         with self.lock:
             self.attaches += 1
         handle = ArenaHandle(transport=self.cfg.device, size=self.arena.size,
                              manifest_bytes=os.fstat(self.manifest_fd).st_size)
         return Ok(daemon=self.info(), arena=handle), (self.arena.export_fd(), self.manifest_fd)
+
+    def _kv_reply(self) -> tuple[BaseModel, tuple[int, ...]]:
+        pool = self.kv_pool
+        if pool is None:
+            return Error(message=f"daemon rank {self.cfg.rank} holds no KV pool (started without --kv-pool-bytes)"), ()
+        handle = KVPoolHandle(transport=self.cfg.device, size=pool.size, index_bytes=pool.index_bytes,
+                              layout=pool.layout, pool_id=pool.pool_id.hex())
+        return Ok(daemon=self.info(), kv_pool=handle), pool.fds()
 
     def info(self) -> DaemonInfo:
         """What this daemon is doing right now."""
@@ -239,7 +253,7 @@ class WeightDaemon:
                           fingerprint=self.fingerprint, resident_bytes=self.arena.size if self.state == "ready" else 0,
                           tensors=len(self.manifest.names) if self.manifest else 0, progress=self.progress,
                           load_seconds=self.load_seconds, attaches=self.attaches, error=self.error,
-                          weights_finite=self.weights_finite)
+                          weights_finite=self.weights_finite, kv_pool=self.kv_pool.layout if self.kv_pool else None)
 
     # ---- filling the arena -----------------------------------------------------------------
     def _fill_arena(self) -> None:
@@ -277,6 +291,8 @@ class WeightDaemon:
 
         check_finite(model, cfg.model_path)  # weights that cannot serve are never handed out
         self.weights_finite = True
+        if cfg.kv_pool_bytes:
+            self.kv_pool = self._allocate_kv_pool(model, device)
         del model
         gc.collect()
         arena.finish()  # seals the memfd on cpu; synchronizes on cuda
@@ -288,6 +304,17 @@ class WeightDaemon:
         self.state = "ready"
         log.info("rank %d: ready: %d tensors, %.1f MB in %.2f s (read %.2f GB/s)", cfg.rank, len(manifest.names),
                  arena.size / 1e6, self.load_seconds, stats.gbps)
+
+    def _allocate_kv_pool(self, model, device: torch.device):  # noqa: ANN001, ANN202 (CausalLM, KVPool)
+        from .kv_pool import KVPool, fingerprint_digest, layout_for
+
+        cfg = self.cfg
+        layout = layout_for(model, cfg.kv_pool_bytes, cfg.kv_block_size, cfg.dtype, cfg.kv_slots)
+        pool = KVPool(layout, fingerprint_digest(self.fingerprint), device, cfg.rank)
+        log.info("rank %d: KV pool: %d blocks of %d tokens (%.1f MB, %d scratch blocks for each of %d slots)",
+                 cfg.rank, layout.num_blocks, layout.block_size, pool.size / 1e6, layout.scratch_blocks,
+                 layout.scratch_slots)
+        return pool
 
     def _on_progress(self, p: Progress) -> None:
         if p.elapsed_s - self._last_log_s >= 2.0:

@@ -64,6 +64,15 @@ def map_readonly(fd: int, size: int) -> tuple[torch.Tensor, mmap.mmap]:
     return region, m
 
 
+def map_shared(fd: int, size: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """Map a KV pool memfd read-write and shared: (uint8 tensor over it, the mapping to keep alive)."""
+    actual = os.fstat(fd).st_size
+    if actual < size:
+        raise RuntimeError(f"cpu KV pool fd holds {actual} bytes, the layout needs {size}")
+    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(m, dtype=torch.uint8), m
+
+
 def sealed_blob(data: bytes, name: str = "understudy-manifest") -> int:
     """A sealed memfd holding `data` (for payloads larger than a frame, e.g. big manifests)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

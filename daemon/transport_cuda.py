@@ -135,10 +135,20 @@ def map_readonly(fd: int, size: int, device_index: int) -> tuple[torch.Tensor, _
     return import_readonly(fd, size, device_index)
 
 
+def map_readwrite(fd: int, size: int, device_index: int) -> tuple[torch.Tensor, _Mapping]:
+    """Import a KV pool fd on `device_index`, mapped read-write: (uint8 tensor, mapping to keep)."""
+    use_primary_context(device_index)
+    return _import(fd, size, device_index, read_only=False)
+
+
 def import_readonly(fd: int, size: int, device_index: int) -> tuple[torch.Tensor, _Mapping]:
     """`map_readonly` without making the context current (it must already be, on this thread)."""
+    return _import(fd, size, device_index, read_only=True)
+
+
+def _import(fd: int, size: int, device_index: int, read_only: bool) -> tuple[torch.Tensor, _Mapping]:
     cu = _cu()
     handle = _check(cu.cuMemImportFromShareableHandle(
         fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
-    mapping = _Mapping(handle, size, device_index, read_only=True)
+    mapping = _Mapping(handle, size, device_index, read_only=read_only)
     return mapping.as_tensor(), mapping

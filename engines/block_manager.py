@@ -1,53 +1,94 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a block table per sequence, prefix blocks shared by hash.
+"""Paged KV cache bookkeeping: fixed-size blocks, a block table per sequence, full blocks shared by key.
 
-A block holds `block_size` consecutive token positions of one sequence. A *full* prompt block is
-keyed by a hash of its tokens and of every token before it (the previous block's key), so two
-sequences whose prompts start alike share those blocks instead of computing them again. Blocks are
-reference-counted; a cached block nobody uses stays in the cache (and can be hit again) until a new
-allocation needs room, then the least recently freed one is evicted.
+A block holds `block_size` consecutive token positions of one sequence. A *full* block is keyed by a
+stable hash of its tokens and of every token before it (the previous block's key), so two sequences
+that start alike share those blocks instead of computing them again, and a continued request finds
+the blocks its first engine filled. Blocks are reference-counted; a keyed block nobody uses stays
+cached (and can be hit again) until an allocation needs room, then the least recently freed one is
+evicted.
+
+Three modes:
+- own: the engine's own KV cache (`shared_kv: false`): blocks 1..N-1.
+- parked: a standby over the rank's shared pool (daemon/kv_pool.py): only its slot's scratch blocks
+  (its canary runs there), no prefix cache; it writes nothing anyone else reads.
+- writer: the primary over the shared pool: the shared blocks, mirrored in the pool's index. A block
+  is OWNED there before any step that writes it is launched, SEALED once the step that filled it
+  completed, FREE once no step in flight can write it (engines/kv_publish.py). At promotion the
+  writer adopts what the index holds: keyed blocks become its cache, and blocks the previous writer
+  left OWNED are quarantined until that writer's processes are gone (`unquarantine`).
 
 Block 0 is never handed out: CUDA-graph padding rows write their keys and values there.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from typing import Callable, Literal
 
+from daemon.kv_index import Adoption, BlockIndex
+
+from .kv_publish import Publisher
 from .sequence import Sequence
 
 PAD_BLOCK = 0
+Mode = Literal["own", "parked", "writer"]
 
 
-def block_hash(prev: int | None, tokens: list[int]) -> int:
-    """Key of a full block: its tokens and, through `prev`, everything before them."""
-    return hash((prev, tuple(tokens)))
+def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
+    """The 128-bit key of a full block: its tokens and, through `prev`, everything before them.
+    Stable across processes (not Python's `hash`): another engine computes the same key."""
+    h = hashlib.blake2b(prev or bytes(16), digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def halves(key: bytes) -> tuple[int, int]:
+    """A key as the two 64-bit ints the block manager and the index hold (lo is never 0: 0 marks
+    an unkeyed block)."""
+    return int.from_bytes(key[:8], "little") or 1, int.from_bytes(key[8:], "little")
 
 
 class BlockManager:
-    """Owns the free list, the reference counts and the prefix cache of one engine's KV blocks."""
+    """Owns the free lists, the reference counts and the prefix cache of one engine's KV blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 scratch: range | None = None, shared: range | None = None):
         if num_blocks < 2:
             raise ValueError(f"a paged KV cache needs at least 2 blocks (one is the padding block), got {num_blocks}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
-        self.free: list[int] = list(range(num_blocks - 1, PAD_BLOCK, -1))  # pop() hands out low ids first
+        self.scratch = scratch if scratch is not None else range(0)
+        self.shared = shared if shared is not None else range(1, num_blocks)
+        self.mode: Mode = "own" if scratch is None else "parked"
         self.refs = [0] * num_blocks
-        self.key_of: dict[int, int] = {}  # block -> its hash, for full prompt blocks
-        self.block_of: dict[int, int] = {}  # hash -> block
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, oldest first
+        self.gens = [0] * num_blocks  # bumped at every allocation (the index's generation)
+        self._scratch_free = list(reversed(self.scratch))
+        self.free: list[int] = list(reversed(self.shared)) if self.mode == "own" else []  # pop(): low ids first
+        # Keyed (cached) blocks: a block's key as two halves (lo 0 = not keyed); the cache is found by
+        # lo, and a block matches only if hi agrees too (128 bits: no crafted prompt collides).
+        self.key_lo = [0] * num_blocks
+        self.key_hi = [0] * num_blocks
+        self.block_of: dict[int, int] = {}  # key lo -> block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced, oldest first
+        self.quarantined: set[int] = set()
+        self.index: BlockIndex | None = None
+        self.publisher: Publisher | None = None
+        self._stamp = 1
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.on_continuation: Callable[[int, int], None] | None = None  # (reused, recomputed) tokens
 
     # ---- capacity --------------------------------------------------------------------------
     @property
     def usable_blocks(self) -> int:
-        return self.num_blocks - 1
+        return len(self.scratch) if self.mode == "parked" else len(self.shared)
 
     @property
     def available(self) -> int:
         """Blocks an allocation can take now (free ones, then evictable cached ones)."""
-        return len(self.free) + len(self.evictable)
+        return len(self._scratch_free) if self.mode == "parked" else len(self.free) + len(self.evictable)
 
     @property
     def used(self) -> int:
@@ -56,28 +97,65 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # ---- modes -----------------------------------------------------------------------------
+    def become_writer(self, adoption: Adoption, index: BlockIndex, publisher: Publisher) -> None:
+        """Take the shared blocks as the index describes them (the pool's writer role is ours)."""
+        if any(self.refs[b] for b in self.shared):
+            raise RuntimeError("a parked engine holds shared blocks: it cannot adopt the pool")
+        self.mode, self.index, self.publisher = "writer", index, publisher
+        start, n = self.shared.start, len(self.shared)
+        self.gens[start:start + n] = adoption.gens.tolist()
+        self.free = adoption.free[::-1].tolist()
+        sealed, lo, hi = adoption.sealed.tolist(), adoption.key_lo.tolist(), adoption.key_hi.tolist()
+        for block, k_lo, k_hi in zip(sealed, lo, hi):  # (parked: every other block is unkeyed already)
+            self.key_lo[block], self.key_hi[block] = k_lo, k_hi
+        self.block_of = dict(zip(lo, sealed))
+        self.evictable = OrderedDict.fromkeys(sealed)  # oldest stamp first
+        self.quarantined = set(adoption.quarantined.tolist())
+        self._stamp = adoption.next_stamp
+
+    def park(self) -> None:
+        """Give the shared blocks up (every sequence that held some is gone): scratch only."""
+        if any(self.refs[b] for b in self.shared):
+            raise RuntimeError("sequences still hold shared blocks: hand them off before parking")
+        self.mode, self.index, self.publisher = "parked", None, None
+        self.free, self.evictable, self.block_of = [], OrderedDict(), {}
+        self.key_lo, self.key_hi = [0] * self.num_blocks, [0] * self.num_blocks
+        self.quarantined = set()
+
+    def unquarantine(self) -> int:
+        """The previous writer's processes are gone: the blocks it left unfinished are free."""
+        blocks, self.quarantined = sorted(self.quarantined), set()
+        for block in blocks:
+            if self.index is not None:
+                self.index.freed(block)
+            self.free.append(block)
+        return len(blocks)
+
     # ---- sequences -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> None:
         """Give a sequence with no blocks yet the cached blocks of its prompt's longest cached prefix.
 
         At least the prompt's last token is left to compute (its logits pick the first output token).
-        """
+        A continued request always looks (its own blocks, from the engine that began it)."""
         prompt = seq.prompt_ids
         self.queried_tokens += len(prompt)
-        if not self.prefix_caching:
-            return
-        prev = None
-        for i in range((len(prompt) - 1) // self.block_size):
-            key = block_hash(prev, prompt[i * self.block_size:(i + 1) * self.block_size])
-            block = self.block_of.get(key)
-            if block is None:
-                break
-            self._ref(block)
-            seq.block_table.append(block)
-            seq.block_keys.append(key)
-            prev = key
+        if self.mode != "parked" and (self.prefix_caching or seq.replayed):
+            prev = None
+            for i in range((len(prompt) - 1) // self.block_size):
+                key = block_key(prev, prompt[i * self.block_size:(i + 1) * self.block_size])
+                lo, hi = halves(key)
+                block = self.block_of.get(lo)
+                if block is None or self.key_hi[block] != hi:
+                    break
+                self._ref(block)
+                seq.block_table.append(block)
+                seq.block_keys.append(key)
+                prev = key
         seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size
         self.hit_tokens += seq.num_cached
+        if seq.replayed and seq.first_scheduled is None and self.on_continuation is not None:
+            self.on_continuation(seq.num_cached, len(prompt) - seq.num_cached)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the sequence can hold `num_tokens` positions after allocating what it lacks."""
@@ -88,31 +166,54 @@ class BlockManager:
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take())
 
-    def register_full_blocks(self, seq: Sequence, computed: int) -> None:
-        """Publish the prompt blocks that are full once `computed` positions hold their keys/values."""
-        if not self.prefix_caching:
+    def seal(self, seq: Sequence) -> None:
+        """Key the blocks that are full now that their tokens are known (call after the step that
+        computed them was launched and its input tokens read back). In the writer's index a block
+        is SEALED once that step has completed on the device."""
+        if self.mode == "parked" or (self.mode == "own" and not self.prefix_caching):
             return
-        full = min(computed, len(seq.prompt_ids)) // self.block_size
+        bs = self.block_size
+        full = min(seq.num_computed, seq.num_tokens) // bs
         for i in range(len(seq.block_keys), full):
-            prev = seq.block_keys[-1] if seq.block_keys else None
-            key = block_hash(prev, seq.prompt_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids(i * bs, (i + 1) * bs))
             seq.block_keys.append(key)
             block = seq.block_table[i]
-            if key not in self.block_of:  # an identical block computed twice keeps the first
-                self.block_of[key] = block
-                self.key_of[block] = key
+            lo, hi = halves(key)
+            if lo in self.block_of or block in self.scratch:  # an identical block computed twice keeps the first
+                continue
+            self.block_of[lo] = block
+            self.key_lo[block], self.key_hi[block] = lo, hi
+            if self.publisher is not None:
+                self.publisher.seal(block, self.gens[block], lo, hi, self._stamp)
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's blocks (it finished, was aborted or preempted)."""
         for block in reversed(seq.block_table):  # the tail is the least likely to be shared: evict it first
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                if block in self.key_of:
+                if block in self.scratch:
+                    self._scratch_free.append(block)
+                elif self.key_lo[block]:
                     self.evictable[block] = None
+                    if self.index is not None:
+                        self.index.stamped(block, self._stamp)
+                    self._stamp += 1
                 else:
                     self.free.append(block)
+                    if self.publisher is not None:  # FREE once no step in flight can still write it
+                        self.publisher.free(block, self.gens[block])
         seq.block_table, seq.block_keys = [], []
         seq.num_computed = seq.num_cached = 0
+
+    # ---- steps (the writer's index) --------------------------------------------------------
+    def launched(self) -> None:
+        """A step was launched: seals and frees asked for from now on wait for it."""
+        if self.publisher is not None:
+            self.publisher.launched()
+
+    def publish_completed(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish_completed()
 
     # ---- blocks ----------------------------------------------------------------------------
     def _ref(self, block: int) -> None:
@@ -121,10 +222,17 @@ class BlockManager:
         self.refs[block] += 1
 
     def _take(self) -> int:
-        if self.free:
-            block = self.free.pop()
+        if self.mode == "parked":
+            block = self._scratch_free.pop()
         else:
-            block, _ = self.evictable.popitem(last=False)
-            del self.block_of[self.key_of.pop(block)]
+            if self.free:
+                block = self.free.pop()
+            else:
+                block, _ = self.evictable.popitem(last=False)
+                del self.block_of[self.key_lo[block]]
+                self.key_lo[block] = self.key_hi[block] = 0
+            self.gens[block] += 1
+            if self.index is not None:  # before the step that writes it is launched
+                self.index.owned(block, self.gens[block])
         self.refs[block] = 1
         return block

@@ -42,7 +42,10 @@ class EngineConfig(BaseModel):
         default=None, ge=16, description="token budget of one step (decode rows + prefill chunks); "
         "default: 2048 on CUDA, 256 on CPU")
     kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block (a power of two)")
-    prefix_caching: bool = Field(default=True, description="share full prompt blocks across requests by hash")
+    prefix_caching: bool = Field(default=True, description="share full blocks across requests by key")
+    shared_kv: bool = Field(default=False, description="run on the ranks' shared KV pools (their daemons'), "
+                            "parked until promoted; else (or if a pool is missing) allocate kv_cache_bytes")
+    kv_slot: int = Field(default=0, ge=0, description="this engine's scratch slot in the shared pools")
     cuda_graphs: bool = True
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from daemon.kv_index import FencedError, PreviousWriterAlive
+
 from .control import ControlChannel
 from .inflight import InFlight
 from .block_manager import BlockManager
@@ -28,6 +30,7 @@ from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, ensure_seed
 from .scheduler import Scheduled, Scheduler
 from .sequence import Output, Sequence
+from .shared_kv import SharedPool
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engines.engine")
@@ -38,9 +41,13 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_model_len: int, max_num_seqs: int,
                  control: ControlChannel | None = None, heartbeat_interval_s: float = 0.5,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, pool: SharedPool | None = None):
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
+        self.pool = pool  # the shared KV pool (parked until promoted), or None: our own KV cache
+        self.blocks = pool.block_manager(prefix_caching) if pool else BlockManager(
+            runner.num_blocks, runner.block_size, prefix_caching)
+        self.blocks.on_continuation = self._continued
+        self.continuations = self.continuation_reused = self.continuation_recomputed = 0
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
         self.sampler = Sampler()
         self.control = control
@@ -49,6 +56,7 @@ class LLMEngine:
         self.inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self.steps = 0
         self.served = 0
+        self.generated_tokens = 0  # tokens appended to sequences since start (output tok/s, in heartbeats)
         self.draining = False
         self.stopped = threading.Event()  # set when the loop has exited
         self.on_drained: Callable[[], None] | None = None
@@ -63,6 +71,8 @@ class LLMEngine:
         self._outbox: list[tuple[Callable[[Output], None], Output]] = []  # this step's outputs, in order
         self._inflight: InFlight | None = None  # the last step's sampled tokens, read back by the next step
         self._pending: dict[int, int] = {}  # seq_id -> its row in self._inflight.tokens
+        if control is not None:  # commands wake the loop through the inbox (engines/control.py)
+            control.on_command(lambda cmd: self.inbox.put(("cmd", cmd)))
 
     # ---- API (any thread) ------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
@@ -104,7 +114,10 @@ class LLMEngine:
                 "waiting": len(self.scheduler.waiting), "served": self.served,
                 "kv_blocks_used": b.used, "kv_blocks_total": b.usable_blocks,
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
-                "preemptions": self.scheduler.preemptions}
+                "preemptions": self.scheduler.preemptions, "generated_tokens": self.generated_tokens,
+                "kv_mode": b.mode, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
+                "continuation_reused_tokens": self.continuation_reused,
+                "continuation_recomputed_tokens": self.continuation_recomputed}
 
     # ---- synchronous use (bench, tests) ----------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -138,11 +151,6 @@ class LLMEngine:
             while not self._stop:
                 self.last_tick = time.monotonic()
                 self._heartbeat()
-                for cmd in (self.control.poll_commands() if self.control else []):
-                    if cmd == "drain":
-                        self._start_draining()
-                    else:
-                        log.warning("unknown control command %r ignored", cmd)
                 block = not self.has_work
                 self._take_inbox(block)
                 if self.has_work:
@@ -152,6 +160,8 @@ class LLMEngine:
                     if self.on_drained:
                         self.on_drained()
                     return
+        except FencedError as e:  # another engine holds the KV pool now: never write it again
+            log.error("fenced: %s; stopping", e)
         except Exception:  # the main thread sees `stopped` without `draining` and exits 1
             log.exception("scheduler loop crashed")
         finally:
@@ -166,11 +176,13 @@ class LLMEngine:
         while True:
             kind, obj = item
             if kind == "add":
-                self.scheduler.add(obj)  # type: ignore[arg-type]
+                self._admit(obj)  # type: ignore[arg-type]
             elif kind == "abort":
                 seq = self.scheduler.abort(obj)  # type: ignore[arg-type]
                 if seq is not None:
                     seq.abort()
+            elif kind == "cmd":
+                self.command(obj)  # type: ignore[arg-type]
             elif kind == "drain":
                 self._start_draining()
             try:
@@ -178,6 +190,75 @@ class LLMEngine:
             except queue.Empty:
                 self._flush()
                 return
+
+    def _admit(self, seq: Sequence) -> None:
+        """Queue a sequence, unless it could never fit a parked standby's scratch blocks."""
+        b = self.blocks
+        if b.mode == "parked" and b.blocks_for(min(len(seq.prompt_ids) + seq.params.max_tokens,
+                                                   self.max_model_len)) > b.usable_blocks:
+            seq.fail(f"this engine is a parked standby: until promoted it serves only requests within its "
+                     f"{b.usable_blocks * b.block_size}-token scratch KV (its canary)", "parked")
+            return
+        self.scheduler.add(seq)
+
+    # ---- control commands (the supervisor) -------------------------------------------------
+    def command(self, cmd: dict) -> None:
+        """One supervisor command, between steps: drain, promote, demote, fenced."""
+        kind = cmd["cmd"]
+        if kind == "drain":
+            self._start_draining()
+        elif kind == "promote":
+            reply, fields = self.promote()
+            self._reply(reply, **fields)
+        elif kind == "demote":
+            self._reply("demoted", **self.demote())
+        elif kind == "fenced":
+            n = self.blocks.unquarantine()
+            if n:
+                log.info("the previous KV writer is gone: %d quarantined blocks are free", n)
+        else:
+            log.warning("unknown control command %r ignored", kind)
+
+    def _reply(self, msg_type: str, **fields) -> None:
+        if self.control is not None:
+            self.control.send(msg_type, **fields)
+
+    def promote(self) -> tuple[str, dict]:
+        """Take the shared pool's writer role (a no-op with our own KV cache): ("promoted", report)
+        or ("promote_failed", {"error"}) if the previous writer was not fenced."""
+        if self.pool is None or self.blocks.mode == "writer":
+            return "promoted", {"kv_mode": self.blocks.mode, "adopted_blocks": 0}
+        try:
+            report = self.pool.promote(self.blocks, self._device)
+        except PreviousWriterAlive as e:
+            log.error("promotion refused: %s", e)
+            return "promote_failed", {"error": str(e)}
+        log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined (%.1f ms)",
+                 report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
+                 report["quarantined_blocks"], report["seconds"] * 1e3)
+        return "promoted", {"kv_mode": "writer", **report}
+
+    def demote(self) -> dict:
+        """A planned switchover: finish the step in flight, seal what it filled, hand every request
+        off (the router continues it on the new primary), give the writer role up."""
+        if self.pool is None or self.blocks.mode != "writer":
+            return {"handed_off": 0}
+        self._read_back()
+        seqs = self.scheduler.take_all()
+        for seq in seqs:
+            if seq.finish_reason is None:
+                seq.hand_off()
+        self.pool.demote(self.blocks)
+        self._flush()
+        log.info("demoted: handed %d requests off; parked", len(seqs))
+        return {"handed_off": len(seqs)}
+
+    def _continued(self, reused: int, recomputed: int) -> None:
+        """A continued request found `reused` of its tokens' KV in the pool and recomputes the rest."""
+        self.continuations += 1
+        self.continuation_reused += reused
+        self.continuation_recomputed += recomputed
+        self._reply("continuation", reused=reused, recomputed=recomputed)
 
     def _flush(self) -> None:
         """Hand this step's outputs over: in one batch to `deliver`, else one by one."""
@@ -217,8 +298,12 @@ class LLMEngine:
                 self._read_back()  # workers need every input token on the host: no overlap under TP
             step = self.runner.prepare(work, self._pending)
             logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
+            self.blocks.launched()
             launch = self._sample([w for w in work if w.samples], logits, picks)
         self._read_back()
+        for w in work:  # their input tokens are all known now: key the blocks they filled
+            self.blocks.seal(w.seq)
+        self.blocks.publish_completed()  # before this step's outputs go out (engines/block_manager.py)
         self._inflight = launch
         self._pending = {s.seq_id: row for row, s in enumerate(launch.seqs)} if launch else {}
         self.served += len(self.scheduler.release_finished())
@@ -231,6 +316,7 @@ class LLMEngine:
             return
         launch = self._inflight
         tokens = launch.wait()
+        appended = 0
         for row, (seq, tok) in enumerate(zip(launch.seqs, tokens)):
             seq.unread -= 1
             if seq.finish_reason is None:
@@ -238,6 +324,8 @@ class LLMEngine:
                     seq.fail(launch.why_failed(row))
                 else:
                     seq.append(tok)
+                    appended += 1
+        self.generated_tokens += appended
         self._inflight, self._pending = None, {}
 
     def _sample(self, work: list[Scheduled], logits: torch.Tensor, picks: torch.Tensor) -> InFlight:

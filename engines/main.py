@@ -16,8 +16,10 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from daemon.client import WeightCacheError
+from daemon.kv_attach import KVPoolMapping
 
 from .config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from .control import ControlChannel
@@ -31,7 +33,8 @@ from .frontend import run_frontend
 from .startup import StartupTimer
 from .teardown import TEARDOWN_BUDGET_S, exit_deadline, leave_group
 from .tokenizer import Tokenizer, TokenizerError
-from .weights import engine_source, gather_sources, load_rank_weights
+from .shared_kv import SharedPool, attach_rank_pool
+from .weights import RankWeights, engine_source, gather_sources, load_rank_weights
 
 log = logging.getLogger("engines.main")
 _PR_SET_PDEATHSIG = 1
@@ -56,12 +59,16 @@ def max_model_len(cfg: EngineConfig, max_positions: int) -> int:
     return min(cfg.max_model_len, max_positions)
 
 
-def allocate_kv_cache(runner: ModelRunner, cfg: EngineConfig, mml: int) -> int:
-    """The paged KV cache and step buffers as the config says; returns the block count."""
+def allocate_kv_cache(runner: ModelRunner, cfg: EngineConfig, mml: int, weights: RankWeights, rank: int,
+                      group: dist.ProcessGroup | None) -> tuple[KVPoolMapping | None, str]:
+    """The paged KV cache (the rank's shared pool, or our own) and the step buffers as the config
+    says; returns the pool (None: our own) and the KV source (`shared`, `own`, `own:<reason>`)."""
     if cfg.kv_block_size & (cfg.kv_block_size - 1):
         raise ValueError(f"kv_block_size={cfg.kv_block_size} is not a power of two")
-    return runner.allocate_kv_cache(cfg.kv_cache_bytes, cfg.kv_block_size, mml, cfg.max_num_seqs,
-                                    step_token_budget(cfg))
+    pool, source = attach_rank_pool(cfg, weights.model, weights.cache_config, rank, runner.device, group)
+    runner.allocate_kv_cache(cfg.kv_cache_bytes, cfg.kv_block_size, mml, cfg.max_num_seqs, step_token_budget(cfg),
+                             pool)
+    return pool, source
 
 
 def _set_process_name(name: str) -> None:
@@ -127,7 +134,7 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     log.info("rank %d weights: %s", rank, weights.source)
     gather_sources(weights.source, group, cfg.tp_size)  # rank 0 reports every rank's source
     runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group, cfg.fused_kernels)
-    allocate_kv_cache(runner, cfg, max_model_len(cfg, args.max_position_embeddings))
+    allocate_kv_cache(runner, cfg, max_model_len(cfg, args.max_position_embeddings), weights, rank, group)
     if cfg.cuda_graphs and device.type == "cuda":
         runner.capture_graphs()
     runner.worker_loop()
@@ -201,15 +208,15 @@ def run_engine(cfg: EngineConfig) -> int:
         runner = ModelRunner(weights.model, device, 0, cfg.tp_size, group, cfg.fused_kernels)
         use_graphs = cfg.cuda_graphs and device.type == "cuda"
         with timer.phase("kv_cache"):
-            blocks = allocate_kv_cache(runner, cfg, mml)
+            pool, timer.kv_source = allocate_kv_cache(runner, cfg, mml, weights, 0, group)
         with timer.phase("graph_capture"):
             if use_graphs:
                 runner.capture_graphs()
-        log.info("KV cache: %d blocks of %d tokens (max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
-                 "fused decode kernels: %s", blocks, cfg.kv_block_size, mml, runner.max_rows,
-                 runner.graph_sizes if use_graphs else "off", runner.fused_decode_status)
+        log.info("KV cache: %d blocks of %d tokens (%s; max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
+                 "fused decode kernels: %s", runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml,
+                 runner.max_rows, runner.graph_sizes if use_graphs else "off", runner.fused_decode_status)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
-                           cfg.prefix_caching)
+                           cfg.prefix_caching, SharedPool(pool, cfg.kv_slot) if pool else None)
         link = CoreLink(engine, *link_eps)
         rc = _serve(cfg, engine, link, frontend, timer, control)
     except BOOT_ERRORS as e:
@@ -264,7 +271,8 @@ def _serve(cfg: EngineConfig, engine: LLMEngine, link: CoreLink, frontend: int, 
     control.state("SERVING", port=link.port)
     print(timer.table(), flush=True)
     print("ENGINE_READY " + json.dumps({"name": cfg.name, "port": link.port, "pid": os.getpid(),
-                                        "weights_source": timer.weights_source}), flush=True)
+                                        "weights_source": timer.weights_source, "kv_source": timer.kv_source}),
+          flush=True)
     rc = 0
     while not drained.wait(0.2):
         if engine.stopped.is_set() and not engine.draining:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from daemon.kv_attach import KVPoolMapping
+
 from .block_manager import PAD_BLOCK
 from .models import AttnMeta, CausalLM
 from .models.paged import query_blocks
@@ -130,17 +132,29 @@ class ModelRunner:
 
     # ---- setup -----------------------------------------------------------------------------
     def allocate_kv_cache(self, kv_cache_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                          max_num_batched_tokens: int) -> int:
-        """Split the byte budget into blocks (one more for padding rows), allocate; returns the block count."""
+                          max_num_batched_tokens: int, pool: KVPoolMapping | None = None) -> int:
+        """Split the byte budget into blocks (one more for padding rows) and allocate them, or run on
+        a shared pool's blocks; returns the block count."""
         per_block = self.model.kv_bytes_per_block(block_size)
-        blocks = kv_cache_bytes // per_block
         self.max_blocks = -(-max_model_len // block_size)
-        if blocks < self.max_blocks + 1:
+        if pool is None:
+            blocks = kv_cache_bytes // per_block
+            what, usable = f"kv_cache_bytes={kv_cache_bytes}", blocks - 1
+        else:
+            blocks = pool.layout.num_blocks
+            what, usable = f"the shared KV pool ({blocks * per_block} bytes)", len(pool.layout.shared_blocks)
+        if usable < self.max_blocks:
             raise KVBudgetError(
-                f"kv_cache_bytes={kv_cache_bytes} cannot hold one sequence of max_model_len={max_model_len} "
-                f"({(self.max_blocks + 1) * per_block} bytes on this rank: {self.max_blocks} blocks of "
-                f"{block_size} tokens plus one padding block); raise kv_cache_bytes or lower max_model_len")
-        self.model.allocate_kv_cache(blocks, block_size, self.device)
+                f"{what} cannot hold one sequence of max_model_len={max_model_len} ({self.max_blocks} blocks of "
+                f"{block_size} tokens, {self.max_blocks * per_block} bytes on this rank, beyond the padding and "
+                f"scratch blocks; it has {max(usable, 0)}); raise kv_cache_bytes or lower max_model_len")
+        if pool is None:
+            self.model.allocate_kv_cache(blocks, block_size, self.device)
+        else:
+            layout = pool.layout
+            kv = pool.region[:layout.pool_bytes].view(self.model.dtype).view(layout.shape)
+            self.model.use_kv_cache(kv, block_size)
+            self.kv_pool = pool  # keeps the mapping alive
         self.num_blocks, self.block_size = blocks, block_size
         self.max_rows = max(max_num_batched_tokens, max_num_seqs)
         self.max_seqs = max_num_seqs

@@ -136,7 +136,6 @@ class Scheduler:
         start = seq.num_computed
         self.blocks.grow(seq, start + n)
         seq.num_computed = start + n
-        self.blocks.register_full_blocks(seq, seq.num_computed)
         return Scheduled(seq, start, n)
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[Sequence]) -> bool:
@@ -179,6 +178,14 @@ class Scheduler:
                 self.blocks.release(s)
                 return s
         return None
+
+    def take_all(self) -> list[Sequence]:
+        """Remove every sequence, running or waiting, freeing their blocks (a handoff)."""
+        seqs = self.running + list(self.waiting)
+        self.running, self.waiting = [], FairQueue()
+        for s in seqs:
+            self.blocks.release(s)
+        return seqs
 
     @property
     def has_work(self) -> bool:

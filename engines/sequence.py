@@ -13,6 +13,9 @@ _ids = itertools.count()
 # Released text a sequence keeps (past what a stop string needs): a long generation's text no longer
 # grows, and is no longer copied whole for every token it appends.
 TEXT_KEPT = 1024
+# Replayed tokens a continuation decodes beyond its stop-string window: a character split across
+# byte-level tokens and a leading space settle within a few tokens (the detokenizer's context is 4).
+REPLAY_TAIL = 8
 
 
 @dataclass
@@ -25,18 +28,19 @@ class Output:
 
     seq_id: int
     delta: str
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "handoff" | None while running
     prompt_tokens: int
     completion_tokens: int
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": why the request failed (the engine goes on)
     timing: tuple[float, float] | None = None  # first Output only: (queued, arrival -> this Output) seconds
+    error_code: str | None = None  # with `error`: the OpenAI error code ("sampling_error", "parked")
 
     def to_row(self) -> list:
         """The fields in order, for the core link (`Output(*row)` rebuilds it). Written out:
         `dataclasses.astuple` deep-copies every field and cost 9 µs an Output on the dev VM."""
         return [self.seq_id, self.delta, self.finish_reason, self.prompt_tokens, self.completion_tokens,
-                self.token_ids, self.error, self.timing]
+                self.token_ids, self.error, self.timing, self.error_code]
 
 
 class Sequence:
@@ -56,23 +60,38 @@ class Sequence:
         self.params = params
         self.output_ids: list[int] = []
         self.block_table: list[int] = []  # KV block of each block_size positions
-        self.block_keys: list[int] = []  # prefix-cache keys of its full prompt blocks, in order
+        self.block_keys: list[bytes] = []  # keys of its full blocks, in order (engines/block_manager.py)
         self.num_computed = 0  # positions whose keys and values are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache
         self.unread = 0  # sampled tokens still on their way from the device (0, 1, or 2 mid-step)
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.error_code: str | None = None
         self.emit = emit
         self.max_model_len = max_model_len
         self.replayed = replayed
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids[:len(prompt_ids) - replayed])
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self._text = "".join([self._detok.add(token) for token in prompt_ids[len(prompt_ids) - replayed:]])
+        self._detok, self._text = self._replay(tokenizer, prompt_ids, replayed)
         self._sent = max(0, len(self._text) - self._holdback)  # what the other engine had released
         self._unreported: list[int] = []
         self.arrived = time.monotonic()  # in the core (submit)
         self.first_scheduled: float | None = None  # the scheduler first gave it positions to compute
         self._timed = False
+
+    def _replay(self, tokenizer: Tokenizer, ids: list[int], replayed: int) -> tuple[IncrementalDetokenizer, str]:
+        """The text state after the replayed tokens, as the other engine had it: only the released
+        text's last `holdback` characters matter (stop strings are found in them), so only the
+        tail is replayed, longer until it decodes to more than that (a continuation of 300 tokens
+        took ~1.5 ms of the core's GIL this way when all 300 were replayed; 256 at a failover did
+        that 256 times at once)."""
+        tail = min(replayed, self._holdback + REPLAY_TAIL)
+        while True:
+            detok = IncrementalDetokenizer(tokenizer, ids[:len(ids) - tail])
+            text = "".join([detok.add(token) for token in ids[len(ids) - tail:]])
+            if len(text) > self._holdback or tail == replayed:
+                return detok, text
+            tail = min(replayed, 2 * tail + 1)
 
     @property
     def num_tokens(self) -> int:
@@ -130,13 +149,19 @@ class Sequence:
         if delta or self.finish_reason:
             self.emit(self.output(delta))
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str, code: str = "sampling_error") -> None:
         """End this sequence with an error (e.g. its logits were not finite); others run on."""
-        self.finish_reason, self.error = "error", why
+        self.finish_reason, self.error, self.error_code = "error", why, code
         self.emit(self.output(""))
 
     def abort(self) -> None:
         self.finish_reason = "abort"
+        self.emit(self.output(""))
+
+    def hand_off(self) -> None:
+        """End here without finishing: this engine gave the KV pool up to another engine (a planned
+        switchover), and the router continues the request there from the tokens sent so far."""
+        self.finish_reason = "handoff"
         self.emit(self.output(""))
 
     def output(self, delta: str) -> Output:
@@ -147,4 +172,5 @@ class Sequence:
             queued = (self.first_scheduled or self.arrived) - self.arrived
             timing = (queued, time.monotonic() - self.arrived)
         return Output(self.seq_id, delta, self.finish_reason, len(self.prompt_ids) - self.replayed,
-                      len(self.output_ids) + self.replayed, ids, getattr(self, "error", None), timing)
+                      len(self.output_ids) + self.replayed, ids, self.error, timing,
+                      self.error_code)

@@ -41,13 +41,34 @@ log = logging.getLogger("engines.server")
 # Fault injection for tests and chaos runs only: a pause after each stream chunk, so a test can kill
 # an engine at the k-th chunk of a stream deterministically. Unset (0) in production.
 CHUNK_DELAY_S = float(os.environ.get("UNDERSTUDY_TEST_CHUNK_DELAY_S") or 0)
+# A handed-off stream's end: an SSE comment (clients and the router skip it), and no [DONE].
+HANDOFF_END = b": handed off to the new primary (planned switchover); no [DONE]: continue elsewhere\n\n"
 
 
 class RequestFailed(Exception):
     """A sequence of the request ended with an error (e.g. non-finite logits); the engine goes on."""
 
+    UNAVAILABLE = frozenset({"parked", "handoff"})  # this engine cannot serve it now; another can
+
+    def __init__(self, message: str, code: str = "sampling_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def status(self) -> int:
+        return 503 if self.code in self.UNAVAILABLE else 500
+
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "internal_error", "param": None, "code": "sampling_error"}}
+        type_ = "service_unavailable" if self.status == 503 else "internal_error"
+        return {"error": {"message": str(self), "type": type_, "param": None, "code": self.code}}
+
+
+class HandedOff(RequestFailed):
+    """The engine gave its KV pool up mid-request (a planned switchover): the router continues the
+    request on the new primary. A stream ends without [DONE], so the router sees it cut."""
+
+    def __init__(self) -> None:
+        super().__init__("this engine handed its requests off to the new primary (planned switchover)", "handoff")
 
 
 class APIError(Exception):
@@ -148,7 +169,9 @@ class OpenAIServer:
                     if out.finish_reason is not None:
                         running.live.discard(index)
                     if out.finish_reason == "error":
-                        raise RequestFailed(out.error or "sampling failed")
+                        raise RequestFailed(out.error or "sampling failed", out.error_code or "sampling_error")
+                    if out.finish_reason == "handoff":
+                        raise HandedOff()
                     yield index, out
         finally:
             running.abort()  # the client went away (or we failed): free its slots
@@ -309,8 +332,8 @@ async def _generate(scope: dict, receive, model, endpoint) -> Response | None:
     except LimitError as e:
         return JSONResponse(e.body(), status_code=e.status)
     except RequestFailed as e:
-        log.error("request to %s failed: %s", scope["path"], e)
-        return JSONResponse(e.body(), status_code=500)
+        (log.error if e.status == 500 else log.info)("request to %s failed: %s", scope["path"], e)
+        return JSONResponse(e.body(), status_code=e.status)
     except Exception as e:  # noqa: BLE001 (answered, logged; the engine goes on)
         return _internal_error(scope["path"], e)
 
@@ -405,8 +428,10 @@ class _EventStream:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
                 if CHUNK_DELAY_S:
                     await asyncio.sleep(CHUNK_DELAY_S)
+        except HandedOff:
+            end = HANDOFF_END
         except RequestFailed as e:
-            log.error("stream failed: %s", e)
+            (log.error if e.status == 500 else log.info)("stream failed: %s", e)
             end = b"data: %s\n\n" % json.dumps(e.body()).encode()
         await send({"type": "http.response.body", "body": end, "more_body": False})
 

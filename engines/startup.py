@@ -31,6 +31,7 @@ class StartupTimer:
     def __init__(self, on_phase: Callable[[str, float, str | None], None] | None = None):
         self.phases: dict[str, float] = {}
         self.weights_source = "unknown"
+        self.kv_source = "own"  # `shared` (the ranks' daemon pools), `own`, `own:<why no pool>`
         self.on_phase = on_phase
         self._record("pre_init", process_age_s())
 
@@ -54,7 +55,8 @@ class StartupTimer:
 
     def summary(self) -> dict:
         """The body of GET /startup."""
-        return {"phases": dict(self.phases), "weights_source": self.weights_source, "total_s": round(self.total_s, 6)}
+        return {"phases": dict(self.phases), "weights_source": self.weights_source, "kv_source": self.kv_source,
+                "total_s": round(self.total_s, 6)}
 
     def table(self) -> str:
         """A fixed-width table, one row per phase, like the reference breakdown."""

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from daemon.fingerprint import CacheConfig, make_cache_config
+
 from .config import EngineConfig
 from .models import CausalLM, ModelArgs, build_model, torch_dtype
 
@@ -17,12 +19,12 @@ class RankWeights:
     source: str  # "cache_hit" | "disk:<miss reason>" | "disk:off"
     timings: dict
     keepalive: object
+    cache_config: CacheConfig  # this rank's fingerprint (the KV pool is attached with it too)
 
 
 def load_rank_weights(cfg: EngineConfig, args: ModelArgs, rank: int, device: torch.device) -> RankWeights:
     """Build this rank's model on meta and fill it from the daemon's arena or from disk."""
     from daemon.client import attach_or_load
-    from daemon.fingerprint import make_cache_config
 
     dtype = torch_dtype(cfg.dtype)
     model = build_model(args, tp_rank=rank, tp_size=cfg.tp_size, dtype=dtype, device="meta")
@@ -32,7 +34,7 @@ def load_rank_weights(cfg: EngineConfig, args: ModelArgs, rank: int, device: tor
     if not result.source.startswith("cache_hit"):  # the daemon checked its arena; our own load we check here
         from daemon.finite import check_finite
         check_finite(model, cfg.model_path)
-    return RankWeights(model, result.source, dict(result.timings), result.keepalive)
+    return RankWeights(model, result.source, dict(result.timings), result.keepalive, cache_config)
 
 
 SOURCE_BYTES = 128  # one rank's weight source on the wire (longer ones are cut)
@@ -53,7 +55,8 @@ def gather_sources(source: str, group, tp_size: int) -> list[str]:
     return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in out]
 
 
-def engine_source(sources: list[str]) -> str:
-    """The engine's weight source: `cache_hit` only if every rank mapped its daemon's arena, else the
-    first rank's miss (a TP engine that read one rank from disk did not start from the cache)."""
-    return next((s for s in sources if s != "cache_hit"), sources[0])
+def engine_source(sources: list[str], want: str = "cache_hit") -> str:
+    """The engine's source from every rank's: `want` (the weights' `cache_hit`, the KV's `shared`)
+    only if every rank got it, else the first rank's miss (a TP engine that read one rank from disk
+    did not start from the cache)."""
+    return next((s for s in sources if s != want), sources[0])

@@ -28,31 +28,54 @@ def _delegate(module: str, argv: list[str]) -> int:
     return int(rc or 0)
 
 
+def port_number(text: str) -> int:
+    """argparse type of --port/--admin-port: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {port}")
+    return port
+
+
+ADMIN_COMMANDS = {  # name -> what it does: its line in `understudy -h` and its description
+    "status": "show engines, roles, states, daemons, weight source, epoch and recent failovers",
+    "promote": "planned switchover: the READY standby becomes primary",
+    "drain": "/readyz answers 503 so the load balancer stops sending traffic; "
+             "requests that still arrive are served (none refused)",
+    "undrain": "undo drain: /readyz answers 200 again",
+    "rollout": "restart every engine in turn (standbys first, then a switchover), zero failed requests",
+    "restart": "restart one engine (resets FATAL); the primary hands over to the standby first",
+    "token": "print the admin token (e.g. curl -H \"authorization: Bearer $(understudy token)\")",
+}
+DELEGATED_HELP = {
+    "chaos": "fault injection under load with an SLO report (see `understudy chaos -h`)",
+    "bench": "benchmarks: " + " | ".join(BENCH),
+    "make-model": "write a random HF checkpoint (DIR --preset tiny|small|1b)",
+    "daemon": "run one rank's weight cache daemon in the foreground",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy", description="Failover layer for LLM inference servers.")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    s = sub.add_parser("serve", help="run the supervisor in the foreground (systemd Type=notify)")
+    what = "run the supervisor in the foreground (systemd Type=notify): daemons, a primary and a standby, the router"
+    s = sub.add_parser("serve", help=what, description=what)
     s.add_argument("-c", "--config", help="YAML config (default: the embedded default)")
-    s.add_argument("--check", action="store_true", help="validate the config and exit")
-    for name, help_ in (("status", "show engines, roles, daemons, failovers"),
-                        ("promote", "planned switchover to the READY standby"),
-                        ("drain", "/readyz answers 503 so the load balancer stops sending traffic; "
-                                  "requests that still arrive are served (none refused)"),
-                        ("undrain", "undo drain"),
-                        ("rollout", "restart every engine in turn, zero failed requests"),
-                        ("restart", "restart one engine (resets FATAL)"),
-                        ("token", "print the admin token (e.g. curl -H \"authorization: Bearer $(understudy token)\")")):
-        a = sub.add_parser(name, help=help_)
+    s.add_argument("--port", type=port_number, metavar="N", help="data-plane port, over router.port (0: any free port)")
+    s.add_argument("--admin-port", type=port_number, metavar="M",
+                   help="admin API and status page port, over admin.port (0: any free port)")
+    s.add_argument("--check", action="store_true", help="validate the config (and the ports given) and exit")
+    for name, help_ in ADMIN_COMMANDS.items():
+        a = sub.add_parser(name, help=help_, description=help_)
         a.add_argument("-c", "--config", help="the config the supervisor runs with (admin URL, token)")
         a.add_argument("--json", action="store_true", help="print the raw JSON reply")
         if name == "restart":
-            a.add_argument("engine")
+            a.add_argument("engine", help="the engine's name, as `understudy status` lists it (e.g. a or b)")
             a.add_argument("--force", action="store_true", help="restart the primary even without a READY standby")
-    for name, help_ in (("chaos", "fault injection (see `understudy chaos -h`)"),
-                        ("bench", "benchmarks: attach | load | decode | restart | validate | failover | serve | supervisor-restart"),
-                        ("make-model", "write a random HF checkpoint (DIR --preset tiny|small|1b)"),
-                        ("daemon", "run one rank's weight cache daemon in the foreground")):
-        sub.add_parser(name, help=help_, add_help=False)
+    for name, help_ in DELEGATED_HELP.items():  # parsed by their own modules (main below)
+        sub.add_parser(name, help=help_, description=help_, add_help=False)
     return p
 
 
@@ -67,17 +90,17 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate(BENCH[argv[1]], argv[1:] if BENCH[argv[1]] in WHOLE_ARGV else argv[2:])
     ns = build_parser().parse_args(argv)
     if ns.cmd == "serve":
+        from supervisor.serve import load_serve_config, serve
         if ns.check:
-            from supervisor.config_load import ConfigError, load_config
+            from supervisor.config_load import ConfigError
             try:
-                load_config(ns.config)
+                cfg = load_serve_config(ns.config, ns.port, ns.admin_port)
             except ConfigError as e:
                 print(f"understudy: invalid config: {e}", file=sys.stderr)
                 return 2
-            print("config OK")
+            print(f"config OK: data plane {cfg.router.host}:{cfg.router.port}, admin {cfg.admin.host}:{cfg.admin.port}")
             return 0
-        from supervisor.serve import serve
-        return serve(ns.config)
+        return serve(ns.config, ns.port, ns.admin_port)
     from supervisor.admin.client import run_command
     if ns.cmd == "token":
         from supervisor.admin.client import print_token

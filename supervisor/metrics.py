@@ -1,6 +1,8 @@
 """Prometheus metrics (DESIGN.md §5 names, prefix ``understudy_``), on a registry of our own."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engines.metrics import FIRST_OUTPUT_BUCKETS
@@ -52,6 +54,13 @@ class Metrics:
                                       "Prompt tokens looked up in the engines' prefix caches", registry=r)
         self.prefix_hit = Counter("understudy_prefix_cache_hit_tokens",
                                   "Prompt tokens found in the engines' prefix caches", registry=r)
+        self.generated_tokens = Counter("understudy_generated_tokens", "Tokens the engines generated "
+                                        "(output tokens, from their heartbeats)", registry=r)
+        self.step_seconds = Histogram(
+            "understudy_engine_step_seconds", "A busy engine's mean scheduler step over one heartbeat interval: "
+            "the time between two tokens of each of its decoding streams, at the engine", buckets=FIRST_OUTPUT_BUCKETS,
+            registry=r)
+        self._beat_at: dict[str, float] = {}  # engine -> when its previous heartbeat came (monotonic)
 
     def count_weights_source(self, source: str) -> None:
         """cache_hit -> hit; disk:<reason> -> miss with that reason."""
@@ -64,18 +73,26 @@ class Metrics:
         for s in all_states:
             self.engine_state.labels(engine=engine, state=s).set(1 if s == state else 0)
 
-    def record_heartbeat(self, engine: str, hb: dict, previous: dict) -> None:
-        """An engine's serving figures; its cumulative prefix-cache counts add their growth since
-        its previous heartbeat (a new incarnation starts from zero)."""
+    def record_heartbeat(self, engine: str, hb: dict, previous: dict, now: float | None = None) -> None:
+        """An engine's serving figures; its cumulative token counts add their growth since its
+        previous heartbeat (a new incarnation starts from zero), and an interval it was busy
+        throughout gives its mean step time (``now``: when ``hb`` came, monotonic; default: now)."""
         names = {"running_seqs": "running", "waiting_seqs": "waiting", "kv_blocks_used": "kv_blocks_used",
                  "kv_blocks_total": "kv_blocks_total", "preemptions": "preemptions"}
         for key, field in names.items():
             if isinstance(hb.get(field), (int, float)):
                 self.engine_figures[key].labels(engine=engine).set(hb[field])
-        for counter, field in ((self.prefix_queried, "prefix_queried_tokens"), (self.prefix_hit, "prefix_hit_tokens")):
-            now, before = hb.get(field), previous.get(field) or 0
-            if isinstance(now, int):
-                counter.inc(now - before if now >= before else now)
+        for counter, field in ((self.prefix_queried, "prefix_queried_tokens"), (self.prefix_hit, "prefix_hit_tokens"),
+                               (self.generated_tokens, "generated_tokens")):
+            count, before = hb.get(field), previous.get(field) or 0
+            if isinstance(count, int):
+                counter.inc(count - before if count >= before else count)
+        t, t_before = time.monotonic() if now is None else now, self._beat_at.get(engine)
+        self._beat_at[engine] = t
+        steps, steps_before = hb.get("steps"), previous.get("steps")
+        if (t_before is not None and hb.get("running") and previous.get("running") and isinstance(steps, int)
+                and isinstance(steps_before, int) and steps > steps_before):
+            self.step_seconds.observe((t - t_before) / (steps - steps_before))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

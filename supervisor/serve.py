@@ -5,7 +5,10 @@ import logging
 import sys
 from pathlib import Path
 
-from supervisor.config_load import ConfigError, load_config
+from pydantic import ValidationError
+
+from supervisor.config import UnderstudyConfig
+from supervisor.config_load import ConfigError, format_errors, load_config
 
 log = logging.getLogger("understudy")
 
@@ -19,15 +22,34 @@ def setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def serve(config_path: str | None) -> int:
-    """Run the supervisor in the foreground; the process exit code."""
+def load_serve_config(config_path: str | None, port: int | None = None,
+                      admin_port: int | None = None) -> UnderstudyConfig:
+    """The config ``serve`` runs with: the file (or the embedded default), then ``--port`` and
+    ``--admin-port`` over ``router.port`` and ``admin.port``, validated again as a whole."""
+    cfg = load_config(config_path)
+    if port is None and admin_port is None:
+        return cfg
+    data = cfg.model_dump()
+    if port is not None:
+        data["router"]["port"] = port
+    if admin_port is not None:
+        data["admin"]["port"] = admin_port
+    try:
+        return UnderstudyConfig.model_validate(data)
+    except ValidationError as e:
+        source = f"{config_path or '<embedded default>'} with --port/--admin-port"
+        raise ConfigError("\n".join(f"{source}: {line}" for line in format_errors(e))) from None
+
+
+def serve(config_path: str | None, port: int | None = None, admin_port: int | None = None) -> int:
+    """Run the supervisor in the foreground (``port``, ``admin_port``: over the config's); the exit code."""
     from supervisor.arbiter import Supervisor
     from supervisor.errors import BootError
     from supervisor.effects.servers import BindError
     from supervisor.model_prep import ModelError, resolve_model
     from supervisor.admin.token import TokenError
     try:
-        cfg = load_config(config_path)
+        cfg = load_serve_config(config_path, port, admin_port)
     except ConfigError as e:
         print(f"understudy: invalid config: {e}", file=sys.stderr)
         return 2

@@ -141,17 +141,29 @@ def test_prestop_drains_then_waits_boundedly_and_the_grace_period_covers_it_all(
     assert spec["terminationGracePeriodSeconds"] > prestop_worst + cfg.failover.drain_timeout_s + cfg.failover.stop_timeout_s
 
 
+def init_container() -> dict:
+    (c,) = one("Deployment")["spec"]["template"]["spec"]["initContainers"]
+    return c
+
+
 def test_admin_token_comes_from_the_secret_into_the_configured_token_file():
-    cfg, c = node_config(), container()
+    cfg, c, init = node_config(), container(), init_container()
     spec = one("Deployment")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
-    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
     secret = volumes["admin-token"]["secret"]
-    assert secret["secretName"] == "understudy-admin-token" and secret["defaultMode"] & 0o077 == 0
-    command = " ".join(c["command"] + c["args"])
-    assert f"cat {mounts['admin-token']}/token > {cfg.resolved_token_file()}" in command
-    assert "umask 077" in command and "exec understudy serve -c /etc/understudy/understudy.yaml" in command
+    # the image runs as a non-root user: the Secret is root:fsGroup, readable by that group, by no one else
+    assert secret["secretName"] == "understudy-admin-token" and secret["defaultMode"] == 0o440
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+    # an init container copies it, 0600 and the pod user's, where the config's token_file is
+    assert init["image"] == c["image"]
+    command = " ".join(init["command"] + init["args"])
+    assert f"umask 077 && cat {mounts['admin-token']}/token > {cfg.resolved_token_file()}" in command
+    assert "admin-token" not in {m["name"] for m in c["volumeMounts"]}  # the server never sees the Secret
+    assert c["args"] == ["-c", env()["UNDERSTUDY_CONFIG"]] and "command" not in c  # the image's entrypoint
     # the token copy and the runtime dir live in the pod's memory-backed emptyDir
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["run"] == {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["run"]
     assert str(cfg.resolved_token_file()).startswith(mounts["run"] + "/")
     assert str(cfg.resolved_runtime_dir()).startswith(mounts["run"] + "/") and volumes["run"]["emptyDir"]["medium"] == "Memory"
     assert Path(cfg.resolved_cache_dir()) == Path(mounts["cache"])

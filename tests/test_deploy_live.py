@@ -1,10 +1,12 @@
 """deploy/ against one real `understudy serve` (CPU, tiny model): every metric the Grafana dashboard
-queries is in a real /metrics scrape, and the k8s preStop script drains the node and returns, bounded."""
+queries is in a real /metrics scrape, with every label the dashboard matches on or groups by, and the
+k8s preStop script drains the node and returns, bounded."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ admin: {{port: 0}}
 # PromQL words that look like names but are not metrics; a name followed by "(" is a function.
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
             "offset", "atan2", "inf", "nan"}
+TARGET_LABELS = {"instance", "job"}  # Prometheus adds them to every series it scrapes
 
 
 def metric_names(expr: str) -> set[str]:
@@ -48,6 +51,21 @@ def metric_names(expr: str) -> set[str]:
             continue
         names.add(m.group(0))
     return names
+
+
+def label_uses(expr: str) -> dict[str, set[str]]:
+    """Metric name -> the labels ``expr`` reads on it: those of its selector's matchers, and those of every
+    ``by|without|on|ignoring (...)`` list in ``expr`` (applied to each metric the expression reads)."""
+    grouped = set()
+    for labels in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
+        grouped |= {x.strip() for x in labels.split(",") if x.strip()}
+    uses = {name: set(grouped) for name in metric_names(expr)}
+    for name, label in re.findall(r"label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*,\s*(\w+)\s*\)", expr):
+        uses[name].add(label)
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    for name, matchers in re.findall(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}", s):
+        uses.setdefault(name, set(grouped)).update(re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", matchers))
+    return uses
 
 
 def dashboard_queries() -> list[str]:
@@ -91,6 +109,38 @@ def test_metric_names_are_parsed_out_of_promql():
     assert metric_names("label_values(understudy_epoch, instance)") == {"understudy_epoch"}
 
 
+def test_label_uses_are_parsed_out_of_promql():
+    assert label_uses('histogram_quantile(0.99, sum by (le, phase) (rate(x_bucket{a="b",c=~"$v"}[5m])))') == \
+        {"x_bucket": {"le", "phase", "a", "c"}}
+    assert label_uses('sum(increase(a_total{result="hit", code!~"5.."}[5m])) / sum(increase(b_total[5m]))') == \
+        {"a_total": {"result", "code"}, "b_total": set()}
+    assert label_uses('x{instance=~"$instance"} == 1') == {"x": {"instance"}}
+    assert label_uses('up{job="a={b}"}') == {"up": {"job"}}
+    assert label_uses("label_values(understudy_epoch, instance)") == {"understudy_epoch": {"instance"}}
+
+
+def scraped_labels(scrape: str) -> dict[str, set[str]]:
+    """Series name -> the label names its samples carry in a scrape."""
+    out: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(scrape):
+        for sample in fam.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+def label_problems(exprs: list[str], scraped: dict[str, set[str]]) -> list[str]:
+    """Each label an expression reads that its metric lacks in the scrape (target labels aside)."""
+    wrong = []
+    for expr in exprs:
+        for name, labels in label_uses(expr).items():
+            needed = labels - TARGET_LABELS
+            if needed and name not in scraped:
+                wrong.append(f"{name}: no sample in the scrape to check labels {sorted(needed)} on ({expr})")
+            elif needed - scraped.get(name, set()):
+                wrong.append(f"{name} has no label {sorted(needed - scraped[name])} (it has {sorted(scraped[name])}): {expr}")
+    return wrong
+
+
 def test_dashboard_is_well_formed():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] == "understudy" and dash["title"]
@@ -108,7 +158,8 @@ def test_dashboard_is_well_formed():
             assert p["targets"] and all(t["expr"] for t in p["targets"]), p["title"]
             assert p["datasource"]["uid"] == "${datasource}"
     for topic in ("Failover time", "Recovery time", "hit rate", "Startup phase", "Responses by status",
-                  "Held requests", "Standby READY", "Failovers by reason"):
+                  "Held requests", "Standby READY", "Failovers by reason", "Output tokens/s",
+                  "Time to first token", "Inter-token", "Stream gap across a failover"):
         assert any(topic in p["title"] for p in panels), topic
 
 
@@ -136,6 +187,23 @@ def test_every_metric_in_the_dashboard_is_in_a_real_scrape(node):
                    "understudy_engine_startup_phase_seconds_bucket", "understudy_router_requests_total",
                    "understudy_weight_cache_requests_total", "understudy_daemon_resident_bytes"):
         assert re.search(rf"^{series}[{{ ]", scrape, re.M), series
+
+
+def test_every_label_the_dashboard_reads_is_on_the_scraped_metric(node):
+    # a failover and a request first, so that the labelled series the dashboard reads have samples
+    since = len(node.events)
+    os.kill(node.primary()["pid"], signal.SIGKILL)
+    node.wait_event(lambda e: e["type"] == "failover", since=since)
+    node.wait_all_ready()
+    r = httpx.post(node.router_url + "/v1/completions", json={"model": node.status()["model"]["name"], "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+    scraped = scraped_labels(node.metrics())
+    wrong = label_problems(dashboard_queries(), scraped)
+    assert not wrong, "\n".join(wrong)
+    # and a panel with a wrong label would fail
+    assert label_problems(['sum by (reason) (rate(understudy_router_requests_total{code="200"}[5m]))'], scraped) == [
+        "understudy_router_requests_total has no label ['reason'] (it has ['code']): "
+        'sum by (reason) (rate(understudy_router_requests_total{code="200"}[5m]))']
 
 
 def prestop(node, tmp_path: Path, config: Path, lb: int, wait: int) -> tuple[int, float, str]:

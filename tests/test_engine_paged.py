@@ -124,7 +124,8 @@ def test_block_manager_shares_refcounts_and_evicts_least_recent(tiny_model) -> N
     a = make(list(range(13)))
     bm.match_prefix(a)
     bm.grow(a, 13)
-    bm.register_full_blocks(a, 13)
+    a.num_computed = 13
+    bm.seal(a)
     assert bm.used == 4 and bm.available == 1
     b = make(list(range(9)) + [99])
     bm.match_prefix(b)  # shares a's first two blocks (8 tokens); its last token is always computed

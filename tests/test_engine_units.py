@@ -218,3 +218,33 @@ def test_output_rows_rebuild_the_output() -> None:
     from engines.sequence import Output
     out = Output(7, "héllo", "stop", 12, 3, [4, 5, 6], "why", (0.25, 0.5))
     assert Output(*out.to_row()) == out and len(out.to_row()) == len(dataclasses.fields(Output))
+
+
+@pytest.mark.parametrize("stop", [[], ["ing"], ["\n\n", "the end of the story"]])
+def test_a_continued_sequence_emits_what_the_uninterrupted_one_would_at_every_cut(tok: Tokenizer, stop) -> None:
+    """A continuation replays only the tail of the tokens it was given (engines/sequence.py
+    `_replay`): at every cut point its text and finish are the uninterrupted sequence's, also with
+    stop strings and characters split across byte-level tokens."""
+    import random
+    rng = random.Random(5)
+    prompt = tok.encode("Once upon a time")
+    vocab = tok.tok.get_vocab_size()
+    gen = [rng.randrange(3, vocab) for _ in range(120)] + tok.encode(" singing the end of the story")[1:]
+    params = SamplingParams(max_tokens=len(gen), temperature=0, stop=stop, ignore_eos=True)
+
+    def run(ids: list[int], replayed: int, rest: list[int]) -> tuple[str, str | None]:
+        outs = []
+        seq = Sequence(ids, params, tok, set(), 4096, outs.append, replayed=replayed)
+        for t in rest:
+            seq.append(t)
+            if seq.finish_reason:
+                break
+        return "".join(o.delta for o in outs), seq.finish_reason
+
+    whole, _ = run(prompt, 0, gen)
+    for cut in range(1, len(gen), 7):
+        before, finished = run(prompt, 0, gen[:cut])
+        if finished:
+            break
+        after, reason = run(prompt + gen[:cut], cut, gen[cut:])
+        assert before + after == whole, (cut, stop)

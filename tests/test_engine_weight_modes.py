@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The weights came from"
 
 
-def start_daemon(model: Path, rank: int, tp: int, runtime_dir: Path, log: Path) -> subprocess.Popen:
+def start_daemon(model: Path, rank: int, tp: int, runtime_dir: Path, log: Path,
+                 extra: list[str] = ()) -> subprocess.Popen:
     with open(log, "ab") as f:
         return subprocess.Popen([sys.executable, "-m", "daemon", "--model", str(model), "--rank", str(rank),
-                                 "--tp-size", str(tp), "--device", "cpu", "--runtime-dir", str(runtime_dir)],
+                                 "--tp-size", str(tp), "--device", "cpu", "--runtime-dir", str(runtime_dir), *extra],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
 
 

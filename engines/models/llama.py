@@ -197,6 +197,15 @@ class CausalLM(nn.Module):
         self.kv_cache = torch.zeros(len(self.model.layers), 2, num_blocks, block_size, attn.kv_heads,
                                     attn.head_dim, dtype=dtype or self.dtype, device=device)
 
+    def use_kv_cache(self, kv: torch.Tensor, block_size: int) -> None:
+        """Run on `kv` (a shared pool's view) instead of a cache of our own; its shape must be ours."""
+        attn = self.model.layers[0].self_attn
+        want = (len(self.model.layers), 2, kv.shape[2], block_size, attn.kv_heads, attn.head_dim)
+        if tuple(kv.shape) != want or kv.dtype != self.dtype:
+            raise ValueError(f"a KV cache of shape {tuple(kv.shape)} {kv.dtype} does not fit this model "
+                             f"({want} {self.dtype})")
+        self.kv_cache = kv
+
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:

@@ -64,8 +64,11 @@ class StatusPage:
 
 @lru_cache(maxsize=1)
 def _page() -> tuple[str, str]:
-    """The page's text and a CSP naming the hashes of its inline script and style."""
-    html = PAGE.read_text(encoding="utf-8")
+    """The page's text, each ``<script src="NAME.js">`` of ui/ inlined, and a CSP naming the hashes of
+    its inline scripts and style (so the page is one response and no script is loaded by URL)."""
+    html = re.sub(r'<script src="([\w-]+\.js)"></script>',
+                  lambda m: f"<script>{(PAGE.parent / m.group(1)).read_text(encoding='utf-8')}</script>",
+                  PAGE.read_text(encoding="utf-8"))
 
     def hashes(tag: str) -> str:
         blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)

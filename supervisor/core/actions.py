@@ -158,7 +158,7 @@ class Publish:
 @dataclass(frozen=True)
 class Measure:
     """A figure for the metrics only: ``what`` = "startup" (phases, weights source), "heartbeat"
-    (serving figures, with the previous heartbeat), "resident" (a daemon's bytes)."""
+    (serving figures, with the previous heartbeat and when it came), "resident" (a daemon's bytes)."""
 
     what: str
     name: str

@@ -21,7 +21,7 @@ CANARY_RETRY_S = 0.2      # the canary was not answered yet (the engine is still
 STARTING = (State.STARTING, State.ATTACHING, State.WARMING)
 ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
 HEARTBEAT_FIELDS = ("steps", "running", "waiting", "served", "kv_blocks_used", "kv_blocks_total",
-                    "prefix_queried_tokens", "prefix_hit_tokens", "preemptions")
+                    "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "generated_tokens")
 
 
 # ---------------------------------------------------------------------------------- control channel
@@ -32,7 +32,7 @@ def said(node: Node, e: Engine, ev: Said) -> None:
         hb = {k: ev.fields.get(k) for k in HEARTBEAT_FIELDS}
         if (hb.get("served"), hb.get("steps")) != (e.heartbeat.get("served"), e.heartbeat.get("steps")):
             e.last_progress = node.now
-        node.emit(Measure("heartbeat", e.name, {"heartbeat": hb, "previous": e.heartbeat}))
+        node.emit(Measure("heartbeat", e.name, {"heartbeat": hb, "previous": e.heartbeat, "at": node.now}))
         e.heartbeat = hb
     elif ev.type == "state":
         node.progress()

@@ -40,7 +40,7 @@ class Publisher:
             if v["weights_source"]:
                 m.count_weights_source(v["weights_source"])
         elif a.what == "heartbeat":
-            m.record_heartbeat(a.name, v["heartbeat"], v["previous"])
+            m.record_heartbeat(a.name, v["heartbeat"], v["previous"], v["at"])
         elif a.what == "resident":
             m.daemon_resident.labels(rank=str(v["rank"])).set(v["bytes"])
 

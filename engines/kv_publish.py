@@ -1,0 +1,63 @@
+"""Index writes that wait for the device: a block is SEALED in the shared pool's index only once the
+step that filled it has completed, and FREE only once no step in flight can still write it.
+
+Each launched step records a CUDA event; a seal or free asked for meanwhile waits behind the latest
+one, and is applied when that event has completed, if the block has not been allocated again since
+(its generation is unchanged). On cpu a step has completed when `run` returns: nothing waits."""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from daemon.kv_index import BlockIndex
+
+
+class Publisher:
+    """The writer's deferred index writes, in launch order."""
+
+    def __init__(self, index: BlockIndex, gens: list[int], device: torch.device) -> None:
+        self.index, self.gens = index, gens
+        self.cuda = device.type == "cuda"
+        self._pending: deque[tuple[torch.cuda.Event, list[tuple]]] = deque()
+
+    def launched(self) -> None:
+        """A step's kernels were just enqueued: what is asked from now on waits for them."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((event, []))
+
+    def seal(self, block: int, gen: int, key_lo: int, key_hi: int, stamp: int) -> None:
+        self._defer(("seal", block, gen, key_lo, key_hi, stamp))
+
+    def free(self, block: int, gen: int) -> None:
+        self._defer(("free", block, gen))
+
+    def publish_completed(self) -> None:
+        """Apply the writes of every step that has completed (oldest first)."""
+        while self._pending and self._pending[0][0].query():
+            self._apply(self._pending.popleft()[1])
+
+    def flush(self) -> None:
+        """Wait for every launched step, then apply everything."""
+        if self._pending:
+            self._pending[-1][0].synchronize()
+        while self._pending:
+            self._apply(self._pending.popleft()[1])
+
+    def _defer(self, op: tuple) -> None:
+        if self._pending:
+            self._pending[-1][1].append(op)
+        else:
+            self._apply([op])
+
+    def _apply(self, ops: list[tuple]) -> None:
+        for op in ops:
+            block, gen = op[1], op[2]
+            if self.gens[block] != gen:  # allocated again since: this write is stale
+                continue
+            if op[0] == "seal":
+                self.index.sealed(block, gen, *op[3:])
+            else:
+                self.index.freed(block)

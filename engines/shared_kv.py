@@ -1,0 +1,89 @@
+"""An engine over its ranks' shared KV pools (DESIGN.md §2 "The KV pool"): attach at startup, then
+hold one of two roles. Parked (a standby): the pool mapped, graphs captured over it, only its slot's
+scratch blocks used. Writer (the primary): the shared blocks, mirrored in the index of rank 0's pool.
+
+`promote` and `demote` run on rank 0's scheduler thread between steps, when the supervisor says so
+(control commands `promote`, `demote`, `fenced`): promotion is a role change, not an allocation."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from daemon.client import CacheMiss
+from daemon.fingerprint import CacheConfig
+from daemon.kv_attach import KVPoolMapping, attach_kv_pool
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .kv_publish import Publisher
+from .models import CausalLM
+from .weights import engine_source, gather_sources
+
+log = logging.getLogger("engines.shared_kv")
+
+ATTACH_WAIT_S = 60.0  # a daemon still loading answers `loading` meanwhile
+
+
+def attach_rank_pool(cfg: EngineConfig, model: CausalLM, cache_config: CacheConfig, rank: int,
+                     device: torch.device, group: dist.ProcessGroup | None) -> tuple[KVPoolMapping | None, str]:
+    """This rank's shared pool and the engine's KV source: `shared` when every rank mapped its pool,
+    else `own` (shared_kv off) or `own:<miss reason>` (and no rank uses its pool: they must agree)."""
+    mapping, source = None, "own"
+    if cfg.shared_kv:
+        attn = model.model.layers[0].self_attn
+        expected = {"block_size": cfg.kv_block_size, "layers": len(model.model.layers), "kv_heads": attn.kv_heads,
+                    "head_dim": attn.head_dim, "dtype": cfg.dtype}
+        try:
+            mapping = attach_kv_pool(cache_config, expected, cfg.runtime_dir, rank, device, wait_s=ATTACH_WAIT_S,
+                                     with_index=rank == 0)
+            source = "shared" if cfg.kv_slot < mapping.layout.scratch_slots else "own:no_slot"
+        except CacheMiss as miss:
+            log.warning("rank %d: no shared KV pool (%s): %s; this engine allocates its own KV cache",
+                        rank, miss.reason, miss)
+            source = f"own:{miss.reason}"
+    source = engine_source(gather_sources(source, group, cfg.tp_size), want="shared")
+    return (mapping if source == "shared" else None), source
+
+
+@dataclass
+class SharedPool:
+    """Rank 0's pool: what the scheduler's block manager runs on, and the index's writer role."""
+
+    mapping: KVPoolMapping
+    slot: int
+
+    def __post_init__(self) -> None:
+        found = self.mapping.index.peek(self.mapping.layout, self.mapping.fingerprint)  # (warms numpy up too)
+        log.info("KV pool %s: %s", self.mapping.pool_id[:8], found if isinstance(found, str) else
+                 f"{len(found.sealed)} keyed blocks, {len(found.free)} free")
+
+    def block_manager(self, prefix_caching: bool) -> BlockManager:
+        """A parked block manager: this slot's scratch blocks until promoted."""
+        layout = self.mapping.layout
+        return BlockManager(layout.num_blocks, layout.block_size, prefix_caching, scratch=layout.scratch(self.slot),
+                            shared=layout.shared_blocks)
+
+    def promote(self, blocks: BlockManager, device: torch.device) -> dict:
+        """Take the writer role and adopt what the pool holds; returns the report for the supervisor.
+        Raises PreviousWriterAlive if the last writer was not fenced."""
+        t0 = time.perf_counter()
+        index = self.mapping.index
+        adoption = index.claim(self.mapping.layout, self.mapping.fingerprint)
+        claimed = time.perf_counter()
+        if adoption.reset_reason:
+            log.error("KV index rejected (%s): the pool starts empty; nothing it held is served",
+                      adoption.reset_reason)
+        blocks.become_writer(adoption, index, Publisher(index, blocks.gens, device))
+        return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
+                "quarantined_blocks": len(adoption.quarantined), "index_reset": adoption.reset_reason,
+                "claim_seconds": claimed - t0, "seconds": time.perf_counter() - t0}
+
+    def demote(self, blocks: BlockManager) -> None:
+        """Give the writer role up (every step completed, every shared block released)."""
+        blocks.publisher.flush()
+        self.mapping.index.release()
+        blocks.park()

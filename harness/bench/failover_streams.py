@@ -1,0 +1,156 @@
+"""`understudy bench failover --streams N`: the failover a client sees. N streams in flight through the
+router (nano-like lengths, from enough client processes that the client is never the bottleneck: each
+reports its own CPU), SIGKILL of the primary `--runs` times; per kill, the gap every stream in flight
+saw across it, the supervisor's failover_seconds, tokens recomputed per continued stream, the standby
+back; `--compare` runs the same with `engines.shared_kv: false` beside it (a node of its own)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness import ROOT
+from harness.bench.private_node import bench_config, say
+from harness.stats import bench_summary
+
+
+def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
+    """One node (shared_kv on or off), the streams, the kills; the figures."""
+    from harness.node import Harness
+    workdir = Path(tempfile.mkdtemp(prefix="understudy-bench-streams-"))
+    cfg = yaml.safe_load(bench_config(args.config, workdir, args))
+    cfg["engines"]["shared_kv"] = shared_kv
+    h = Harness(workdir, yaml.safe_dump(cfg), notify=False)
+    clients: list[subprocess.Popen] = []
+    try:
+        h.wait_booted(args.boot_timeout)
+        st = h.wait_all_ready(args.boot_timeout)
+        clients = start_clients(args, h.router_url, st["model"]["name"], _vocab(st["model"]["path"]))
+        say(args, f"shared_kv={shared_kv}: {args.streams} streams from {len(clients)} client processes; warm-up "
+                  f"{args.warmup:g} s")
+        time.sleep(args.warmup)
+        kills, failover_s, recovery_s = [], [], []
+        for i in range(args.runs):
+            h.wait_all_ready(args.boot_timeout)
+            time.sleep(args.settle)
+            old = h.primary()
+            mark = len(h.events)
+            t_kill = time.perf_counter()
+            os.killpg(old["pid"], signal.SIGKILL)
+            kills.append(t_kill)
+            ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
+            failover_s.append(ev["seconds"])
+            rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
+                               timeout_s=args.boot_timeout)
+            recovery_s.append(rec["seconds"])
+            say(args, f"  kill {i + 1}/{args.runs}: failover {ev['seconds'] * 1e3:.1f} ms, standby back in "
+                      f"{rec['seconds']:.2f} s")
+        time.sleep(args.settle)
+        out = stop_clients(clients, kills, args.window)
+        recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
+        return summarize(args, shared_kv, out, failover_s, recovery_s, recomputed)
+    finally:
+        for c in clients:
+            if c.poll() is None:
+                c.kill()
+        h.stop()
+
+
+def start_clients(args: argparse.Namespace, url: str, model: str, vocab: int) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = max(1, min(args.client_procs, args.streams))
+    clients = []
+    for i in range(procs):
+        job = {"url": url, "model": model, "vocab": vocab, "streams": args.streams // procs + (i < args.streams % procs),
+               "input": args.input_len, "output": args.output_len, "seed": 1000 + i, "timeout_s": 120.0,
+               "window_s": args.window}
+        p = subprocess.Popen([sys.executable, "-m", "harness.bench.stream_watch"], cwd=ROOT, env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        p.stdin.write(json.dumps(job) + "\n")
+        p.stdin.flush()
+        clients.append(p)
+    for p in clients:
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"client process {p.pid} did not start (exit {p.wait()})")
+    for p in clients:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return clients
+
+
+def stop_clients(clients: list[subprocess.Popen], kills: list[float], window_s: float) -> list[dict]:
+    for p in clients:
+        p.stdin.write("stop\n")
+        p.stdin.flush()
+    for p in clients:
+        if p.stdout.readline().strip() != "stopped":
+            raise RuntimeError(f"client process {p.pid} failed (exit {p.wait()})")
+    reports = []
+    for p in clients:
+        p.stdin.write(json.dumps({"kills": kills}) + "\n")
+        p.stdin.flush()
+        reports.append(json.loads(p.stdout.readline()))
+        p.wait(30)
+    return reports
+
+
+def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[dict], failover_s: list[float],
+              recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
+    across = [g for r in reports for per_kill in r["across"] for g in per_kill]
+    in_flight = [sum(len(r["across"][k]) for r in reports) for k in range(args.runs)]
+    calm = [g for r in reports for g in r["calm"]]
+    failed = [f for r in reports for f in r["failed"]]
+    ms = lambda xs: bench_summary([x * 1000 for x in xs], 1)  # noqa: E731
+    return {
+        "shared_kv": shared_kv, "streams": args.streams, "kills": args.runs,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "streams_in_flight_per_kill": {"min": min(in_flight, default=0), "max": max(in_flight, default=0)},
+        "gap_across_kill_ms": {**ms(across), "n": len(across)},
+        "longest_gap_other_streams_ms": {**ms(calm), "n": len(calm)},
+        "failover_seconds_ms": {**ms(failover_s), "n": len(failover_s)},
+        "standby_back_s": {**bench_summary(recovery_s), "n": len(recovery_s)},
+        "recomputed_tokens_per_continuation": {**bench_summary(recomputed, 0), "n": len(recomputed)},
+        "requests": sum(r["requests"] for r in reports), "failed": len(failed), "failures": failed[:5],
+        "client_cpu_share_max": round(max(r["cpu_s"] / r["wall_s"] for r in reports), 3),
+        "client_procs": len(reports),
+    }
+
+
+def _vocab(model_path: str) -> int:
+    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The options of the streaming mode (on `understudy bench failover`)."""
+    p.add_argument("--streams", type=int, default=0, help="streaming mode: streams kept in flight (0: off)")
+    p.add_argument("--client-procs", type=int, default=8, help="client processes for the streams")
+    p.add_argument("--input-len", default="100:1024", help="prompt tokens per stream (N or LO:HI)")
+    p.add_argument("--output-len", default="100:1024", help="tokens generated per stream (N or LO:HI)")
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the first kill")
+    p.add_argument("--window", type=float, default=2.0, help="seconds around a kill that make a stream not 'other'")
+    p.add_argument("--compare", action="store_true", help="also run with engines.shared_kv: false, beside it")
+
+
+def run_streams(args: argparse.Namespace) -> int:
+    results = [run_node(args, True)] + ([run_node(args, False)] if args.compare else [])
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            g, o, f, rc = (r["gap_across_kill_ms"], r["longest_gap_other_streams_ms"], r["failover_seconds_ms"],
+                           r["recomputed_tokens_per_continuation"])
+            print(f"shared_kv={r['shared_kv']}: gap across a kill p50 {g.get('p50')} p99 {g.get('p99')} max "
+                  f"{g.get('max')} ms (n={g['n']}); other streams' longest gap p50 {o.get('p50')} p99 {o.get('p99')} "
+                  f"ms; failover_seconds p50 {f.get('p50')} p99 {f.get('p99')} ms; recomputed per continuation "
+                  f"max {rc.get('max')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} s; "
+                  f"failed {r['failed']} of {r['requests']}; client CPU max {r['client_cpu_share_max']:.0%}")
+    return 0 if all(r["failed"] == 0 for r in results) else 1

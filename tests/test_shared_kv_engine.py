@@ -1,0 +1,205 @@
+"""Engines over a daemon's shared KV pool, with real processes and signals (CPU, fp32): a parked
+standby allocates no KV, promotion adopts the pool, a continuation after a SIGKILL mid-step reuses
+every sealed block and is token for token the uninterrupted answer, a demotion hands streams off,
+the prefix cache survives the engine, and a pool of other weights or a corrupt index is refused.
+
+The test plays the supervisor: it binds the control endpoint (a zmq ROUTER) and sends the commands."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+
+import httpx
+import psutil
+import pytest
+
+from daemon.framing import recv_frame, send_frame
+from daemon.kv_index import SEALED, BlockIndex
+from daemon.runtime_dir import daemon_socket_path, ensure_private_dir
+from engines.config import EngineConfig
+from harness.engine_process import EngineProcess
+from test_engine_control import Router
+from test_engine_weight_modes import start_daemon, wait_daemon_ready
+
+POOL_BYTES = 8 << 20
+BS = 16
+
+
+class Node:
+    """A daemon with a KV pool, engines started on it in turn, and the control endpoint."""
+
+    def __init__(self, model, tmp) -> None:
+        self.model, self.tmp = model, tmp
+        self.rt = ensure_private_dir(tmp / "rt")
+        self.control = f"ipc://{tmp}/control.sock"
+        self.router = Router(self.control)
+        log = tmp / "daemon.log"
+        self.daemon = start_daemon(model, 0, 1, self.rt, log, ["--kv-pool-bytes", str(POOL_BYTES), "--kv-slots", "3"])
+        wait_daemon_ready(self.daemon, self.rt, 0, log)
+        self.engines: list[EngineProcess] = []
+
+    def engine(self, name: str, slot: int, model=None, incarnation: int = 1) -> EngineProcess:
+        cfg = EngineConfig(name=name, model_path=str(model or self.model), port=0, runtime_dir=str(self.rt),
+                           weight_cache_mode="client", shared_kv=True, kv_slot=slot, kv_block_size=BS,
+                           kv_cache_bytes=2 << 30,  # what an engine of its own would take: never allocated here
+                           control_endpoint=self.control, incarnation=incarnation, heartbeat_interval_s=0.1,
+                           max_model_len=1024, max_num_seqs=4)
+        proc = EngineProcess(cfg, self.tmp / f"{name}-{incarnation}.log")
+        self.engines.append(proc)
+        proc.wait_ready(120)
+        return proc
+
+    def command(self, proc: EngineProcess, cmd: str, reply: str | None) -> dict | None:
+        ident = f"{proc.cfg.name}:{proc.cfg.incarnation}"
+        self.router.msgs.clear()
+        self.router.command(ident.encode(), {"cmd": cmd})
+        if reply is None:
+            return None
+        return self.router.wait_for(lambda m: m["type"] in (reply, f"{cmd}_failed") and m["engine"] == proc.cfg.name)
+
+    def heartbeat(self, proc: EngineProcess, pred=lambda m: True) -> dict:  # noqa: ANN001
+        self.router.msgs.clear()
+        return self.router.wait_for(lambda m: m["type"] == "heartbeat" and m["engine"] == proc.cfg.name and pred(m))
+
+    def close(self) -> None:
+        for p in self.engines:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.stop(10)
+        self.daemon.send_signal(signal.SIGTERM)
+        self.daemon.wait(10)
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model, tmp_path_factory):
+    n = Node(tiny_model, tmp_path_factory.mktemp("shared-kv"))
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def complete(proc: EngineProcess, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(proc.url + "/v1/completions", json={"model": model_name(proc), **body}, timeout=timeout)
+
+
+def model_name(proc: EngineProcess) -> str:
+    return os.path.basename(proc.cfg.model_path)
+
+
+LONG = {"prompt": "one two three four five six seven eight nine ten " * 4, "max_tokens": 300, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True}
+
+
+def kill(proc: EngineProcess) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.proc.wait(10)
+
+
+def test_a_parked_standby_allocates_no_kv_and_serves_only_its_canary(node: Node) -> None:
+    a = node.engine("a", 0)
+    assert a.ready["kv_source"] == "shared"
+    hb = node.heartbeat(a)
+    assert hb["kv_mode"] == "parked" and hb["kv_blocks_total"] == 512 // BS  # its scratch slot
+    assert psutil.Process(a.pid).memory_info().rss < 1 << 30  # kv_cache_bytes (2 GiB) was never taken
+    r = complete(a, {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    big = complete(a, {"prompt": "hello", "max_tokens": 600})
+    assert big.status_code == 503 and big.json()["error"]["code"] == "parked"
+
+
+def test_promotion_adopts_the_pool_and_the_prefix_cache_outlives_the_engine(node: Node) -> None:
+    a = node.engines[0]
+    promoted = node.command(a, "promote", "promoted")
+    assert promoted["type"] == "promoted" and promoted["kv_mode"] == "writer" and promoted["index_reset"] is None
+    assert node.heartbeat(a)["kv_mode"] == "writer"
+    first = complete(a, LONG).json()["choices"][0]
+    kill(a)  # the engine goes; its blocks stay in the daemon's pool
+    b = node.engine("b", 1)
+    promoted = node.command(b, "promote", "promoted")
+    assert promoted["adopted_blocks"] >= (len(first["prompt_token_ids"]) + 300) // BS - 1
+    again = complete(b, LONG).json()
+    assert again["choices"][0]["token_ids"] == first["token_ids"]
+    metrics = httpx.get(b.url + "/metrics").text
+    hits = next(float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("understudy_prefix_cache_hit_tokens_total"))
+    assert hits >= len(first["prompt_token_ids"]) // BS * BS  # b never computed this prompt
+
+
+def test_a_continuation_after_a_sigkill_mid_step_is_exact_and_recomputes_at_most_a_block(node: Node) -> None:
+    b = node.engines[-1]
+    body = {**LONG, "prompt": LONG["prompt"] + "twelve", "stream": True}
+    ids: list[int] = []
+    prompt: list[int] = []
+    with httpx.stream("POST", b.url + "/v1/completions", json={"model": model_name(b), **body}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                prompt = prompt or c.get("prompt_token_ids") or []
+                ids += c.get("token_ids") or []
+                if len(ids) >= 40:
+                    kill(b)  # mid-sequence: its last block is being written
+                    break
+    c = node.engine("c", 2)
+    promoted = node.command(c, "promote", "promoted")
+    assert promoted["quarantined_blocks"] >= 1  # the dead writer's unfinished blocks are not reused
+    node.command(c, "fenced", None)  # (the test knows b's process group is gone)
+    assert node.heartbeat(c, lambda m: m["kv_quarantined_blocks"] == 0)["kv_mode"] == "writer"
+    cont = complete(c, {**{k: v for k, v in body.items() if k != "stream"},
+                        "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
+    assert cont.status_code == 200, cont.text
+    node.router.msgs.clear()
+    whole = complete(c, {**LONG, "prompt": LONG["prompt"] + "twelve"}).json()["choices"][0]["token_ids"]
+    assert len(ids) >= 40 and ids + cont.json()["choices"][0]["token_ids"] == whole  # the uninterrupted answer
+    hb = node.heartbeat(c, lambda m: m["continuations"] >= 1)
+    assert hb["continuation_recomputed_tokens"] <= BS
+    assert hb["continuation_reused_tokens"] >= (len(prompt) + len(ids) - 1) // BS * BS
+
+
+def test_demotion_hands_streams_off_and_parks(node: Node) -> None:
+    c = node.engines[-1]
+    with httpx.stream("POST", c.url + "/v1/completions", json={"model": model_name(c), **LONG, "stream": True},
+                      timeout=60) as r:
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 6:
+                demoted = node.command(c, "demote", "demoted")
+                assert demoted["handed_off"] >= 1
+        assert "data: [DONE]" not in lines and any(ln.startswith(": handed off") for ln in lines)
+    assert node.heartbeat(c)["kv_mode"] == "parked"
+    assert node.command(c, "promote", "promoted")["adopted_blocks"] > 0  # its own sealed blocks, back
+
+
+def test_a_pool_of_other_weights_is_refused(node: Node, make_tiny) -> None:
+    other = node.engine("x", 1, model=make_tiny(seed=7))
+    assert other.ready["weights_source"] == "disk:mismatch" and other.ready["kv_source"] == "own:mismatch"
+    kill(other)
+
+
+def test_a_corrupt_index_is_rejected_and_the_pool_starts_empty(node: Node) -> None:
+    c = node.engines[-2] if node.engines[-1].cfg.name == "x" else node.engines[-1]
+    node.command(c, "demote", "demoted")
+    with socket.socket(socket.AF_UNIX) as s:  # the index, as any engine of the rank gets it
+        s.connect(str(daemon_socket_path(node.rt, 0)))
+        send_frame(s, {"op": "kv_attach", "fingerprint": json.loads(_fingerprint(node))})
+        reply, fds = recv_frame(s)
+    index = BlockIndex(fds[1], reply["kv_pool"]["index_bytes"])
+    sealed = [b for b in range(len(index.entries)) if int(index.entries[b]["word"]) & 0xFFFFFFFF == SEALED]
+    assert sealed
+    index.entries[sealed[0]]["key_lo"] ^= 1  # a SEALED block no writer wrote
+    promoted = node.command(c, "promote", "promoted")
+    assert "bad checksum" in promoted["index_reset"] and promoted["adopted_blocks"] == 0
+    assert "KV index rejected" in c.log_path.read_text()
+    assert complete(c, {"prompt": "still serving", "max_tokens": 4}).status_code == 200
+    for fd in fds:
+        os.close(fd)
+
+
+def _fingerprint(node: Node) -> str:
+    from daemon.fingerprint import make_cache_config
+    return make_cache_config(str(node.model)).model_dump_json()

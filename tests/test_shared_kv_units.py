@@ -1,0 +1,219 @@
+"""The shared KV pool's parts without engines: the block index (claims, crash consistency, distrust
+of a bad index, the one-writer rule across processes) and the block manager's writer mode over it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, PreviousWriterAlive, checksum,
+                             index_bytes)
+from daemon.kv_layout import KVLayout, plan_layout
+from daemon.kv_pool import KVPool
+from engines.block_manager import BlockManager, block_key
+from engines.kv_publish import Publisher
+from engines.sampling import SamplingParams
+from engines.sequence import Sequence
+from engines.tokenizer import Tokenizer
+
+FP = b"f" * 32
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+def layout(blocks: int = 40) -> KVLayout:
+    return KVLayout(num_blocks=blocks, block_size=4, layers=1, kv_heads=1, head_dim=2, dtype="float32",
+                    scratch_slots=2, scratch_blocks=3)
+
+
+@pytest.fixture
+def pool() -> KVPool:
+    return KVPool(layout(), FP, torch.device("cpu"), rank=0)
+
+
+def open_index(p: KVPool) -> BlockIndex:
+    return BlockIndex(p.fds()[1], p.index_bytes)
+
+
+def state(index: BlockIndex, block: int) -> int:
+    return int(index.entries[block]["word"]) & 0xFFFFFFFF
+
+
+def test_plan_layout_reserves_padding_and_scratch() -> None:
+    lay = plan_layout(300 * 128, 4, 1, 2, 2, "float32", scratch_slots=2)  # 128-byte blocks
+    assert lay.num_blocks == 300 and lay.scratch_blocks == 128 and lay.shared_start == 257  # 512 tokens of 4
+    with pytest.raises(ValueError, match="raise engines.kv_cache_bytes"):
+        plan_layout(300 * 128, 4, 1, 2, 2, "float32", scratch_slots=3)  # 1 + 3 x 128 > 300 blocks
+    assert layout().scratch(1) == range(4, 7) and layout().shared_start == 7
+
+
+def test_claim_adopts_sealed_blocks_and_quarantines_owned_ones(pool: KVPool) -> None:
+    a = open_index(pool)
+    first = a.claim(pool.layout, FP)
+    assert first.free.tolist() == list(range(7, 40)) and len(first.sealed) == 0 and a.epoch == 1
+    a.owned(7, 1)
+    a.sealed(7, 1, 5, 123 << 6, stamp=9)
+    a.owned(8, 1)  # allocated, being written when the writer died: never reused as data
+    b = open_index(pool)
+    second = b.claim(pool.layout, FP)
+    assert second.sealed.tolist() == [7] and (second.key_lo[0], second.key_hi[0]) == (5, 123 << 6)
+    assert second.quarantined.tolist() == [8] and 8 not in second.free
+    assert b.epoch == 2 and second.reset_reason is None
+
+
+@pytest.mark.parametrize("corrupt,why", [
+    (lambda e: e.__setitem__("gen", 99), "bad checksum"),  # a SEALED entry changed behind the writer's back
+    (lambda e: e.__setitem__("word", 7), "state 7"),
+    (lambda e: e.__setitem__("epoch", 50), "epoch 50"),  # from an epoch the pool never had
+])
+def test_a_corrupt_index_is_distrusted_and_emptied(pool: KVPool, corrupt, why: str) -> None:
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    a.owned(9, 1)
+    a.sealed(9, 1, 77, 0, stamp=1)
+    corrupt(a.entries[9])
+    adoption = open_index(pool).claim(pool.layout, FP)
+    assert why in adoption.reset_reason
+    assert len(adoption.sealed) == 0 and len(adoption.quarantined) == 0 and 9 in adoption.free
+
+
+def test_an_index_of_other_weights_or_layout_is_distrusted(pool: KVPool) -> None:
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    a.owned(9, 1)
+    a.sealed(9, 1, 77, 0, stamp=1)
+    other = open_index(pool).claim(pool.layout, b"g" * 32)
+    assert "other weights" in other.reset_reason and len(other.sealed) == 0
+    wider = layout().model_copy(update={"head_dim": 4})
+    assert "head_dim" in open_index(pool).claim(wider, b"g" * 32).reset_reason
+
+
+def test_duplicate_keys_are_distrusted(pool: KVPool) -> None:
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    for block in (9, 10):
+        a.owned(block, 1)
+        a.sealed(block, 1, 77, 3, stamp=1)
+    assert "same key" in open_index(pool).claim(pool.layout, FP).reset_reason
+
+
+def test_one_writer_across_processes(pool: KVPool) -> None:
+    """A live writer blocks any claim; once it gives the role up (or is gone) the claim succeeds,
+    and the old writer's next write is refused (FencedError), not applied."""
+    fd = pool.fds()[1]
+    child = textwrap.dedent(f"""
+        import sys
+        from daemon.kv_index import BlockIndex, PreviousWriterAlive
+        from daemon.kv_layout import KVLayout
+        lay = KVLayout.model_validate_json(sys.argv[1])
+        try:
+            BlockIndex({fd}, {pool.index_bytes}).claim(lay, {FP!r}, wait_s=0.2)
+            print("claimed")
+        except PreviousWriterAlive as e:
+            print("refused:", e)
+    """)
+    run = lambda: subprocess.run([sys.executable, "-c", child, pool.layout.model_dump_json()], pass_fds=(fd,),  # noqa: E731
+                                 capture_output=True, text=True, timeout=60, cwd=os.getcwd())
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    out = run()
+    assert out.stdout.startswith("refused:") and "still runs" in out.stdout, out.stderr
+    a.release()
+    assert run().stdout.strip() == "claimed"
+    with pytest.raises(FencedError):
+        a.owned(9, 1)
+    assert state(a, 9) == FREE
+
+
+def test_block_keys_are_stable_across_processes() -> None:
+    tokens = list(range(100, 116))
+    here = block_key(block_key(None, tokens), tokens)
+    there = subprocess.run([sys.executable, "-c", "from engines.block_manager import block_key; t = list(range(100, 116)); "
+                            "print(block_key(block_key(None, t), t).hex())"], capture_output=True, text=True, timeout=60)
+    assert bytes.fromhex(there.stdout.strip()) == here and len(here) == 16
+
+
+def writer(p: KVPool, prefix_caching: bool = True) -> tuple[BlockManager, BlockIndex]:
+    lay = p.layout
+    bm = BlockManager(lay.num_blocks, lay.block_size, prefix_caching, scratch=lay.scratch(0), shared=lay.shared_blocks)
+    index = open_index(p)
+    bm.become_writer(index.claim(lay, FP), index, Publisher(index, bm.gens, torch.device("cpu")))
+    return bm, index
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model) -> Tokenizer:
+    return Tokenizer(tiny_model)
+
+
+def seq_of(tok: Tokenizer, ids: list[int], replayed: int = 0) -> Sequence:
+    return Sequence(ids, GREEDY, tok, set(), 64, lambda o: None, replayed=replayed)
+
+
+def test_parked_engine_uses_its_scratch_only(pool: KVPool, tok: Tokenizer) -> None:
+    lay = pool.layout
+    bm = BlockManager(lay.num_blocks, lay.block_size, scratch=lay.scratch(1), shared=lay.shared_blocks)
+    s = seq_of(tok, list(range(9)))
+    bm.match_prefix(s)
+    bm.grow(s, 9)
+    assert s.block_table == [4, 5, 6] and bm.available == 0 and bm.usable_blocks == 3
+    s.num_computed = 9
+    bm.seal(s)
+    assert bm.block_of == {}  # a parked engine keys nothing: nobody else reads its blocks
+
+
+def test_writer_mirrors_every_block_in_the_index(pool: KVPool, tok: Tokenizer) -> None:
+    bm, index = writer(pool)
+    s = seq_of(tok, list(range(10)))
+    bm.match_prefix(s)
+    bm.grow(s, 10)
+    full, partial = s.block_table[:2], s.block_table[2]
+    assert all(state(index, b) == OWNED for b in s.block_table)  # before any step writes them
+    s.num_computed = 10
+    bm.seal(s)  # on cpu a step has completed when it returns: sealed at once
+    assert [state(index, b) for b in full] == [SEALED, SEALED] and state(index, partial) == OWNED
+    bm.release(s)
+    assert state(index, partial) == FREE and set(bm.evictable) == set(full)
+    e = index.entries[full[0]]
+    assert int(e["word"]) >> 32 == checksum(int(e["key_lo"]), int(e["key_hi"]), int(e["gen"]), int(e["epoch"]))
+
+
+def test_a_new_writer_continues_from_the_blocks_and_waits_to_reuse_unfinished_ones(pool: KVPool, tok: Tokenizer) -> None:
+    old, _ = writer(pool)
+    s = seq_of(tok, list(range(13)))
+    old.match_prefix(s)
+    old.grow(s, 13)
+    s.num_computed = 13
+    old.seal(s)  # 3 full blocks sealed; the 4th is OWNED when the writer dies
+    unfinished = s.block_table[3]
+    new, index = writer(pool)
+    assert new.quarantined == {unfinished} and unfinished not in new.free
+    cont = seq_of(tok, list(range(13)), replayed=5)  # the same tokens: a continuation
+    reused = []
+    new.on_continuation = lambda r, c: reused.append((r, c))
+    new.match_prefix(cont)
+    assert cont.block_table == s.block_table[:3] and reused == [(12, 1)]
+    assert new.unquarantine() == 1 and unfinished in new.free and state(index, unfinished) == FREE
+
+
+def test_continuations_find_their_blocks_even_without_prefix_caching(pool: KVPool, tok: Tokenizer) -> None:
+    old, _ = writer(pool, prefix_caching=False)
+    s = seq_of(tok, list(range(9)))
+    old.match_prefix(s)
+    old.grow(s, 9)
+    s.num_computed = 9
+    old.seal(s)
+    new, _ = writer(pool, prefix_caching=False)
+    other = seq_of(tok, list(range(9)))
+    new.match_prefix(other)
+    assert other.num_cached == 0  # a new request: no prefix cache
+    cont = seq_of(tok, list(range(9)), replayed=2)
+    new.match_prefix(cont)
+    assert cont.num_cached == 8
+
+
+def test_index_bytes_grow_with_the_pool() -> None:
+    assert index_bytes(1000) - index_bytes(0) == 1000 * 48
