@@ -1,6 +1,6 @@
 """A load generator's HTTP/1.1 connection: one per client worker, kept alive between requests.
 
-Unlike the router's client (supervisor/upstream.py), which hands over one chunk per await, a
+Unlike the router's client (supervisor/router/upstream.py), which hands over one chunk per await, a
 response body here comes as whatever the socket holds at each read (up to 256 KiB), with chunked
 framing undone in one pass: under heavy streaming load many SSE events share one wake-up, so the
 client stays far from being the bottleneck, and each piece carries the time it was read."""
