@@ -153,7 +153,7 @@ class Supervisor:
     async def run(self) -> int:
         """Serve until a signal stops us; returns the process exit code."""
         self.loop = asyncio.get_running_loop()
-        self._wake, self._stopped = asyncio.Event(), asyncio.Event()
+        self._wake, self._stopped, self._adopted = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._servers: list = []
         self._essential: set[asyncio.Task] = set()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -190,12 +190,15 @@ class Supervisor:
                 self.effects.after_pass(self.node)
             except Exception:  # noqa: BLE001 (a bug in an effect: logged, the node goes on)
                 log.exception("internal error carrying out %s", [a.brief() for a in actions])
+            if self.node.phase != "adopting":
+                self._adopted.set()
 
     async def _serve(self) -> None:
         """The data plane once re-adoption has decided (connections wait in the backlog meanwhile),
         then the admin API; its framework (fastapi: 0.3 s on the GPU host) is imported off the loop."""
-        while self.node.phase == "adopting" and not self._stopped.is_set():
-            await asyncio.sleep(0.005)
+        await self._adopted.wait()
+        if self.node.stopping:
+            return
         lvl = "warning" if self.cfg.log_level != "debug" else "info"
         r = self.cfg.router
         router_app = build_router(self.table, self.metrics, hold_timeout_s=self.cfg.failover.hold_timeout_s,
@@ -243,6 +246,7 @@ class Supervisor:
         log.info("stopped")
         self.exit_code = exit_code
         self._stopped.set()
+        self._adopted.set()
         for task in list(self._essential):
             task.cancel()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable
 
 from supervisor.core.events import Event, Exited, Said, StopAsked
@@ -48,4 +49,4 @@ async def primary_exit_poll(node: Node, period_s: float, record: Record) -> None
             continue
         if exiting:
             told = p.pid
-            record(Exited(p.name, p.incarnation, p.pid))
+            record(Exited(p.name, p.incarnation, p.pid, time.monotonic()))

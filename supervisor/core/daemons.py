@@ -112,8 +112,7 @@ def exited(node: Node, d: Daemon, ev: Exited) -> None:
 
 
 def exit_read(node: Node, d: Daemon, ev: ExitRead) -> None:
-    expected = d.exit_expected if ev.incarnation == d.incarnation else True
-    text = lifecycle.exit_text(ev, expected)
+    text, expected = lifecycle.exit_outcome(d, ev)
     (log.info if expected else log.warning)("%s: pid %d %s", d.name, ev.pid, text)
     if not lifecycle.take_exit_status(node, d, ev, text) or expected or not d.ever_ready:
         return  # (a daemon that never loaded: supervisor/core/boot.py says why the boot failed)

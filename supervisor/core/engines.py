@@ -71,10 +71,11 @@ def exited(node: Node, e: Engine, ev: Exited) -> None:
     expected = e.exit_expected
     serving = node.primary == e.name and e.role == Role.PRIMARY
     reason = e.reason if e.state == State.FAILED else ("stopped" if expected else "exit")
+    seen = ev.at if ev.at is not None else node.now
     if not expected:
-        e.down_since = e.down_since or node.now
+        e.down_since = e.down_since or seen
     if serving and not node.stopping:
-        fail_over(node, e, reason.split(":")[0], e.down_since or node.now)
+        fail_over(node, e, reason.split(":")[0], e.down_since or seen)
     lifecycle.mark_down(node, e, ev.pid, "process exited without being asked to",
                         wait_group=node.settings.tp_size > 1)  # the other ranks release GPU memory first
     e.role = Role.STANDBY  # it comes back as a standby
@@ -83,8 +84,7 @@ def exited(node: Node, e: Engine, ev: Exited) -> None:
 def exit_read(node: Node, e: Engine, ev: ExitRead) -> None:
     """Restart (backoff), stop, or FATAL on a boot error (unless it is the last engine of a node that
     served: that one is retried until the cause is fixed)."""
-    expected = e.exit_expected if ev.incarnation == e.incarnation else True
-    text = lifecycle.exit_text(ev, expected)
+    text, expected = lifecycle.exit_outcome(e, ev)
     (log.info if expected else log.warning)("%s: pid %d (incarnation %d) %s%s", e.name, ev.pid, ev.incarnation,
                                             text, "" if expected else f"; log: {ev.log_path}")
     if not lifecycle.take_exit_status(node, e, ev, text):

@@ -29,11 +29,13 @@ class LaunchFailed:
 
 @dataclass(frozen=True)
 class Exited:
-    """The process began to exit or is gone (pidfd, or the primary's exit poll)."""
+    """The process began to exit or is gone (pidfd, or the primary's exit poll), seen ``at``
+    (monotonic; None: at the pass): a failover's clock starts there."""
 
     name: str
     incarnation: int
     pid: int
+    at: float | None = None
 
 
 @dataclass(frozen=True)

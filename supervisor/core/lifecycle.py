@@ -111,11 +111,13 @@ def mark_down(node: Node, child: Child, pid: int, unasked: str, wait_group: bool
     node.emit(Reap(child.kind, child.name, child.incarnation, pid, wait_group))
 
 
-def exit_text(ev: ExitRead, expected: bool) -> str:
+def exit_outcome(child: Child, ev: ExitRead) -> tuple[str, bool]:
+    """The decoded exit status, and whether the exit was asked for (an earlier incarnation's: taken so)."""
+    expected = child.exit_expected if ev.incarnation == child.incarnation else True
     text = describe_returncode(ev.returncode)
     if ev.returncode == 0 and not expected:
         text += " (not requested: counted as a failure)"
-    return text
+    return text, expected
 
 
 def take_exit_status(node: Node, child: Child, ev: ExitRead, text: str) -> bool:

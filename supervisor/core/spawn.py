@@ -64,8 +64,7 @@ def exited(node: Node, s: SpawnServer, ev: Exited) -> None:
 
 
 def exit_read(node: Node, s: SpawnServer, ev: ExitRead) -> None:
-    expected = s.exit_expected if ev.incarnation == s.incarnation else True
-    text = lifecycle.exit_text(ev, expected)
+    text, expected = lifecycle.exit_outcome(s, ev)
     if not lifecycle.take_exit_status(node, s, ev, text):
         return
     if expected:

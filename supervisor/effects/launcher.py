@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,4 +78,5 @@ class Launcher:
 
     def watch(self, name: str, incarnation: int, handle: ProcHandle) -> None:
         self.handles[handle.pid] = handle
-        watch_exit(asyncio.get_running_loop(), handle.pid, lambda pid: self.record(Exited(name, incarnation, pid)))
+        watch_exit(asyncio.get_running_loop(), handle.pid,
+                   lambda pid: self.record(Exited(name, incarnation, pid, time.monotonic())))
