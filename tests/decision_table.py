@@ -138,10 +138,17 @@ def boot_steps(engines: tuple[str, ...] = ("a", "b")) -> list[tuple]:
     return steps
 
 
+def booted(p: Play, engines: tuple[str, ...]) -> None:
+    """Play the boot on ``p`` as far as its node has the children (daemons, a spawn server)."""
+    for spec in boot_steps(engines):
+        if p.node.child(spec[1]) is not None and not (p.node.settings.external and spec[0] == "heartbeat"):
+            p.play(spec)
+
+
 def serving(engines: tuple[str, ...] = ("a", "b"), **kw: Any) -> Play:
     """A booted node: daemon and spawn server READY, engines READY, the first the primary (epoch 1)."""
     p = Play(engines, **kw)
-    p.play(*boot_steps(engines))
+    booted(p, engines)
     p.actions.clear()
     return p
 
@@ -152,10 +159,14 @@ def record(kind: str, name: str, pid: int, key: str, state: str = "READY", inc: 
                        role=role, port=9000 + pid, url=f"http://127.0.0.1:{9000 + pid}")
 
 
-def records(primary: str = "a", epoch: int = 3, **over: Any) -> ChildRecords:
+def records(primary: str = "a", epoch: int = 3, changed: str = "", **over: Any) -> ChildRecords:
+    """What a dead supervisor left: daemon pid 10, spawn server 11, engines a 12 and b 13 (``changed``:
+    that engine was started with another config)."""
     children = [record("daemon", "daemon-rank0", 10, "kd"), record("spawn_server", "spawn-server", 11, "ks"),
-                record("engine", "a", 12, "ke", role="primary" if primary == "a" else "standby"),
-                record("engine", "b", 13, "ke", role="primary" if primary == "b" else "standby")]
+                record("engine", "a", 12, "old" if changed == "a" else "ke",
+                       role="primary" if primary == "a" else "standby"),
+                record("engine", "b", 13, "old" if changed == "b" else "ke",
+                       role="primary" if primary == "b" else "standby")]
     return ChildRecords(supervisor_pid=1, epoch=epoch, primary=primary, children=children, **over)
 
 

@@ -49,6 +49,10 @@ ROWS = [
         {"a": "READY primary", "daemon-rank0": "STARTING"}, absent=["start a via spawn"]),
     Row("an engine the dead spawn server forked but nobody recorded is stopped",
         ALIVE, {}, ["fence pid 77", "publish adopted", "await gone"], {"a": "READY primary"}, spawn_children=(77, 12)),
+    Row("an engine started with another config is stopped, not adopted; the daemon and spawn server are",
+        ALIVE, {}, ["fence a", "attach daemon-rank0", "attach b", "publish adopted", "await gone", "start a via spawn"],
+        {"b": "READY primary", "a": "STARTING standby", "daemon-rank0": "READY"}, epoch=4, primary="b",
+        records={"changed": "a"}),
     Row("an operator's drain outlives the supervisor crash",
         ALIVE, {}, ["publish adopted", "router drained"], {"a": "READY primary"}, records={"drained": True}),
 ]

@@ -234,3 +234,21 @@ def test_a_node_without_progress_is_stuck_once_and_fed_again_on_progress() -> No
     assert "notify stuck" not in p.play(("wait", 6)), "said once"
     p.play(("said", "a", "phase", {"phase": "weights", "seconds": 1.0}))
     assert not p.node.stuck
+
+
+def test_external_engines_are_started_by_their_command_and_stopped_by_sigterm() -> None:
+    p = serving(external=True, spawn_server=False, daemons=0)
+    assert p.state("a") == "READY primary"
+    got = p.play(("exit", "a"), ("exit read", "a", 1), ("wait", 0.2), ("ask", "restart", "b"))
+    assert in_order(got, ["fence a", "promote b epoch 2", "start a via external"]), got
+    assert "stop b" not in got and p.answers()[-1][0] == 409  # b is the primary now, a not READY: force needed
+    got = p.play(("launched", "a"), ("ready", "a"), ("ask", "restart", "b"))
+    assert in_order(got, ["publish failover", "stop b", "promote a epoch 3"]), got  # SIGTERM: no control channel
+
+
+def test_a_spawn_server_that_never_answers_is_a_boot_error() -> None:
+    p = Play()
+    p.play(("launched", "daemon-rank0"), ("daemon ready", "daemon-rank0"), ("launched", "spawn-server"),
+           ("wait", 121), ("exit", "spawn-server"), ("exit read", "spawn-server", -9))
+    halt = next(a.text for a in p.actions if a.brief() == "notify boot failed")
+    assert halt.startswith("spawn server did not answer within 120s (killed by SIGKILL)"), halt

@@ -239,6 +239,8 @@ def new_node(settings: Settings, engines: list[str], daemon_sockets: list[str], 
                 spawn=SpawnServer("spawn-server", policy()) if settings.spawn_server and not settings.external
                 else None, wanted=wanted, boot_started=now, now=now,
                 watchdog=WatchdogGate(f.stuck_window_s(), now))
+    for child in node.children():
+        child.state_since = now
     if records is not None:
         node.adoption, node.phase = Adoption(records), "adopting"
     return node

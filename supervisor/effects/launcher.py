@@ -37,7 +37,9 @@ class Launcher:
         self.spawn_client = SpawnClient(self.rd / "spawn.sock")
         self.handles: dict[int, ProcHandle] = {}
 
-    async def start(self, a: Start) -> Event:
+    async def start(self, a: Start) -> Event | None:
+        """Launched is recorded before the exit watch starts: a process that dies at once is seen
+        launched first, then exited (never the other way round)."""
         try:
             if a.kind == "engine":
                 handle, url, port = await self._engine(a)
@@ -48,8 +50,9 @@ class Launcher:
                                                 child_env()), "", 0
         except Exception as e:  # spawn refused, bad template, fork failed...: a failure of this child
             return LaunchFailed(a.name, a.incarnation, str(e) or type(e).__name__)
+        self.record(Launched(a.name, a.incarnation, handle.pid, url, port, spawned=isinstance(handle, SpawnedHandle)))
         self.watch(a.name, a.incarnation, handle)
-        return Launched(a.name, a.incarnation, handle.pid, url, port, spawned=isinstance(handle, SpawnedHandle))
+        return None
 
     async def _engine(self, a: Start) -> tuple[ProcHandle, str, int]:
         old = log_path(self.rd, a.kind, a.name, a.incarnation - KEEP_LOGS)
