@@ -1,9 +1,9 @@
 """A generation request's body, from bytes to a validated request, at a cost bounded per request.
 
 Parsed with the cyclic GC paused (JSON makes no cycles; a body of a million small lists otherwise
-sets off hundreds of collections over a growing heap), then validated by the strict request models
-(engines/protocol.py). A refusal names the field and where in it, without rendering the whole
-offending value.
+sets off hundreds of collections over a growing heap), bounded on the parsed JSON (engines/limits.py
+``check_body``), then validated by the strict request models (engines/protocol.py). A refusal names
+the field and where in it, without rendering the whole offending value.
 """
 from __future__ import annotations
 

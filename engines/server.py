@@ -24,7 +24,7 @@ from .engine_client import EngineClient
 from . import sse
 from .interrupt import unless_client_leaves
 from . import request_body
-from .limits import LimitError, RequestLimits
+from .limits import LimitError, RequestLimits, check_body
 from .first_output import FirstOutputLatency
 from .metrics import render as render_metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
@@ -290,6 +290,7 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
     api = _fastapi_app(srv)
     hot = {"/v1/completions": (CompletionRequest, srv.completions),
            "/v1/chat/completions": (ChatCompletionRequest, srv.chat_completions)}
+    limits = srv.limits
 
     async def app(scope: dict, receive, send) -> None:
         route = hot.get(scope["path"]) if scope["type"] == "http" else None
@@ -301,13 +302,13 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
             await resp(scope, receive, send)
         else:
             model, endpoint = route
-            if (resp := await _generate(scope, receive, model, endpoint)) is not None:
+            if (resp := await _generate(scope, receive, model, endpoint, limits)) is not None:
                 await resp(scope, receive, send)
     return app
 
 
-async def _generate(scope: dict, receive, model, endpoint) -> Response | None:
-    """One generation request: its body parsed and validated (engines/request_body.py),
+async def _generate(scope: dict, receive, model, endpoint, limits: RequestLimits) -> Response | None:
+    """One generation request: its body parsed, bounded and validated (engines/request_body.py),
     the endpoint's response or an OpenAI error (None: the client left before sending its body whole)."""
     chunks = []
     while True:
@@ -319,9 +320,12 @@ async def _generate(scope: dict, receive, model, endpoint) -> Response | None:
             break
     try:
         data = request_body.loads(b"".join(chunks))
+        check_body(limits, data, model is ChatCompletionRequest)
         req = request_body.validate(model, data)
     except request_body.BodyError as e:
         return error_response(400, e.message, e.param, code=e.code)
+    except LimitError as e:
+        return JSONResponse(e.body(), status_code=e.status)
     try:
         return await endpoint(req)
     except APIError as e:
