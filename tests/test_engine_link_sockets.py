@@ -79,6 +79,15 @@ def test_sockets_are_0600_and_gone_once_the_front_end_is_connected(tiny_model, t
     assert link_files(rt) == []
 
 
+def test_a_serving_engine_sigkilled_leaves_no_sockets(tiny_model, tmp_path) -> None:
+    rt = tmp_path / "rt"
+    proc = EngineProcess(config(tiny_model, rt, "lz"), tmp_path / "engine.log")
+    proc.wait_ready(60)
+    proc.signal_group(signal.SIGKILL)
+    assert proc.proc.wait(30) == -signal.SIGKILL
+    assert link_files(rt) == []
+
+
 def test_front_end_lost_before_connecting_removes_the_sockets(tiny_model, tmp_path) -> None:
     """The core gives up on a front end that died before connecting: it exits removing its files."""
     rt = tmp_path / "rt"
