@@ -9,9 +9,17 @@ Messages are JSON (never pickle). Front end -> core: `add` (key, prompt ids, sam
 group, replayed), `abort` (key), `ready` (port). Core -> front end: `out` (one step's outputs: key and the
 Output fields; and the stats after the step), `stats` (every heartbeat), `serve` (start listening; the startup summary),
 `drain` (refuse new requests), `stop` (finish and exit).
+
+The two sockets are files `{runtime_dir}/eng-{pid}-in.sock` and `-out.sock` (pid: rank 0's), made
+0600 as they are bound, and removed as soon as the front end is connected both ways (its `ready`):
+no one else ever connects, and an established ipc connection needs no file. So a serving engine,
+even one SIGKILLed, leaves nothing behind; one that stops before its front end is connected removes
+them on its way out (main.py), except when killed (SIGKILL): then whoever reaps it removes them
+(`remove_sockets`: the spawn server does for its children; the supervisor for the others).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -30,11 +38,43 @@ from .sequence import Output
 log = logging.getLogger("engines.core_link")
 
 
+@contextlib.contextmanager
+def _private_files():
+    """umask 0177 around a bind: the socket file is created 0600. (The umask is the process's: a file
+    another thread creates in that moment is made private too, never more open.)"""
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def socket_paths(runtime_dir: str | os.PathLike, pid: int) -> tuple[Path, Path]:
+    """The files of engine `pid`'s two link sockets (front end -> core, core -> front end): what is
+    left to remove after the engine was killed before its front end connected."""
+    base = Path(runtime_dir) / f"eng-{pid}"
+    return Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
+
+
+def remove_sockets(runtime_dir: str | os.PathLike, pid: int) -> list[Path]:
+    """Remove engine `pid`'s link socket files if they are there; returns those removed. Call it
+    once the engine has exited, before its pid can name a new engine (a child: right after reaping
+    it, before starting another)."""
+    removed = []
+    for path in socket_paths(runtime_dir, pid):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def endpoints(runtime_dir: str) -> tuple[str, str]:
     """(front end -> core, core -> front end) ipc endpoints of this engine process, in the private
     runtime dir (short names: a socket path has ~100 bytes)."""
-    base = ensure_private_dir(Path(runtime_dir)) / f"eng-{os.getpid()}"
-    return f"ipc://{base}-in.sock", f"ipc://{base}-out.sock"
+    to_core, to_frontend = socket_paths(ensure_private_dir(Path(runtime_dir)), os.getpid())
+    return f"ipc://{to_core}", f"ipc://{to_frontend}"
 
 
 def encode(msg: dict) -> bytes:
@@ -61,14 +101,19 @@ class CoreLink:
     def __init__(self, engine, to_core: str, to_frontend: str):  # noqa: ANN001 (LLMEngine: no import cycle)
         self.engine = engine
         ctx = zmq.Context.instance()
+        self._paths = [to_core.removeprefix("ipc://"), to_frontend.removeprefix("ipc://")]
         self._pull = ctx.socket(zmq.PULL)
-        self._pull.bind(to_core)
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)  # never block the scheduler: queue in zmq's own thread
         self._push.setsockopt(zmq.LINGER, 2000)
-        self._push.bind(to_frontend)
+        try:
+            with _private_files():  # bind() makes each file in the caller's thread: 0600 from the start
+                self._pull.bind(to_core)
+                self._push.bind(to_frontend)
+        except BaseException:
+            self.close()
+            raise
         self._push_lock = threading.Lock()  # the scheduler thread and the main thread both send
-        self._paths = [to_core.removeprefix("ipc://"), to_frontend.removeprefix("ipc://")]
         self._keys: dict[int, int] = {}  # front-end key -> engine sequence id
         self.port: int | None = None
         self.frontend_ready = threading.Event()
@@ -78,11 +123,18 @@ class CoreLink:
     def start(self) -> None:
         threading.Thread(target=self._receive, name="core-link", daemon=True).start()
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict) -> bool:
+        """Send to the front end; False (dropped) while it is not connected: a PUSH with no peer
+        would block, and a front end that died before connecting would hang the engine."""
         with self._push_lock:
-            self._push.send(encode(msg))
+            try:
+                self._push.send(encode(msg), zmq.NOBLOCK)  # never blocks once connected (no HWM)
+                return True
+            except zmq.Again:
+                return False
 
     def close(self) -> None:
+        """Remove the socket files (idempotent; the connections already made live on)."""
         for path in self._paths:
             try:
                 os.unlink(path)
@@ -110,7 +162,8 @@ class CoreLink:
                     seq_id = self._keys.pop(msg["key"], None)
                     if seq_id is not None:
                         self.engine.abort(seq_id)
-                elif op == "ready":
+                elif op == "ready":  # the front end is connected both ways: the files are not needed
+                    self.close()
                     self.port = int(msg["port"])
                     self.frontend_ready.set()
                 else:

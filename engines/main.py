@@ -28,7 +28,7 @@ from .forked import fork_into
 from .loopback import free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
-from .core_link import CoreLink, endpoints
+from .core_link import CoreLink, endpoints, remove_sockets
 from .frontend import run_frontend
 from .startup import StartupTimer
 from .teardown import TEARDOWN_BUDGET_S, exit_deadline, leave_group
@@ -143,14 +143,16 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     return 0
 
 
-def _watch_workers(pids: dict[int, int], shutting_down: threading.Event) -> None:
-    """Any worker rank exiting outside shutdown kills the engine's whole process group."""
+def _watch_workers(pids: dict[int, int], shutting_down: threading.Event, runtime_dir: str) -> None:
+    """Any worker rank exiting outside shutdown kills the engine's whole process group (its link
+    sockets removed first: they are still there if the front end had not connected yet)."""
     def wait(pid: int, rank: int) -> None:
         _, status = os.waitpid(pid, 0)
         if not shutting_down.is_set():
             code = os.waitstatus_to_exitcode(status)
             log.error("rank %d (pid %d) exited with %s; killing the engine", rank, pid,
                       f"signal {-code}" if code < 0 else f"code {code}")
+            remove_sockets(runtime_dir, os.getpid())
             if code == BOOT_ERROR_EXIT:  # say so to the supervisor; the other workers die with us (PDEATHSIG)
                 sys.stderr.flush()
                 os._exit(BOOT_ERROR_EXIT)
@@ -188,7 +190,7 @@ def run_engine(cfg: EngineConfig) -> int:
             port = cfg.dist_port or free_port()
             ranks = _fork_workers(cfg, port)
             workers.update(ranks)
-            _watch_workers(ranks, shutting_down)
+            _watch_workers(ranks, shutting_down, cfg.runtime_dir)
             _set_threads(cfg)
             device = bind_rank_device(cfg, 0)
             group = init_distributed(0, cfg.tp_size, device, port)
@@ -261,12 +263,15 @@ def _serve(cfg: EngineConfig, engine: LLMEngine, link: CoreLink, frontend: int, 
     with timer.phase("server_ready"):
         link.start()
         engine.start()
-        link.send({"op": "serve", "startup": timer.summary()})
         deadline = time.monotonic() + FRONTEND_START_S
+        sent = False
         while not link.frontend_ready.wait(0.01):
+            sent = sent or link.send({"op": "serve", "startup": timer.summary()})  # taken once it connects
             if _exited(frontend) is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the HTTP front end did not start on {cfg.host}:{cfg.port} (see above)")
     link.send({"op": "serve", "startup": timer.summary()})  # now with server_ready
+    if engine.draining:  # begun before the front end connected: that message was dropped
+        link.send({"op": "drain"})
     control.send("startup", **timer.summary())
     control.state("SERVING", port=link.port)
     print(timer.table(), flush=True)

@@ -16,16 +16,15 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import logging
 
-import orjson
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
 
 from .engine_client import EngineClient
 from . import sse
 from .interrupt import unless_client_leaves
-from .limits import LimitError, RequestLimits
+from . import request_body
+from .limits import LimitError, RequestLimits, check_body
 from .first_output import FirstOutputLatency
 from .metrics import render as render_metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
@@ -291,6 +290,7 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
     api = _fastapi_app(srv)
     hot = {"/v1/completions": (CompletionRequest, srv.completions),
            "/v1/chat/completions": (ChatCompletionRequest, srv.chat_completions)}
+    limits = srv.limits
 
     async def app(scope: dict, receive, send) -> None:
         route = hot.get(scope["path"]) if scope["type"] == "http" else None
@@ -302,14 +302,14 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
             await resp(scope, receive, send)
         else:
             model, endpoint = route
-            if (resp := await _generate(scope, receive, model, endpoint)) is not None:
+            if (resp := await _generate(scope, receive, model, endpoint, limits)) is not None:
                 await resp(scope, receive, send)
     return app
 
 
-async def _generate(scope: dict, receive, model, endpoint) -> Response | None:
-    """One generation request: its body validated, the endpoint's response or an OpenAI error
-    (None: the client left before sending its body whole)."""
+async def _generate(scope: dict, receive, model, endpoint, limits: RequestLimits) -> Response | None:
+    """One generation request: its body parsed, bounded and validated (engines/request_body.py),
+    the endpoint's response or an OpenAI error (None: the client left before sending its body whole)."""
     chunks = []
     while True:
         message = await receive()
@@ -319,12 +319,13 @@ async def _generate(scope: dict, receive, model, endpoint) -> Response | None:
         if not message.get("more_body", False):
             break
     try:
-        req = model.model_validate(orjson.loads(b"".join(chunks)))
-    except ValidationError as e:
-        return _invalid_body(e.errors())
-    except ValueError as e:  # not JSON (JSONDecodeError says where), or not text at all
-        where = f"{e.msg} (at character {e.pos})" if isinstance(e, json.JSONDecodeError) else str(e)
-        return error_response(400, f"request body is not valid JSON: {where}", None, code="invalid_json")
+        data = request_body.loads(b"".join(chunks))
+        check_body(limits, data, model is ChatCompletionRequest)
+        req = request_body.validate(model, data)
+    except request_body.BodyError as e:
+        return error_response(400, e.message, e.param, code=e.code)
+    except LimitError as e:
+        return JSONResponse(e.body(), status_code=e.status)
     try:
         return await endpoint(req)
     except APIError as e:
@@ -336,14 +337,6 @@ async def _generate(scope: dict, receive, model, endpoint) -> Response | None:
         return JSONResponse(e.body(), status_code=e.status)
     except Exception as e:  # noqa: BLE001 (answered, logged; the engine goes on)
         return _internal_error(scope["path"], e)
-
-
-def _invalid_body(errors: list[dict]) -> JSONResponse:
-    """A request body pydantic refused, as a 400 naming the field."""
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ())]
-    where = ".".join(loc) or "body"
-    return error_response(400, f"{where}: {err.get('msg')} (got {_short(err.get('input'))})", loc[0] if loc else None)
 
 
 def _internal_error(path: str, e: Exception) -> JSONResponse:
@@ -461,8 +454,3 @@ def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:
     if params.seed is None or j == 0:
         return params
     return dataclasses.replace(params, seed=params.seed + j)
-
-
-def _short(value, limit: int = 80) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

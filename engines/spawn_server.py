@@ -27,6 +27,7 @@ from daemon.framing import FrameError, PeerClosed, peer_uid, recv_frame, send_fr
 from . import main as _engine_main  # noqa: F401  (the whole engine stack, imported once)
 from .__main__ import run as run_engine
 from .config import EngineConfig
+from .core_link import remove_sockets
 from .forked import fork_into
 
 log = logging.getLogger("engines.spawn_server")
@@ -49,6 +50,7 @@ class SpawnServer:
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.children: dict[int, int | None] = {}  # pid -> returncode (None while running)
+        self.runtime_dirs: dict[int, str] = {}  # pid -> its runtime dir, until reaped
         self.stopping = False
 
     def serve(self) -> None:
@@ -132,6 +134,7 @@ class SpawnServer:
             finally:
                 os.close(log_fd)
             self.children[pid] = None
+            self.runtime_dirs[pid] = cfg.runtime_dir
             return {"ok": True, "pid": pid}
         return {"ok": False, "error": f"unknown op {op!r}; expected spawn, wait or ping"}
 
@@ -161,6 +164,9 @@ class SpawnServer:
                 return
             if pid in self.children:
                 self.children[pid] = os.waitstatus_to_exitcode(status)
+            if pid in self.runtime_dirs:  # a killed engine cannot remove its link sockets: we do
+                for path in remove_sockets(self.runtime_dirs.pop(pid), pid):
+                    log.info("removed %s, left by engine pid %d", path, pid)
 
     def close(self) -> None:
         self.sel.close()

@@ -173,6 +173,26 @@ BAD_REQUESTS = [
      400, "messages", "only text parts"),
     ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_LEN},
      400, "max_tokens", "exceeds the context"),
+    # strict JSON types, as OpenAI (issue 23): no string for a number, no number for a boolean
+    ("completions", {"model": "M", "prompt": "x", "max_tokens": "4"}, 400, "max_tokens", "valid integer (got '4')"),
+    ("completions", {"model": "M", "prompt": "x", "max_tokens": 4.0}, 400, "max_tokens", "valid integer (got 4.0)"),
+    ("completions", {"model": "M", "prompt": "x", "stream": "yes"}, 400, "stream", "valid boolean (got 'yes')"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "stream": 1}, 400, "stream",
+     "valid boolean (got 1)"),
+    ("completions", {"model": "M", "prompt": "x", "n": True}, 400, "n", "valid integer (got true)"),
+    ("completions", {"model": "M", "prompt": "x", "seed": "7"}, 400, "seed", "valid integer"),
+    ("completions", {"model": "M", "prompt": "x", "temperature": "0.5"}, 400, "temperature", "valid number"),
+    ("completions", {"model": 7, "prompt": "x"}, 400, "model", "valid string (got 7)"),
+    ("completions", {"model": "M", "prompt": "x", "stream_options": {"include_usage": "true"}}, 400, "stream_options",
+     "stream_options.include_usage: Input should be a valid boolean"),
+    ("completions", {"model": "M", "prompt": "x", "stop_token_ids": ["2"]}, 400, "stop_token_ids",
+     "stop_token_ids.0: Input should be a valid integer"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": 5}]}, 400, "messages",
+     "messages.0.content: Input should be a valid string or Input should be a valid list (got 5)"),
+    # a union's error: the member that got furthest, without pydantic's member names
+    ("completions", {"model": "M", "prompt": [1, "a"]}, 400, "prompt", "prompt.1: Input should be a valid integer"),
+    ("completions", {"model": "M", "prompt": [[1], [2, "a"]]}, 400, "prompt",
+     "prompt.1.1: Input should be a valid integer (got 'a')"),
 ]
 
 
@@ -188,6 +208,29 @@ def test_bad_input_gets_openai_error_and_engine_keeps_serving(engine, client, mo
     err = r.json()["error"]
     assert message in err["message"] and err["param"] == param and err["type"]
     assert greedy(client, model_name, "still there?", n=2).choices[0].finish_reason == "length"
+
+
+def test_wrong_json_types_get_openai_code_invalid_type(engine, model_name) -> None:
+    for body in ({"model": model_name, "prompt": "x", "max_tokens": "4"}, {"model": model_name, "prompt": [1, "a"]}):
+        r = httpx.post(f"{engine.url}/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type", r.text
+
+
+def test_openai_client_types_are_accepted(client, model_name) -> None:
+    """Every field as the official client sends it (numbers given as ints included) still serves."""
+    kw = dict(model=model_name, max_tokens=3, temperature=1, top_p=1, presence_penalty=0, frequency_penalty=0,
+              seed=5, n=2, stop=["zzzz"], user="u-1", logit_bias={}, extra_body=EXTRA)
+    r = client.completions.create(prompt=["Hello", "World"], best_of=2, **kw)
+    assert len(r.choices) == 4 and r.usage.completion_tokens == 12
+    r = client.completions.create(prompt=[[5, 6, 7]], **{**kw, "n": 1})
+    assert r.choices[0].finish_reason == "length"
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": " hi"}]}]
+    r = client.chat.completions.create(messages=msgs, max_completion_tokens=3, **{**kw, "max_tokens": None})
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True},
+                                                 **kw))
+    assert chunks[-1].usage.completion_tokens == 6
 
 
 def test_client_disconnect_mid_stream_aborts_only_that_sequence(engine, client, model_name) -> None:
