@@ -20,7 +20,7 @@ import pytest
 
 from engines.config import EngineConfig
 from engines.core_link import remove_sockets, socket_paths
-from engines.launch import EngineProcess, wait_for_ready_line
+from harness.engine_process import EngineProcess, wait_for_ready_line
 from engines.spawn_client import SpawnClient
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engines.config import EngineConfig
-from engines.launch import EngineProcess
+from harness.engine_process import EngineProcess
 from engines.limits import LimitError, RequestLimits, check_body
 
 LIMITS = RequestLimits(max_prompts=8, max_messages=50, max_message_chars=200)

@@ -25,7 +25,7 @@ import httpx
 import psutil
 
 from engines.config import EngineConfig
-from engines.launch import EngineProcess
+from harness.engine_process import EngineProcess
 from engines.make_model import make_model
 
 

@@ -1,5 +1,6 @@
-"""Starting children: our own processes (daemons, spawn server, direct or external engines) and
-engines forked by the spawn server. Every child gets its own session, so its pid is its group."""
+"""Process handles and groups: our own children (Popen), engines forked by the spawn server (and its
+async client), children re-adopted from a previous supervisor; signalling a group, and whether one
+is gone. Every child gets its own session, so its pid is its group."""
 from __future__ import annotations
 
 import asyncio
