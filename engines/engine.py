@@ -117,7 +117,8 @@ class LLMEngine:
                 "preemptions": self.scheduler.preemptions, "generated_tokens": self.generated_tokens,
                 "kv_mode": b.mode, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
                 "continuation_reused_tokens": self.continuation_reused,
-                "continuation_recomputed_tokens": self.continuation_recomputed}
+                "continuation_recomputed_tokens": self.continuation_recomputed,
+                "gpu_reserved_bytes": torch.cuda.memory_reserved(self._device) if self._device.type == "cuda" else 0}
 
     # ---- synchronous use (bench, tests) ----------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

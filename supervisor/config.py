@@ -65,7 +65,12 @@ class EnginesSection(_Section):
     kind: Literal["builtin", "external"] = "builtin"
     spawn: Literal["server", "direct"] = Field(default="server", description="fork from the spawn server, or exec python -m engines")
     weight_cache_mode: Literal["client", "daemon", "off"] = "client"
-    kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 16)
+    kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 16, description="KV cache per GPU rank: with "
+                                "shared_kv the node's one pool (the daemon's, used whole by the primary), "
+                                "else each engine's own")
+    shared_kv: bool = Field(default=True, description="the KV cache lives in the daemons, shared by the engines: "
+                            "the standby is parked (no KV of its own) and continues every stream from the dead "
+                            "primary's blocks (builtin engines with daemons and weight_cache_mode client)")
     max_num_seqs: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=512, ge=16)
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
@@ -228,6 +233,11 @@ class UnderstudyConfig(_Section):
         return self
 
     # ---- derived values (never stored back) ----
+    def shares_kv(self) -> bool:
+        """The engines run on the daemons' shared KV pools (it needs our engines and our daemons)."""
+        e = self.engines
+        return e.shared_kv and e.kind == "builtin" and self.daemons.enabled and e.weight_cache_mode == "client"
+
     def resolved_runtime_dir(self) -> Path:
         if self.runtime_dir:
             return Path(self.runtime_dir).expanduser()

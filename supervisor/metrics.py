@@ -9,6 +9,7 @@ from engines.metrics import FIRST_OUTPUT_BUCKETS
 
 _FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+RECOMPUTED_BUCKETS = (0, 1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536)
 
 
 class Metrics:
@@ -49,7 +50,11 @@ class Metrics:
             key: Gauge(f"understudy_engine_{key}", f"{help_} ({serving})", ["engine"], registry=r)
             for key, help_ in (("running_seqs", "Sequences running"), ("waiting_seqs", "Sequences waiting"),
                                ("kv_blocks_used", "KV cache blocks in use"), ("kv_blocks_total", "KV cache blocks"),
-                               ("preemptions", "Sequences preempted since the engine started"))}
+                               ("preemptions", "Sequences preempted since the engine started"),
+                               ("kv_quarantined_blocks", "Shared KV blocks a dead writer left unfinished, "
+                                                         "not reused until its processes are gone"),
+                               ("gpu_reserved_bytes", "GPU memory the engine's allocator holds (graphs "
+                                                      "included; not the CUDA context, weights or shared pool)"))}
         self.prefix_queried = Counter("understudy_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the engines' prefix caches", registry=r)
         self.prefix_hit = Counter("understudy_prefix_cache_hit_tokens",
@@ -60,6 +65,14 @@ class Metrics:
             "understudy_engine_step_seconds", "A busy engine's mean scheduler step over one heartbeat interval: "
             "the time between two tokens of each of its decoding streams, at the engine", buckets=FIRST_OUTPUT_BUCKETS,
             registry=r)
+        self.continuation_recomputed = Histogram(
+            "understudy_continuation_recomputed_tokens", "Tokens a continued request computed again on its new "
+            "engine (the rest it found in the shared KV pool)", buckets=RECOMPUTED_BUCKETS, registry=r)
+        self.kv_adopted_blocks = Gauge("understudy_kv_adopted_blocks", "Keyed KV blocks the last promoted engine "
+                                       "adopted from the shared pool", registry=r)
+        self.kv_promotion_seconds = Histogram("understudy_kv_promotion_seconds", "A standby taking the shared KV "
+                                              "pool over (claim and adoption, in the engine)", buckets=_FAST,
+                                              registry=r)
         self._beat_at: dict[str, float] = {}  # engine -> when its previous heartbeat came (monotonic)
 
     def count_weights_source(self, source: str) -> None:
@@ -78,7 +91,8 @@ class Metrics:
         previous heartbeat (a new incarnation starts from zero), and an interval it was busy
         throughout gives its mean step time (``now``: when ``hb`` came, monotonic; default: now)."""
         names = {"running_seqs": "running", "waiting_seqs": "waiting", "kv_blocks_used": "kv_blocks_used",
-                 "kv_blocks_total": "kv_blocks_total", "preemptions": "preemptions"}
+                 "kv_blocks_total": "kv_blocks_total", "preemptions": "preemptions",
+                 "kv_quarantined_blocks": "kv_quarantined_blocks", "gpu_reserved_bytes": "gpu_reserved_bytes"}
         for key, field in names.items():
             if isinstance(hb.get(field), (int, float)):
                 self.engine_figures[key].labels(engine=engine).set(hb[field])

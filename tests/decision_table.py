@@ -7,7 +7,7 @@ Event tuples (``name`` is a child: "a", "b", "daemon-rank0", "spawn-server"):
     ("ready", name)              readiness: HTTP up and canary matched ("not listening", name)
     ("unanswered", name)         canary not answered yet              ("mismatch", name, reason)
     ("broken", name, why)        the engine says it cannot serve       ("health", name, problem | None)
-    ("heartbeat", name, served)  ("said", name, type, fields)
+    ("heartbeat", name, served)  ("said", name, type, fields): e.g. a shared-KV answer "promoted"
     ("daemon ready", name)       ("daemon loading", name)             ("ping", name, ok)
     ("ask", intent[, engine[, force]])                                ("stop", why)
     ("wait", seconds)            nothing but time passing
@@ -37,9 +37,9 @@ class Play:
 
     def __init__(self, engines: tuple[str, ...] = ("a", "b"), daemons: int = 1, spawn_server: bool = True,
                  records: ChildRecords | None = None, tp_size: int = 1, external: bool = False,
-                 **failover: Any) -> None:
+                 shared_kv: bool = False, **failover: Any) -> None:
         settings = Settings(FailoverSection(**{**FAST, **failover}), load_timeout_s=600.0, fingerprint="fp",
-                            tp_size=tp_size, external=external, spawn_server=spawn_server)
+                            tp_size=tp_size, external=external, spawn_server=spawn_server, shared_kv=shared_kv)
         self.node: Node = new_node(settings, list(engines), [f"/rt/daemon-rank{r}.sock" for r in range(daemons)],
                                    WANTED, records, now=100.0)
         self.now, self.wall = 100.0, 1_000.0
@@ -143,6 +143,8 @@ def booted(p: Play, engines: tuple[str, ...]) -> None:
     for spec in boot_steps(engines):
         if p.node.child(spec[1]) is not None and not (p.node.settings.external and spec[0] == "heartbeat"):
             p.play(spec)
+            if p.node.promoting is not None and spec[0] == "ready":  # shared KV: it takes the pool
+                p.play(("said", spec[1], "promoted", {"adopted_blocks": 0}))
 
 
 def serving(engines: tuple[str, ...] = ("a", "b"), **kw: Any) -> Play:

@@ -20,22 +20,33 @@ def status_view(node: Node, fixed: dict[str, Any], now: float) -> dict[str, Any]
         "engines": [engine_view(s, now) for s in node.engines.values()],
         "daemons": [{"name": d.name, "rank": d.rank, "state": d.state.value, "pid": d.pid,
                      "resident_bytes": d.resident_bytes, "fingerprint": d.fingerprint,
-                     "weights_finite": d.weights_finite,
+                     "weights_finite": d.weights_finite, "kv_pool": d.kv_pool,
                      "socket": d.socket_path, "reason": d.reason, "last_exit": d.last_exit}
                     for d in node.daemons],
         "spawn_server": {"pid": sp.pid} if sp is not None and sp.pid and sp.state == State.READY else None,
         "recent_failovers": list(node.failovers)[-10:],
         "rollout": node.rollout.view() if node.rollout is not None else None,
         "not_ready": None if node.primary is not None else not_ready_reason(node, now),
+        "kv_handover": _handover(node),
         "watchdog": {"stuck": node.stuck, "stuck_after_s": node.watchdog.stuck_after_s,
                      "since_progress_s": round(now - node.watchdog.last_progress, 3)},
     }
+
+
+def _handover(node: Node) -> dict[str, Any] | None:
+    """A move of the shared KV pool's writer role under way (supervisor/core/kv_handover.py)."""
+    if node.promoting is not None:
+        return {"promoting": node.promoting.name, "reason": node.promoting.reason}
+    if node.demoting is not None:
+        return {"demoting": node.demoting.name, "successor": node.demoting.successor}
+    return None
 
 
 def engine_view(s: Engine, now: float) -> dict[str, Any]:
     return {"name": s.name, "role": s.role.value, "state": s.state.value, "pid": s.pid,
             "incarnation": s.incarnation, "url": s.url or None,
             "weights_source": s.weights_source, "startup_phases": s.phases,
+            "kv_source": s.kv_source, "kv_mode": s.heartbeat.get("kv_mode"), "kv_writer": s.kv_writer,
             "state_for_s": round(now - s.state_since, 3),
             "heartbeat_age_s": round(now - s.last_heartbeat, 3) if s.last_heartbeat else None,
             "heartbeat": dict(s.heartbeat), "reason": s.reason,

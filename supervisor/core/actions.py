@@ -71,6 +71,19 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class Tell:
+    """A command on the engine's control channel (the shared KV pool's `promote`, `demote`,
+    `fenced`); what it answers comes back as a Said event."""
+
+    name: str
+    incarnation: int
+    cmd: str
+
+    def brief(self) -> str:
+        return f"tell {self.name} {self.cmd}"
+
+
+@dataclass(frozen=True)
 class Promote:
     """The router sends to ``name`` from now on, under ``epoch``. ``lost_epoch``: a fenced primary's
     epoch whose requests in flight are retried at once; ``detected_at``: the failure this promotion
@@ -234,5 +247,5 @@ class Finish:
         return f"finish {self.exit_code}"
 
 
-Action = Union[Start, Attach, Fence, Stop, Drain, Promote, Hold, RouterFlags, Probe, Reap, Publish, Measure,
+Action = Union[Start, Attach, Fence, Stop, Drain, Tell, Promote, Hold, RouterFlags, Probe, Reap, Publish, Measure,
                Notify, Answer, Survey, CheckAdoptable, AwaitGone, Finish]

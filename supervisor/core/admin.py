@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from supervisor.core import engines, spawn
+from supervisor.core import engines, kv_handover, spawn
 from supervisor.core.actions import Answer, Publish
 from supervisor.core.events import Asked
 from supervisor.core.failover import promote
@@ -50,11 +50,17 @@ def switch_over(node: Node) -> Reply:
     if standby is None:
         return 409, {"error": "no READY standby to promote (" + ", ".join(
             f"{s.name}: {s.role.value} {s.state.value}" for s in node.engines.values()) + ")"}
+    if node.promoting is not None or node.demoting is not None:
+        return 409, {"error": "a switch of primary is already under way"}
     old = node.primary_engine()
+    if old is not None and old.kv_writer and old.pid:  # it hands its requests off first (kv_handover.py)
+        kv_handover.switch_over(node, old, standby)
+        return 200, {"primary": standby.name, "epoch": node.epoch + 1, "previous": old.name}
     promote(node, standby, "promote", node.now, old.name if old else "")
     if old is not None and old is not standby:
         engines.stop(node, old, restart=True)
-    return 200, {"primary": standby.name, "epoch": node.epoch, "previous": old.name if old else None}
+    epoch = node.epoch + (node.promoting is not None)  # (a promotion under way: the epoch it will have)
+    return 200, {"primary": standby.name, "epoch": epoch, "previous": old.name if old else None}
 
 
 def restart(node: Node, name: str, force: bool) -> Reply:
@@ -94,6 +100,8 @@ def advance_rollout(node: Node) -> None:
     """Wait for the child being replaced to be READY again, then take the next step."""
     r = node.rollout
     while r is not None and r.running:
+        if node.promoting is not None or node.demoting is not None:
+            return  # a switch of primary is under way (shared KV): the next step waits for it
         if r.waiting is not None:
             c = node.child(r.waiting)
             if node.stopping or c.state == State.FATAL or node.now > r.deadline:

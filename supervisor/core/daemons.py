@@ -80,6 +80,7 @@ def ready(node: Node, d: Daemon, info: dict[str, Any]) -> None:
     d.resident_bytes = int(info.get("resident_bytes") or 0)
     d.fingerprint = info.get("fingerprint")
     d.weights_finite = info.get("weights_finite")
+    d.kv_pool = info.get("kv_pool")
     d.ever_ready = True
     d.policy.record_success()
     d.last_check = node.now

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from supervisor.core import lifecycle
+from supervisor.core import kv_handover, lifecycle
 from supervisor.core.actions import Fence, Measure, Probe, Publish
 from supervisor.core.engines import fail
 from supervisor.core.events import HealthChecked, ReadyChecked, Said
@@ -21,7 +21,9 @@ CANARY_RETRY_S = 0.2      # the canary was not answered yet (the engine is still
 STARTING = (State.STARTING, State.ATTACHING, State.WARMING)
 ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
 HEARTBEAT_FIELDS = ("steps", "running", "waiting", "served", "kv_blocks_used", "kv_blocks_total",
-                    "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "generated_tokens")
+                    "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "generated_tokens", "kv_mode",
+                    "kv_quarantined_blocks", "continuations", "continuation_reused_tokens",
+                    "continuation_recomputed_tokens", "gpu_reserved_bytes")
 
 
 # ---------------------------------------------------------------------------------- control channel
@@ -48,7 +50,13 @@ def said(node: Node, e: Engine, ev: Said) -> None:
             e.weights_source = str(ev.fields.get("source"))
     elif ev.type == "startup":
         record_startup(node, e, {"phases": ev.fields.get("phases") or {},
-                                 "weights_source": ev.fields.get("weights_source")})
+                                 "weights_source": ev.fields.get("weights_source"),
+                                 "kv_source": ev.fields.get("kv_source")})
+    elif ev.type in kv_handover.ANSWERS:
+        kv_handover.said(node, e, ev)
+    elif ev.type == "continuation":  # a continued request found `reused` tokens' KV, computed `recomputed`
+        fields = {"engine": e.name, "reused": ev.fields.get("reused"), "recomputed": ev.fields.get("recomputed")}
+        node.emit(Publish({"type": "continuation", **fields}))
 
 
 def record_startup(node: Node, e: Engine, data: dict[str, Any]) -> None:
@@ -57,6 +65,7 @@ def record_startup(node: Node, e: Engine, data: dict[str, Any]) -> None:
         return
     e.phases = {str(k): float(v) for k, v in (data.get("phases") or {}).items()}
     e.weights_source = data.get("weights_source") or e.weights_source
+    e.kv_source = data.get("kv_source") or e.kv_source
     e.startup_counted = True
     node.dirty = True
     node.emit(Measure("startup", e.name, {"phases": dict(e.phases), "weights_source": e.weights_source}))

@@ -7,6 +7,7 @@ import logging
 
 from engines.config import BOOT_ERROR_EXIT
 from supervisor.core import lifecycle
+from supervisor.core.kv_writers import writer_down, writer_reaped
 from supervisor.core.actions import Drain, Fence, Publish, Stop
 from supervisor.core.events import ExitRead, Exited, Launched, LaunchFailed
 from supervisor.core.failover import fail_over
@@ -22,6 +23,7 @@ def start(node: Node, e: Engine) -> None:
         return
     e.last_heartbeat, e.heartbeat, e.engine_state = None, {}, ""
     e.weights_source, e.phases, e.startup_counted, e.unanswered = None, {}, False, 0
+    e.kv_source, e.kv_writer = None, False
     e.role, e.url, e.port = Role.STANDBY, "", 0
     if lifecycle.begin(node, e):
         launch_if_due(node, e)
@@ -68,6 +70,7 @@ def exited(node: Node, e: Engine, ev: Exited) -> None:
     """Fence the group, fail over if it served, then STOPPED or EXITED; its status is read next."""
     if not lifecycle.take_exit(node, e, ev):
         return
+    writer_down(node, e)
     expected = e.exit_expected
     serving = node.primary == e.name and e.role == Role.PRIMARY
     reason = e.reason if e.state == State.FAILED else ("stopped" if expected else "exit")
@@ -84,6 +87,7 @@ def exited(node: Node, e: Engine, ev: Exited) -> None:
 def exit_read(node: Node, e: Engine, ev: ExitRead) -> None:
     """Restart (backoff), stop, or FATAL on a boot error (unless it is the last engine of a node that
     served: that one is retried until the cause is fixed)."""
+    writer_reaped(node, e.name, ev.incarnation)
     text, expected = lifecycle.exit_outcome(e, ev)
     (log.info if expected else log.warning)("%s: pid %d (incarnation %d) %s%s", e.name, ev.pid, ev.incarnation,
                                             text, "" if expected else f"; log: {ev.log_path}")

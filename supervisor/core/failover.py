@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from supervisor.core.actions import Hold, Notify, Promote, Publish, RouterFlags
-from supervisor.core.model import Engine, Failover, Node
+from supervisor.core.actions import Hold, Notify, Promote, Publish, RouterFlags, Tell
+from supervisor.core.model import Engine, Failover, Node, Promotion
 from supervisor.core.states import Role
 from supervisor.core.why import roles_text
 
@@ -29,9 +29,12 @@ def fail_over(node: Node, dead: Engine, reason: str, detected_at: float) -> None
                 dead.name, reason, node.settings.failover.hold_timeout_s)
 
 
+PROMOTE_TIMEOUT_S = 5.0  # shared KV: a standby that has not taken the pool by then is failed
+
+
 def ensure_primary(node: Node, prefer: Engine | None = None) -> None:
     """No primary and a READY standby: it serves (the pending failover, or the boot's first primary)."""
-    if node.primary is not None or node.stopping:
+    if node.primary is not None or node.stopping or node.promoting is not None or node.demoting is not None:
         return
     standby = prefer if prefer is not None and prefer is node.ready_standby() else node.ready_standby()
     if standby is None:
@@ -43,7 +46,11 @@ def ensure_primary(node: Node, prefer: Engine | None = None) -> None:
 
 
 def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: str) -> None:
-    """``engine`` serves from now on, under epoch + 1 (a failover unless ``reason`` is "boot")."""
+    """``engine`` serves from now on, under epoch + 1 (a failover unless ``reason`` is "boot"). On
+    the shared KV pool it is first asked to take the pool (supervisor/core/kv_handover.py)."""
+    if node.settings.shared_kv and not engine.kv_writer:
+        ask_to_promote(node, engine, reason, detected_at, old)
+        return
     node.epoch += 1
     for other in node.engines.values():
         if other is not engine and other.role == Role.PRIMARY:
@@ -67,12 +74,27 @@ def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: st
     announce(node)
 
 
+def ask_to_promote(node: Node, engine: Engine, reason: str, detected_at: float, old: str) -> None:
+    """The round trip's first half: requests are held until ``engine`` says it took the pool."""
+    node.promoting = Promotion(engine.name, engine.incarnation, reason, detected_at, old,
+                               node.now + PROMOTE_TIMEOUT_S)
+    node.primary = None
+    node.hold_reason = f"{engine.name} is taking the KV pool over ({reason})"
+    node.dirty = True
+    node.emit(Tell(engine.name, engine.incarnation, "promote"))
+
+
 def restore_primary(node: Node, engine: Engine, epoch: int) -> None:
-    """A re-adopted primary serves again under its recorded epoch (no failover)."""
+    """A re-adopted primary serves again under its recorded epoch (no failover). On the shared KV pool
+    it is told `promote` again: a writer answers at once; one the last supervisor never heard take
+    the pool takes it now."""
     node.epoch = epoch
     engine.role = Role.PRIMARY
     node.primary = engine.name
     node.dirty = True
+    if node.settings.shared_kv:
+        engine.kv_writer = True
+        node.emit(Tell(engine.name, engine.incarnation, "promote"))
     log.info("%s is primary again (epoch %d, adopted)", engine.name, epoch)
     announce(node)
 

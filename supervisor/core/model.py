@@ -63,6 +63,8 @@ class Engine(Child):
     down_since: float | None = None    # failure time, for recovery_seconds
     engine_state: str = ""             # the last state the engine reported
     unanswered: int = 0                # canaries not answered yet in this start
+    kv_source: str | None = None       # shared | own | own:<why no pool> (its startup summary)
+    kv_writer: bool = False            # it holds the shared KV pool's writer role (it said `promoted`)
 
     def served(self) -> int:
         """Requests the engine reports as served (heartbeat), -1 when it reports none."""
@@ -80,6 +82,7 @@ class Daemon(Child):
     resident_bytes: int | None = None
     fingerprint: dict[str, Any] | None = None
     weights_finite: bool | None = None  # the daemon checked every tensor of its arena finite
+    kv_pool: dict[str, Any] | None = None  # its shared KV pool's layout (None: it holds none)
     load_bytes: int | None = None       # the load's progress at the last status answer
     load_pct: int = -1
 
@@ -103,6 +106,7 @@ class Settings:
     spawn_server: bool = True          # engines are forked by the spawn server
     spawn_wait_s: float = 30.0         # a start waits this long for a spawn server being restarted
     spawn_ready_s: float = 120.0       # a new spawn server must answer within this
+    shared_kv: bool = False            # engines run on the daemons' KV pools: promotion is a round trip
 
 
 @dataclass
@@ -112,6 +116,28 @@ class Failover:
     reason: str
     detected_at: float
     lost: str
+
+
+@dataclass
+class Promotion:
+    """A standby asked to take the shared KV pool's writer role: it serves once it says `promoted`."""
+
+    name: str
+    incarnation: int
+    reason: str                        # what the promotion answers ("boot", "exit", "promote", ...)
+    detected_at: float
+    lost: str                          # the engine it replaces ("" at boot)
+    deadline: float
+
+
+@dataclass
+class Demotion:
+    """A planned switchover: the primary is asked to hand its requests off and give the pool up."""
+
+    name: str
+    incarnation: int
+    successor: str
+    deadline: float
 
 
 @dataclass
@@ -181,6 +207,9 @@ class Node:
     routed_flags: tuple[bool, bool] = (False, False)  # (drained, stopping) last emitted
     lost_epoch: int | None = None      # a fenced primary's epoch, not yet told to the router
     clock: tuple[int, float] | None = None  # (new epoch, failure detected): the router's failover clock
+    promoting: Promotion | None = None  # shared KV: a promotion waiting for the engine's answer
+    demoting: Demotion | None = None   # shared KV: a planned switchover waiting for the old primary
+    unfenced: set[str] = field(default_factory=set)  # "name:incarnation" of KV writers not reaped yet
     out: list[Action] = field(default_factory=list)
 
     @property

@@ -46,7 +46,8 @@ class ChildConfigs:
             weight_cache_mode=e.weight_cache_mode, runtime_dir=str(self.rd), control_endpoint=self.control_endpoint,
             incarnation=incarnation, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
             max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
-            kv_block_size=e.kv_block_size, prefix_caching=e.prefix_caching, cuda_graphs=e.cuda_graphs,
+            kv_block_size=e.kv_block_size, prefix_caching=e.prefix_caching, shared_kv=self.cfg.shares_kv(),
+            kv_slot=e.slot_names().index(name), cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels, heartbeat_interval_s=e.heartbeat_interval_s,
             dist_port=free_port() if m.tp_size > 1 else 0, served_model_name=self.model_name,
             limits=self.cfg.limits.request_limits(),
@@ -60,9 +61,12 @@ class ChildConfigs:
         return [a.format(**fields) for a in shlex.split(ext.command)], ext.url.format(**fields).rstrip("/"), ext.env
 
     def daemon(self, rank: int) -> list[str]:
-        m = self.cfg.model
+        """A rank's daemon: the weights, and with shared KV the node's pool (kv_cache_bytes)."""
+        m, e = self.cfg.model, self.cfg.engines
         gpu = self.cfg.resolved_gpu_ids()[rank] if self.device == "cuda" else None
-        return daemon_argv(self.model_path, rank, m.tp_size, self.device, m.dtype, self.rd, gpu)
+        pool = e.kv_cache_bytes if self.cfg.shares_kv() else 0
+        return daemon_argv(self.model_path, rank, m.tp_size, self.device, m.dtype, self.rd, gpu, pool,
+                           e.kv_block_size, e.count)
 
     def spawn_server(self) -> list[str]:
         return python_argv("engines.spawn_server", "--socket", str(self.rd / "spawn.sock"))

@@ -30,6 +30,8 @@ class Publisher:
             self.metrics.failovers.labels(reason=ev["reason"]).inc()
         elif kind == "recovered":
             self.metrics.recovery_seconds.observe(ev["seconds"])
+        elif kind == "continuation" and isinstance(ev.get("recomputed"), int):
+            self.metrics.continuation_recomputed.observe(ev["recomputed"])
         self.bus.publish(dict(ev))
 
     def measure(self, a: Measure) -> None:
@@ -41,6 +43,9 @@ class Publisher:
                 m.count_weights_source(v["weights_source"])
         elif a.what == "heartbeat":
             m.record_heartbeat(a.name, v["heartbeat"], v["previous"], v["at"])
+        elif a.what == "promotion":
+            m.kv_adopted_blocks.set(v.get("adopted_blocks") or 0)
+            m.kv_promotion_seconds.observe(float(v.get("seconds") or 0))
         elif a.what == "resident":
             m.daemon_resident.labels(rank=str(v["rank"])).set(v["bytes"])
 

@@ -12,7 +12,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from supervisor.core.actions import (Action, Answer, Attach, AwaitGone, CheckAdoptable, Drain, Fence, Finish, Hold,
-                                     Measure, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start, Stop, Survey)
+                                     Measure, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start, Stop, Survey,
+                                     Tell)
 from supervisor.core.events import (AdoptionChecked, DaemonAnswered, Event, ExitRead, GroupsGone, HealthChecked,
                                     LaunchFailed, Pinged, ReadyChecked, Surveyed)
 from supervisor.core.model import Node
@@ -52,6 +53,7 @@ class Effects:
             Answer: self.answer, Attach: self.launcher.attach}
         self._slow: dict[type, Callable[[Any], Coroutine[Any, Any, Event | None]]] = {  # tasks: results as events
             Start: self.launcher.start, Probe: self.checks.probe, Reap: self.reaper.reap, Drain: self._drain,
+            Tell: self._tell,
             Survey: self.surveyor.survey, CheckAdoptable: self.surveyor.check, AwaitGone: self.surveyor.await_gone,
             Finish: lambda a: self.finish(a.exit_code)}
 
@@ -100,6 +102,10 @@ class Effects:
         failure = failed(action, f"{type(exc).__name__}: {exc}")
         if failure is not None:
             self.record(failure)
+
+    async def _tell(self, a: Tell) -> None:
+        if not await self.control.send(a.name, a.incarnation, {"cmd": a.cmd}):  # (its deadline takes it from here)
+            log.warning("%s: could not send %r on the control channel", a.name, a.cmd)
 
     async def _drain(self, a: Drain) -> None:
         if not await self.control.send(a.name, a.incarnation, {"cmd": "drain"}):

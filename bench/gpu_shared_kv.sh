@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The shared KV pool on one H200 (device tool), the 1b preset in bf16, one call per part:
+#   bash bench/gpu_shared_kv.sh ab        # two nodes at once on GPU 0: shared_kv (one 32 GiB pool) on
+#                                         # 8000/8001 and shared_kv: false (16 GiB per engine: the same
+#                                         # memory) on 8100/8101; GPU memory per process; bench serve
+#                                         # chat:32 and nano:256 on each in turn (ABBA), medians last
+#   bash bench/gpu_shared_kv.sh failover  # understudy bench failover --streams 256 --runs 20 --compare:
+#                                         # the gap of every stream in flight at each SIGKILL of the
+#                                         # primary, failover_seconds, recomputed tokens, standby back;
+#                                         # shared_kv: false beside it (STREAMS, RUNS change the counts)
+# Logs go to $OUT; the last lines printed are the figures.
+source bench/gpu_env.sh
+config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own ports, dirs and KV mode
+  sed "s#preset: 1b#path: $M#; s#port: 8000#port: $2#; s#port: 8001#port: $(($2 + 1))#" configs/h200-1b.yaml \
+    | sed "s#kv_cache_bytes: .*#kv_cache_bytes: $4\n  shared_kv: $3#" > /tmp/$1.yaml
+  printf 'runtime_dir: /tmp/rt-%s\ncache_dir: /tmp/cache-%s\n' "$1" "$1" >> /tmp/$1.yaml
+}
+case "${1:-}" in
+ab)
+  config shared 8000 true 34359738368
+  config own 8100 false 17179869184
+  for n in shared own; do python3 -m supervisor.cli serve -c /tmp/$n.yaml > "$OUT/serve_$n.log" 2>&1 & eval "pid_$n=$!"; done
+  for n in shared own; do
+    wait_ready "http://127.0.0.1:$([ $n = shared ] && echo 8000 || echo 8100)" && all_ready /tmp/$n.yaml \
+      || { tail -30 "$OUT/serve_$n.log"; kill -9 $pid_shared $pid_own; exit 1; }
+  done
+  for n in shared own; do echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml; done > "$OUT/memory.txt" 2>&1
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
+  B="python3 -m supervisor.cli bench serve --client-procs 8 --no-static --duration ${DURATION:-15}"
+  for point in ${POINTS:-chat:32 nano:256}; do
+    w=${point%:*}; c=${point#*:}
+    for i in $(seq "${RUNS:-2}"); do
+      order="own shared"; [ $((i % 2)) = 0 ] && order="shared own"
+      for n in $order; do
+        row=$(timeout 150 $B --workload $w -c /tmp/$n.yaml --concurrency $c 2>>"$OUT/bench.err" | grep -E "^ +$c ")
+        echo "$n $w $i $row" | tee -a "$OUT/ab_rows.txt"
+      done
+    done
+  done
+  kill -TERM $pid_shared $pid_own; wait $pid_shared $pid_own
+  cat "$OUT/memory.txt"
+  python3 - "$OUT/ab_rows.txt" <<'PY'
+import statistics, sys
+rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11]
+print("workload clients mode    runs  TTFT p50 ms  out tok/s  ITL p50 ms   (medians of bench serve's rows)")
+for w in dict.fromkeys(x[1] for x in rows):
+    for mode in ("own", "shared"):
+        r = [x for x in rows if x[0] == mode and x[1] == w]
+        med = lambda col: statistics.median(float(x[col]) for x in r)
+        print(f"{w:8} {r[0][3]:>7} {mode:7} {len(r):4}  {med(8):10.2f}  {med(6):9.1f}  {med(10):10.2f}")
+PY
+  ;;
+failover)
+  config streams 8000 true 34359738368
+  timeout 580 python3 -m supervisor.cli bench failover -c /tmp/streams.yaml --streams ${STREAMS:-256} \
+    --runs ${RUNS:-20} --compare --json > "$OUT/failover_streams.json" 2> "$OUT/failover_streams.log"
+  tail -50 "$OUT/failover_streams.log"
+  python3 - "$OUT/failover_streams.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    g, f, rc = r["gap_across_kill_ms"], r["failover_seconds_ms"], r["recomputed_tokens_per_continuation"]
+    print(f"shared_kv={r['shared_kv']}: gap across kill p50 {g.get('p50')} p99 {g.get('p99')} max {g.get('max')} ms "
+          f"(n={g['n']}); failover_seconds p50 {f.get('p50')} max {f.get('max')} ms (n={f['n']}); recomputed max "
+          f"{rc.get('max')} p50 {rc.get('p50')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} "
+          f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "
+          f"{r['client_cpu_share_max']}")
+PY
+  ;;
+*) echo "usage: $0 ab|failover" >&2; exit 2 ;;
+esac

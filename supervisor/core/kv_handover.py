@@ -1,0 +1,108 @@
+"""The shared KV pool's writer role as the supervisor moves it (DESIGN.md §2 "The KV pool"; the
+engine's side: engines/shared_kv.py). Only on a node whose engines run on the daemons' pools.
+
+- A promotion is a round trip (failover.ask_to_promote sends `promote`): the standby takes the pool
+  and says `promoted`, and only then does the router send to it (requests are held meanwhile). An
+  answer `promote_failed`, none within PROMOTE_TIMEOUT_S, or the engine lost meanwhile, fails it;
+  the next READY standby is asked, for the same failover.
+- A planned switchover (admin promote, restart of the primary, rollout) first tells the primary
+  `demote`: it hands its requests off (the router continues them on the successor, from the pool)
+  and parks; then the successor is promoted. No answer within DEMOTE_TIMEOUT_S: it is fenced, and
+  the switchover goes on as a failover.
+- Once a writer's process group is gone, the primary hears `fenced` (supervisor/core/kv_writers.py)."""
+from __future__ import annotations
+
+import logging
+
+from supervisor.core import engines
+from supervisor.core.actions import Fence, Measure, Tell
+from supervisor.core.events import Said
+from supervisor.core.failover import PROMOTE_TIMEOUT_S, promote
+from supervisor.core.model import Demotion, Engine, Failover, Node
+from supervisor.core.states import State
+
+log = logging.getLogger("understudy")
+
+DEMOTE_TIMEOUT_S = 5.0
+ANSWERS = ("promoted", "promote_failed", "demoted")
+
+
+def said(node: Node, e: Engine, ev: Said) -> None:
+    """An engine's answer to `promote` or `demote`."""
+    p, d = node.promoting, node.demoting
+    if ev.type == "demoted":
+        if d is not None and (d.name, d.incarnation) == (e.name, e.incarnation):
+            log.info("%s demoted: %s requests handed off", e.name, ev.fields.get("handed_off"))
+            handed_over(node, e)
+        return
+    if p is None or (p.name, p.incarnation) != (e.name, e.incarnation):
+        log.debug("%s: %s with no promotion of it pending", e.name, ev.type)  # (a re-adopted primary's)
+        return
+    if ev.type == "promote_failed":
+        failed(node, e, f"promotion failed: {ev.fields.get('error')}")
+        return
+    node.promoting = None
+    e.kv_writer = True
+    node.emit(Measure("promotion", e.name, dict(ev.fields)))
+    log.info("%s took the KV pool: %s keyed blocks adopted, %s quarantined (%.1f ms in the engine)", e.name,
+             ev.fields.get("adopted_blocks"), ev.fields.get("quarantined_blocks"),
+             1e3 * float(ev.fields.get("seconds") or 0))
+    promote(node, e, p.reason, p.detected_at, p.lost)
+    if not node.unfenced:
+        node.emit(Tell(e.name, e.incarnation, "fenced"))
+
+
+def switch_over(node: Node, old: Engine, successor: Engine) -> None:
+    """Planned: hold new requests, ask the primary to hand its requests off and give the pool up."""
+    node.demoting = Demotion(old.name, old.incarnation, successor.name, node.now + DEMOTE_TIMEOUT_S)
+    node.primary = None
+    node.hold_reason = f"planned switchover from {old.name} to {successor.name}"
+    node.dirty = True
+    node.emit(Tell(old.name, old.incarnation, "demote"))
+
+
+def handed_over(node: Node, old: Engine) -> None:
+    """The old primary parked (or is gone): what it still had in flight is retried or continued
+    on the successor, which is promoted now; the old one restarts as a standby."""
+    d, node.demoting = node.demoting, None
+    old.kv_writer = False
+    node.lost_epoch = node.epoch
+    successor = node.engines[d.successor]
+    if successor.state == State.READY and successor.pid:
+        promote(node, successor, "promote", node.now, old.name)
+    else:
+        node.pending_failover = Failover("promote", node.now, old.name)
+    engines.stop(node, old, restart=True)
+
+
+def check(node: Node) -> None:
+    """Deadlines, and an engine lost while it was being promoted or demoted."""
+    p, d = node.promoting, node.demoting
+    if p is not None:
+        e = node.engines[p.name]
+        if e.incarnation != p.incarnation or e.pid is None or e.state != State.READY:
+            lost(node, p.name, f"{p.name} was lost while taking the KV pool over")
+        elif node.now > p.deadline:
+            failed(node, e, f"promotion failed: no answer to `promote` within {PROMOTE_TIMEOUT_S:g}s")
+    if d is not None:
+        old = node.engines[d.name]
+        if old.incarnation != d.incarnation or old.pid is None:
+            handed_over(node, old)
+        elif node.now > d.deadline:
+            log.warning("%s did not answer `demote` within %gs: fenced", old.name, DEMOTE_TIMEOUT_S)
+            node.emit(Fence(old.name, old.pid))
+            handed_over(node, old)
+
+
+def failed(node: Node, e: Engine, why: str) -> None:
+    lost(node, e.name, why)
+    engines.fail(node, e, why)
+
+
+def lost(node: Node, name: str, why: str) -> None:
+    """The promotion ends without a primary: the failover it answered waits for the next READY one."""
+    p, node.promoting = node.promoting, None
+    log.error("%s; promoting the next READY standby", why)
+    node.pending_failover = Failover(p.reason, p.detected_at, p.lost)
+    node.hold_reason = f"{why}; waiting for another READY standby"
+    node.dirty = True

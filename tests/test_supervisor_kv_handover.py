@@ -1,0 +1,93 @@
+"""The shared KV pool's writer role as the supervisor moves it (supervisor/core/kv_handover.py), as a
+decision table: promotion is a round trip before the router switches, a planned switchover demotes
+first, a dead writer's blocks are released (`fenced`) only once its exit is read; every failure of
+the round trip ends with another engine serving or requests held, never with two writers."""
+from __future__ import annotations
+
+from decision_table import Play, in_order, serving
+
+KV = {"shared_kv": True, "heartbeat_timeout_s": 60.0}  # (no hang detection while the clock jumps)
+PROMOTED = ("said", "b", "promoted", {"adopted_blocks": 12, "quarantined_blocks": 1, "seconds": 0.004})
+
+
+def test_boot_promotes_by_round_trip_before_any_request_is_routed() -> None:
+    p = Play(**KV)
+    got = p.play(("launched", "daemon-rank0"), ("daemon ready", "daemon-rank0"), ("launched", "spawn-server"),
+                 ("ping", "spawn-server", True), ("launched", "a"), ("ready", "a"))
+    assert "tell a promote" in got and "promote a epoch 1" not in got
+    assert p.node.primary is None and p.node.promoting.name == "a"
+    got = p.play(("said", "a", "promoted", {"adopted_blocks": 0}))
+    assert in_order(got, ["publish promoted", "promote a epoch 1"]) and "tell a fenced" in got
+    assert p.state("a") == "READY primary" and p.node.engines["a"].kv_writer
+
+
+def test_a_killed_writer_is_replaced_by_round_trip_and_its_blocks_freed_once_reaped() -> None:
+    p = serving(**KV)
+    got = p.play(("exit", "a"))
+    assert in_order(got, ["fence a", "tell b promote", "hold"]) and "promote b epoch 2" not in got
+    got = p.play(PROMOTED)
+    assert in_order(got, ["publish failover", "promote b epoch 2"]) and "tell b fenced" not in got  # a not reaped
+    assert p.node.unfenced == {"a:1"}
+    got = p.play(("exit read", "a", -9))
+    assert "tell b fenced" in got and p.node.unfenced == set()
+    assert p.published("failover")[-1]["to"] == "b"
+
+
+def test_a_writer_reaped_before_the_promotion_ends_is_fenced_with_it() -> None:
+    p = serving(**KV)
+    p.play(("exit", "a"), ("exit read", "a", -9))
+    got = p.play(PROMOTED)
+    assert "promote b epoch 2" in got and "tell b fenced" in got
+
+
+def test_a_promotion_that_fails_or_times_out_fails_the_engine_and_holds() -> None:
+    p = serving(**KV)
+    p.play(("exit", "a"))
+    got = p.play(("said", "b", "promote_failed", {"error": "the pool's writer still runs"}))
+    assert in_order(got, ["publish b FAILED", "fence b"]) and p.node.primary is None
+    assert p.node.pending_failover.reason == "exit"  # the next READY engine serves as that failover
+    q = serving(**KV)
+    q.play(("exit", "a"))
+    got = q.play(("wait", 6.0))
+    assert in_order(got, ["publish b FAILED", "fence b"]) and "promotion failed" in q.node.engines["b"].reason
+
+
+def test_a_planned_switchover_demotes_the_writer_first() -> None:
+    p = serving(**KV)
+    got = p.play(("ask", "promote"))
+    assert in_order(got, ["tell a demote", "answer 200"]) and "hold" in got and "promote b epoch 2" not in got
+    got = p.play(("said", "a", "demoted", {"handed_off": 7}))
+    assert in_order(got, ["tell b promote", "drain a"])
+    got = p.play(PROMOTED)
+    assert in_order(got, ["promote b epoch 2"]) and p.state("b") == "READY primary"
+    assert p.published("failover")[-1]["reason"] == "promote"
+
+
+def test_a_primary_that_does_not_answer_demote_is_fenced_and_the_switchover_goes_on() -> None:
+    p = serving(**KV)
+    p.play(("ask", "promote"))
+    got = p.play(("wait", 6.0))
+    assert in_order(got, ["fence a", "tell b promote"])
+
+
+def test_a_second_switchover_while_one_is_under_way_is_refused() -> None:
+    p = serving(**KV)
+    p.play(("ask", "promote"))
+    p.play(("ask", "promote"))
+    assert p.answers()[-1][0] == 409 and "under way" in p.answers()[-1][1]["error"]
+
+
+def test_without_shared_kv_promotion_is_at_once() -> None:
+    p = serving()
+    got = p.play(("exit", "a"))
+    assert "promote b epoch 2" in got and not any(g.startswith("tell") for g in got)
+
+
+def test_the_rollout_waits_for_the_switchover_round_trip() -> None:
+    p = serving(**KV)
+    p.play(("ask", "rollout"), ("exit", "spawn-server"), ("exit read", "spawn-server", 0), ("wait", 0.6),
+           ("launched", "spawn-server"), ("ping", "spawn-server", True))  # a new spawn server first
+    got = p.play(("exit", "b"), ("exit read", "b", 0), ("wait", 0.2), ("launched", "b"), ("ready", "b"))  # then b
+    assert "tell a demote" in got and p.node.rollout.running
+    got = p.play(("said", "a", "demoted", {"handed_off": 0}), PROMOTED)
+    assert in_order(got, ["tell b promote", "promote b epoch 2"])
