@@ -7,7 +7,9 @@
 #   bash bench/gpu_shared_kv.sh failover  # understudy bench failover --streams 256 --runs 20 --compare:
 #                                         # the gap of every stream in flight at each SIGKILL of the
 #                                         # primary, failover_seconds, recomputed tokens, standby back;
-#                                         # shared_kv: false beside it (STREAMS, RUNS change the counts)
+#                                         # shared_kv: false beside it (STREAMS, RUNS change the counts;
+#                                         # COMPARE= runs shared_kv only); each node's logs in $OUT/streams
+#   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
 config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own ports, dirs and KV mode
@@ -15,8 +17,7 @@ config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own p
     | sed "s#kv_cache_bytes: .*#kv_cache_bytes: $4\n  shared_kv: $3#" > /tmp/$1.yaml
   printf 'runtime_dir: /tmp/rt-%s\ncache_dir: /tmp/cache-%s\n' "$1" "$1" >> /tmp/$1.yaml
 }
-case "${1:-}" in
-ab)
+ab() {
   config shared 8000 true 34359738368
   config own 8100 false 17179869184
   for n in shared own; do python3 -m supervisor.cli serve -c /tmp/$n.yaml > "$OUT/serve_$n.log" 2>&1 & eval "pid_$n=$!"; done
@@ -49,12 +50,13 @@ for w in dict.fromkeys(x[1] for x in rows):
         med = lambda col: statistics.median(float(x[col]) for x in r)
         print(f"{w:8} {r[0][3]:>7} {mode:7} {len(r):4}  {med(8):10.2f}  {med(6):9.1f}  {med(10):10.2f}")
 PY
-  ;;
-failover)
+}
+failover() {
   config streams 8000 true 34359738368
-  timeout 580 python3 -m supervisor.cli bench failover -c /tmp/streams.yaml --streams ${STREAMS:-256} \
-    --runs ${RUNS:-20} --compare --json > "$OUT/failover_streams.json" 2> "$OUT/failover_streams.log"
-  tail -50 "$OUT/failover_streams.log"
+  timeout ${FAILOVER_TIMEOUT:-580} python3 -m supervisor.cli bench failover -c /tmp/streams.yaml --streams ${STREAMS:-256} \
+    --runs ${RUNS:-20} ${COMPARE---compare} --out $OUT/streams --json > "$OUT/failover_streams.json" \
+    2> "$OUT/failover_streams.log"
+  grep -v "^  kill" "$OUT/failover_streams.log" | tail -20
   python3 - "$OUT/failover_streams.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
@@ -65,6 +67,10 @@ for r in json.load(open(sys.argv[1])):
           f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "
           f"{r['client_cpu_share_max']}")
 PY
-  ;;
-*) echo "usage: $0 ab|failover" >&2; exit 2 ;;
+}
+case "${1:-}" in
+ab) ab ;;
+failover) failover ;;
+all) ab > "$OUT/ab.txt" 2>&1; failover; tail -8 "$OUT/ab.txt" ;;
+*) echo "usage: $0 ab|failover|all" >&2; exit 2 ;;
 esac

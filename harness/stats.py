@@ -50,13 +50,27 @@ def summarize(values: Sequence[float]) -> Distribution:
                         p99=percentile(values, 99), max=max(values), mean=sum(values) / len(values))
 
 
+P99_MIN_N = 100  # fewer samples: their max says more, and is what is reported
+
+
 def bench_summary(xs: Sequence[float], ndigits: int = 3) -> dict[str, float]:
-    """A benchmark's figures: nearest-rank p50 and p99, mean, max and min ({} when empty)."""
+    """A benchmark's figures: n, the median (`p50`: the mean of the two middle values for an even
+    count), mean, max and min, and the nearest-rank p99 only with at least P99_MIN_N samples
+    ({} when empty)."""
     if not xs:
         return {}
-    return {"p50": round(nearest_rank(xs, 50), ndigits), "p99": round(nearest_rank(xs, 99), ndigits),
-            "mean": round(statistics.fmean(xs), ndigits), "max": round(max(xs), ndigits),
-            "min": round(min(xs), ndigits)}
+    out = {"n": len(xs), "p50": round(statistics.median(xs), ndigits), "mean": round(statistics.fmean(xs), ndigits),
+           "max": round(max(xs), ndigits), "min": round(min(xs), ndigits)}
+    if len(xs) >= P99_MIN_N:
+        out["p99"] = round(nearest_rank(xs, 99), ndigits)
+    return out
+
+
+def tail_text(summary: dict[str, float], unit: str = "ms", fmt: str = ".1f") -> str:
+    """'p99 X' with n >= P99_MIN_N samples, else 'max of n X': never a p99 of a few samples."""
+    if "p99" in summary:
+        return f"p99 {summary['p99']:{fmt}} {unit}"
+    return f"max of {summary.get('n', 0)} {summary.get('max', float('nan')):{fmt}} {unit}"
 
 
 def relative_difference(a: float, b: float) -> float:

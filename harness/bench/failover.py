@@ -1,5 +1,6 @@
 """`understudy bench failover`: SIGKILL the primary under steady load, N times; report the time from
-the kill to the first success served by the new primary (p50/p99) and count failed requests.
+the kill to the first success served by the new primary (p50/p99) and count failed requests. With
+`--streams N`, the failover a client sees instead (harness/bench/failover_streams.py).
 
 It starts its own supervisor (the given config, or the embedded default) with a private runtime
 dir and free ports, so it never touches a production instance.
@@ -17,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.bench.failover_streams import add_args as add_stream_args, run_streams
 from harness.bench.private_node import add_target_args, bench_config, say
-from harness.stats import bench_summary
+from harness.stats import bench_summary, tail_text
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=0.5, help="seconds of steady load before each kill")
     p.add_argument("--boot-timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_stream_args(p)
     args = p.parse_args(argv)
+    if args.streams:
+        return run_streams(args)
     if args.runs < 1 or args.concurrency < 1:
         p.error("--runs and --concurrency must be >= 1")
     res = run(args)
@@ -111,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=2))
     else:
         k = res["kill_to_first_success_ms"]
-        print(f"kill -> first success by the new primary: p50 {k['p50']:.1f} ms, p99 {k['p99']:.1f} ms "
-              f"(max {k['max']:.1f}); supervisor failover p50 {res['supervisor_failover_ms']['p50']:.2f} ms; "
+        print(f"kill -> first success by the new primary: median {k['p50']:.1f} ms, {tail_text(k)}; "
+              f"supervisor failover median {res['supervisor_failover_ms']['p50']:.2f} ms; "
               f"failed requests {res['failed_requests']} of {res['requests']}; "
               f"replacements from cache {res['replacement_cache_hits']}/{res['runs']}")
         if res["router_overhead_ms"]:

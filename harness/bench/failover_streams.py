@@ -20,7 +20,7 @@ import yaml
 
 from harness import ROOT
 from harness.bench.private_node import bench_config, say
-from harness.stats import bench_summary
+from harness.stats import bench_summary, tail_text
 
 
 def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
@@ -63,6 +63,17 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             if c.poll() is None:
                 c.kill()
         h.stop()
+        if args.out:  # the supervisor's and every engine's log, for what the figures do not say
+            keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
+
+
+def keep_logs(workdir: Path, dest: Path) -> None:
+    import tarfile
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(dest, "w:gz") as tar:
+        for f in [workdir / "supervisor.log", *sorted((workdir / "rt" / "logs").glob("*.log*"))]:
+            if f.exists():
+                tar.add(f, arcname=f.name)
 
 
 def start_clients(args: argparse.Namespace, url: str, model: str, vocab: int) -> list[subprocess.Popen]:
@@ -109,16 +120,14 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[dict], fa
     in_flight = [sum(len(r["across"][k]) for r in reports) for k in range(args.runs)]
     calm = [g for r in reports for g in r["calm"]]
     failed = [f for r in reports for f in r["failed"]]
-    ms = lambda xs: bench_summary([x * 1000 for x in xs], 1)  # noqa: E731
+    ms = lambda xs: bench_summary([x * 1000 for x in xs], 2)  # noqa: E731
     return {
         "shared_kv": shared_kv, "streams": args.streams, "kills": args.runs,
         "input_len": args.input_len, "output_len": args.output_len,
         "streams_in_flight_per_kill": {"min": min(in_flight, default=0), "max": max(in_flight, default=0)},
-        "gap_across_kill_ms": {**ms(across), "n": len(across)},
-        "longest_gap_other_streams_ms": {**ms(calm), "n": len(calm)},
-        "failover_seconds_ms": {**ms(failover_s), "n": len(failover_s)},
-        "standby_back_s": {**bench_summary(recovery_s), "n": len(recovery_s)},
-        "recomputed_tokens_per_continuation": {**bench_summary(recomputed, 0), "n": len(recomputed)},
+        "gap_across_kill_ms": ms(across), "longest_gap_other_streams_ms": ms(calm),
+        "failover_seconds_ms": ms(failover_s), "standby_back_s": bench_summary(recovery_s),
+        "recomputed_tokens_per_continuation": bench_summary(recomputed, 1),
         "requests": sum(r["requests"] for r in reports), "failed": len(failed), "failures": failed[:5],
         "client_cpu_share_max": round(max(r["cpu_s"] / r["wall_s"] for r in reports), 3),
         "client_procs": len(reports),
@@ -138,6 +147,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the first kill")
     p.add_argument("--window", type=float, default=2.0, help="seconds around a kill that make a stream not 'other'")
     p.add_argument("--compare", action="store_true", help="also run with engines.shared_kv: false, beside it")
+    p.add_argument("--out", help="keep each node's supervisor and engine logs here (a .tgz per node)")
 
 
 def run_streams(args: argparse.Namespace) -> int:
@@ -148,9 +158,10 @@ def run_streams(args: argparse.Namespace) -> int:
         for r in results:
             g, o, f, rc = (r["gap_across_kill_ms"], r["longest_gap_other_streams_ms"], r["failover_seconds_ms"],
                            r["recomputed_tokens_per_continuation"])
-            print(f"shared_kv={r['shared_kv']}: gap across a kill p50 {g.get('p50')} p99 {g.get('p99')} max "
-                  f"{g.get('max')} ms (n={g['n']}); other streams' longest gap p50 {o.get('p50')} p99 {o.get('p99')} "
-                  f"ms; failover_seconds p50 {f.get('p50')} p99 {f.get('p99')} ms; recomputed per continuation "
-                  f"max {rc.get('max')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} s; "
-                  f"failed {r['failed']} of {r['requests']}; client CPU max {r['client_cpu_share_max']:.0%}")
+            print(f"shared_kv={r['shared_kv']}: gap across a kill median {g.get('p50')} ms, {tail_text(g)}; other "
+                  f"streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; failover_seconds median "
+                  f"{f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max {rc.get('max')} "
+                  f"(n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
+                  f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
+                  f"CPU max {r['client_cpu_share_max']:.0%}")
     return 0 if all(r["failed"] == 0 for r in results) else 1

@@ -47,12 +47,16 @@ class ControlChannel:
 
     async def send(self, name: str, incarnation: int, obj: dict[str, Any]) -> bool:
         """Send a command to ``name:incarnation``; False if that engine is not connected."""
-        try:
-            await self._sock.send_multipart([f"{name}:{incarnation}".encode(), json.dumps(obj).encode()], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:
-            log.warning("cannot send %s to %s:%d: %s", obj, name, incarnation, e)
-            return False
+        return self.send_now(name, incarnation, obj)
+
+    def send_now(self, name: str, incarnation: int, obj: dict[str, Any]) -> bool:
+        """`send` without a loop round: a non-blocking send completes in the call (pyzmq sends at
+        once when nothing is queued), which a failover's round trip must not wait for."""
+        sent = self._sock.send_multipart([f"{name}:{incarnation}".encode(), json.dumps(obj).encode()], zmq.NOBLOCK)
+        error = sent.exception() if sent.done() else None
+        if error is not None:
+            log.warning("cannot send %s to %s:%d: %s", obj, name, incarnation, error)
+        return error is None
 
     def close(self) -> None:
         self._sock.close(0)

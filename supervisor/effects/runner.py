@@ -29,7 +29,7 @@ from supervisor.router.routing import RoutingTable, Upstream
 
 log = logging.getLogger("understudy")
 
-URGENT = (Fence, Promote, Hold)
+URGENT = (Fence, Tell, Promote, Hold)
 REAP_ORPHANS_S = 1.0
 
 
@@ -48,12 +48,11 @@ class Effects:
         self._reap_errors = 0
         self._quick: dict[type, Callable[[Any], object]] = {  # done in place
             Fence: lambda a: kill_group(a.pid), Stop: lambda a: kill_group(a.pid, a.sig),
-            Promote: self._promote, Hold: self._hold, RouterFlags: self._flags,
+            Promote: self._promote, Hold: self._hold, RouterFlags: self._flags, Tell: self._tell,
             Publish: self.publisher.publish, Measure: self.publisher.measure, Notify: self.publisher.notify,
             Answer: self.answer, Attach: self.launcher.attach}
         self._slow: dict[type, Callable[[Any], Coroutine[Any, Any, Event | None]]] = {  # tasks: results as events
             Start: self.launcher.start, Probe: self.checks.probe, Reap: self.reaper.reap, Drain: self._drain,
-            Tell: self._tell,
             Survey: self.surveyor.survey, CheckAdoptable: self.surveyor.check, AwaitGone: self.surveyor.await_gone,
             Finish: lambda a: self.finish(a.exit_code)}
 
@@ -103,9 +102,8 @@ class Effects:
         if failure is not None:
             self.record(failure)
 
-    async def _tell(self, a: Tell) -> None:
-        if not await self.control.send(a.name, a.incarnation, {"cmd": a.cmd}):  # (its deadline takes it from here)
-            log.warning("%s: could not send %r on the control channel", a.name, a.cmd)
+    def _tell(self, a: Tell) -> None:
+        self.control.send_now(a.name, a.incarnation, {"cmd": a.cmd})  # (a failed send: its deadline takes it)
 
     async def _drain(self, a: Drain) -> None:
         if not await self.control.send(a.name, a.incarnation, {"cmd": "drain"}):
