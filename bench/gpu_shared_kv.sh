@@ -65,7 +65,7 @@ for r in json.load(open(sys.argv[1])):
           f"(n={g['n']}); failover_seconds p50 {f.get('p50')} max {f.get('max')} ms (n={f['n']}); recomputed max "
           f"{rc.get('max')} p50 {rc.get('p50')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} "
           f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "
-          f"{r['client_cpu_share_max']}")
+          f"{r['client_cpu_share_max']}; promotion in the engine {r.get('promotion_in_engine_ms')}")
 PY
 }
 case "${1:-}" in

@@ -204,13 +204,17 @@ class BlockIndex:
         torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
             raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
-        by_key = np.lexsort((hi, lo))
-        if len(lo) > 1 and ((lo[by_key][1:] == lo[by_key][:-1]) & (hi[by_key][1:] == hi[by_key][:-1])).any():
-            raise UntrustedIndex("two SEALED blocks carry the same key")
-        order = np.argsort(e["stamp"][s], kind="stable")
+        order = np.lexsort((e["stamp"][s], hi, lo))  # by key, then stamp: the newest of equal keys last
+        dup = np.zeros(len(order), dtype=bool)  # (a block computed twice, by two writers: both whole)
+        if len(order) > 1:
+            dup[:-1] = (lo[order][1:] == lo[order][:-1]) & (hi[order][1:] == hi[order][:-1])
+        keep = order[~dup]
+        keep = keep[np.argsort(e["stamp"][s][keep], kind="stable")]  # oldest stamp first
+        sealed_ids, free = ids[s], ids[state == FREE]
+        if dup.any():
+            free = np.sort(np.concatenate([free, sealed_ids[order[dup]]]))
         stamp = int(e["stamp"][s].max()) + 1 if s.any() else 1
-        return Adoption(ids[s][order], lo[order], hi[order], ids[state == FREE], ids[state == OWNED],
-                        e["gen"].copy(), stamp)
+        return Adoption(sealed_ids[keep], lo[keep], hi[keep], free, ids[state == OWNED], e["gen"].copy(), stamp)
 
     def _check(self) -> None:
         h = self.header

@@ -26,8 +26,11 @@ from array import array
 from collections import OrderedDict
 from typing import Callable, Literal
 
+import numpy as np
+
 from daemon.kv_index import Adoption, BlockIndex
 
+from .kv_adopted import AdoptedCache
 from .kv_publish import Publisher
 from .sequence import Sequence
 
@@ -67,12 +70,14 @@ class BlockManager:
         self._scratch_free = list(reversed(self.scratch))
         self.free: list[int] = list(reversed(self.shared)) if self.mode == "own" else []  # pop(): low ids first
         # Keyed (cached) blocks: a block's key as two halves (lo 0 = not keyed); the cache is found by
-        # lo, and a block matches only if hi agrees too (128 bits: no crafted prompt collides).
-        self.key_lo = [0] * num_blocks
-        self.key_hi = [0] * num_blocks
+        # lo, and a block matches only if hi agrees too (128 bits: no crafted prompt collides). Arrays:
+        # a promotion sets every adopted block's key in one assignment.
+        self.key_lo = np.zeros(num_blocks, np.uint64)
+        self.key_hi = np.zeros(num_blocks, np.uint64)
         self.block_of: dict[int, int] = {}  # key lo -> block
         self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced, oldest first
         self.quarantined: set[int] = set()
+        self.adopted: AdoptedCache | None = None  # writer: keyed blocks found in the pool, not used yet
         self.index: BlockIndex | None = None
         self.publisher: Publisher | None = None
         self._stamp = 1
@@ -88,7 +93,9 @@ class BlockManager:
     @property
     def available(self) -> int:
         """Blocks an allocation can take now (free ones, then evictable cached ones)."""
-        return len(self._scratch_free) if self.mode == "parked" else len(self.free) + len(self.evictable)
+        if self.mode == "parked":
+            return len(self._scratch_free)
+        return len(self.free) + len(self.evictable) + (self.adopted.count if self.adopted else 0)
 
     @property
     def used(self) -> int:
@@ -106,11 +113,9 @@ class BlockManager:
         start, n = self.shared.start, len(self.shared)
         self.gens[start:start + n] = adoption.gens.tolist()
         self.free = adoption.free[::-1].tolist()
-        sealed, lo, hi = adoption.sealed.tolist(), adoption.key_lo.tolist(), adoption.key_hi.tolist()
-        for block, k_lo, k_hi in zip(sealed, lo, hi):  # (parked: every other block is unkeyed already)
-            self.key_lo[block], self.key_hi[block] = k_lo, k_hi
-        self.block_of = dict(zip(lo, sealed))
-        self.evictable = OrderedDict.fromkeys(sealed)  # oldest stamp first
+        self.key_lo[adoption.sealed], self.key_hi[adoption.sealed] = adoption.key_lo, adoption.key_hi  # (parked:
+        self.adopted = AdoptedCache(adoption, self.num_blocks)  # every other block is unkeyed already)
+        self.block_of, self.evictable = {}, OrderedDict()
         self.quarantined = set(adoption.quarantined.tolist())
         self._stamp = adoption.next_stamp
 
@@ -118,9 +123,9 @@ class BlockManager:
         """Give the shared blocks up (every sequence that held some is gone): scratch only."""
         if any(self.refs[b] for b in self.shared):
             raise RuntimeError("sequences still hold shared blocks: hand them off before parking")
-        self.mode, self.index, self.publisher = "parked", None, None
+        self.mode, self.index, self.publisher, self.adopted = "parked", None, None, None
         self.free, self.evictable, self.block_of = [], OrderedDict(), {}
-        self.key_lo, self.key_hi = [0] * self.num_blocks, [0] * self.num_blocks
+        self.key_lo[:] = self.key_hi[:] = 0
         self.quarantined = set()
 
     def unquarantine(self) -> int:
@@ -147,15 +152,35 @@ class BlockManager:
                 lo, hi = halves(key)
                 block = self.block_of.get(lo)
                 if block is None or self.key_hi[block] != hi:
+                    if self.adopted is not None and self.adopted.count:
+                        self._match_adopted(seq, i, key)
                     break
-                self._ref(block)
-                seq.block_table.append(block)
-                seq.block_keys.append(key)
+                self._hit(seq, block, key)
                 prev = key
         seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size
         self.hit_tokens += seq.num_cached
         if seq.replayed and seq.first_scheduled is None and self.on_continuation is not None:
             self.on_continuation(seq.num_cached, len(prompt) - seq.num_cached)
+
+    def _hit(self, seq: Sequence, block: int, key: bytes) -> None:
+        self._ref(block)
+        seq.block_table.append(block)
+        seq.block_keys.append(key)
+
+    def _match_adopted(self, seq: Sequence, first: int, key: bytes) -> None:
+        """Blocks ``first``.. of the prompt from the adopted ones, looked up at once (a continuation's
+        whole prompt is there); the matched ones become ordinary keyed blocks."""
+        bs, prompt = self.block_size, seq.prompt_ids
+        keys = [key]
+        for i in range(first + 1, (len(prompt) - 1) // bs):
+            keys.append(block_key(keys[-1], prompt[i * bs:(i + 1) * bs]))
+        lo, hi = np.array([halves(k) for k in keys], dtype=np.uint64).T
+        for k, block, k_lo in zip(keys, self.adopted.find(lo, hi).tolist(), lo.tolist()):
+            if block < 0:
+                return
+            self.adopted.take(block)
+            self.block_of[k_lo] = block
+            self._hit(seq, block, k)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the sequence can hold `num_tokens` positions after allocating what it lacks."""
@@ -227,9 +252,11 @@ class BlockManager:
         else:
             if self.free:
                 block = self.free.pop()
+            elif (block := self.adopted.evict() if self.adopted is not None else None) is not None:
+                self.key_lo[block] = self.key_hi[block] = 0  # (older than anything released since)
             else:
                 block, _ = self.evictable.popitem(last=False)
-                del self.block_of[self.key_lo[block]]
+                del self.block_of[int(self.key_lo[block])]
                 self.key_lo[block] = self.key_hi[block] = 0
             self.gens[block] += 1
             if self.index is not None:  # before the step that writes it is launched

@@ -91,13 +91,15 @@ def test_an_index_of_other_weights_or_layout_is_distrusted(pool: KVPool) -> None
     assert "head_dim" in open_index(pool).claim(wider, b"g" * 32).reset_reason
 
 
-def test_duplicate_keys_are_distrusted(pool: KVPool) -> None:
+def test_a_key_sealed_twice_keeps_the_newest_block_and_frees_the_other(pool: KVPool) -> None:
+    """Two writers may compute the same block (the second did not find the first's): both are whole."""
     a = open_index(pool)
     a.claim(pool.layout, FP)
-    for block in (9, 10):
+    for block, stamp in ((9, 5), (10, 2)):
         a.owned(block, 1)
-        a.sealed(block, 1, 77, 3, stamp=1)
-    assert "same key" in open_index(pool).claim(pool.layout, FP).reset_reason
+        a.sealed(block, 1, 77, 3, stamp=stamp)
+    adoption = open_index(pool).claim(pool.layout, FP)
+    assert adoption.reset_reason is None and adoption.sealed.tolist() == [9] and 10 in adoption.free
 
 
 def test_one_writer_across_processes(pool: KVPool) -> None:
@@ -213,6 +215,34 @@ def test_continuations_find_their_blocks_even_without_prefix_caching(pool: KVPoo
     cont = seq_of(tok, list(range(9)), replayed=2)
     new.match_prefix(cont)
     assert cont.num_cached == 8
+
+
+def test_adopted_blocks_are_used_by_key_and_evicted_oldest_first(pool: KVPool, tok: Tokenizer) -> None:
+    """A promotion keeps what it found as arrays (engines/kv_adopted.py): a continuation takes its
+    blocks by key; allocations take free blocks, then adopted ones (oldest first), then its own."""
+    old, _ = writer(pool)
+    seqs = [seq_of(tok, [i] * 4 + list(range(100, 109))) for i in range(3)]  # 3 full blocks each
+    tables = []
+    for s in seqs:
+        old.match_prefix(s)
+        old.grow(s, 13)
+        s.num_computed = 13
+        old.seal(s)
+        tables.append(s.block_table[:3])
+        old.release(s)  # its tail first: the oldest stamps are seqs[0]'s last blocks
+    new, _ = writer(pool)
+    assert new.adopted.count == 9 and len(new.block_of) == 0 and new.available == new.usable_blocks
+    cont = seq_of(tok, seqs[1].prompt_ids, replayed=4)
+    new.match_prefix(cont)
+    assert cont.num_cached == 12 and new.adopted.count == 6 and len(new.block_of) == 3
+    new.release(cont)
+    hog = seq_of(tok, list(range(500, 500 + 4 * (len(new.free) + 2))))
+    new.match_prefix(hog)
+    new.grow(hog, len(hog.prompt_ids))  # every free block, then the two oldest adopted ones
+    assert new.adopted.count == 4 and [bool(new.adopted.live[b]) for b in tables[0]] == [True, False, False]
+    again = seq_of(tok, seqs[1].prompt_ids, replayed=4)
+    new.match_prefix(again)
+    assert again.num_cached == 12  # its blocks were used, so kept: the oldest unused went first
 
 
 def test_index_bytes_grow_with_the_pool() -> None:

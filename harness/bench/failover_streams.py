@@ -38,7 +38,7 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
         say(args, f"shared_kv={shared_kv}: {args.streams} streams from {len(clients)} client processes; warm-up "
                   f"{args.warmup:g} s")
         time.sleep(args.warmup)
-        kills, failover_s, recovery_s = [], [], []
+        kills, failover_s, recovery_s, promotion_s = [], [], [], []
         for i in range(args.runs):
             h.wait_all_ready(args.boot_timeout)
             time.sleep(args.settle)
@@ -49,6 +49,8 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             kills.append(t_kill)
             ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
             failover_s.append(ev["seconds"])
+            if ev.get("promotion_s") is not None:  # (shared KV: the new primary's own claim and adoption)
+                promotion_s.append(ev["promotion_s"])
             rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
                                timeout_s=args.boot_timeout)
             recovery_s.append(rec["seconds"])
@@ -57,7 +59,8 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
         time.sleep(args.settle)
         out = stop_clients(clients, kills, args.window)
         recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
-        return summarize(args, shared_kv, out, failover_s, recovery_s, recomputed)
+        return {**summarize(args, shared_kv, out, failover_s, recovery_s, recomputed),
+                "promotion_in_engine_ms": bench_summary([x * 1000 for x in promotion_s], 2)}
     finally:
         for c in clients:
             if c.poll() is None:

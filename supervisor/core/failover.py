@@ -45,7 +45,8 @@ def ensure_primary(node: Node, prefer: Engine | None = None) -> None:
     promote(node, standby, pending.reason, pending.detected_at, pending.lost)
 
 
-def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: str) -> None:
+def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: str,
+            detail: dict | None = None) -> None:
     """``engine`` serves from now on, under epoch + 1 (a failover unless ``reason`` is "boot"). On
     the shared KV pool it is first asked to take the pool (supervisor/core/kv_handover.py)."""
     if node.settings.shared_kv and not engine.kv_writer:
@@ -66,7 +67,7 @@ def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: st
     if reason != "boot":
         node.clock = (node.epoch, detected_at)  # the router observes failover_seconds at its first success
         ev = {"type": "failover", "reason": reason, "from": old, "to": engine.name, "epoch": node.epoch,
-              "seconds": secs, "ts": node.wall}
+              "seconds": secs, "ts": node.wall, **(detail or {})}
         node.failovers.append(ev)
         node.emit(Publish(dict(ev)))
     else:

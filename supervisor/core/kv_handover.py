@@ -47,7 +47,9 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     log.info("%s took the KV pool: %s keyed blocks adopted, %s quarantined (%.1f ms in the engine)", e.name,
              ev.fields.get("adopted_blocks"), ev.fields.get("quarantined_blocks"),
              1e3 * float(ev.fields.get("seconds") or 0))
-    promote(node, e, p.reason, p.detected_at, p.lost)
+    promote(node, e, p.reason, p.detected_at, p.lost, {  # what the pool gave the new primary, and how fast
+        "adopted_blocks": ev.fields.get("adopted_blocks"), "quarantined_blocks": ev.fields.get("quarantined_blocks"),
+        "promotion_s": ev.fields.get("seconds")})
     if not node.unfenced:
         node.emit(Tell(e.name, e.incarnation, "fenced"))
 
