@@ -94,7 +94,7 @@ class Client:
 
 
 def _status(rt: Path) -> dict:
-    from .framing import recv_frame, send_frame
+    from daemon.framing import recv_frame, send_frame
 
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(10)
