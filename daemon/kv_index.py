@@ -84,17 +84,26 @@ def checksum(key_lo, key_hi, gen, epoch):  # noqa: ANN001, ANN201 (ints, or uint
 @dataclass
 class Adoption:
     """What a new writer finds (arrays, read in one pass): keyed blocks with their keys' two halves
-    (oldest stamp first), free blocks, and blocks a previous writer may still be writing
-    (quarantined until it is gone)."""
+    (sorted by key_lo, for lookups), the order of their stamps (for eviction), free blocks, and blocks
+    a previous writer may still be writing (quarantined until it is gone)."""
 
-    sealed: np.ndarray  # block ids
+    sealed: np.ndarray  # block ids, by key_lo
     key_lo: np.ndarray
     key_hi: np.ndarray
+    by_age: np.ndarray  # positions in `sealed`, oldest stamp first
     free: np.ndarray
     quarantined: np.ndarray
     gens: np.ndarray  # the generation of every shared block, from layout.shared_start on
     next_stamp: int
     reset_reason: str | None = None  # why the index was distrusted and emptied, if it was
+
+
+def _repeated_keys(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """For keys sorted so that equal ones are adjacent: True where the next key is the same one."""
+    dup = np.zeros(len(lo), dtype=bool)
+    if len(lo) > 1:
+        dup[:-1] = (lo[1:] == lo[:-1]) & (hi[1:] == hi[:-1])
+    return dup
 
 
 class BlockIndex:
@@ -200,21 +209,21 @@ class BlockIndex:
             raise UntrustedIndex(f"block {int(ids[i])} has state {int(state[i])} and epoch {int(e['epoch'][i])} "
                                  f"(the pool's writer epoch is {epoch - 1})")
         s = state == SEALED
-        lo, hi, gen, ep = e["key_lo"][s], e["key_hi"][s], e["gen"][s], e["epoch"][s]
+        lo, hi, gen, ep, stamp = e["key_lo"][s], e["key_hi"][s], e["gen"][s], e["epoch"][s], e["stamp"][s]
         torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
             raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
-        order = np.lexsort((e["stamp"][s], hi, lo))  # by key, then stamp: the newest of equal keys last
-        dup = np.zeros(len(order), dtype=bool)  # (a block computed twice, by two writers: both whole)
-        if len(order) > 1:
-            dup[:-1] = (lo[order][1:] == lo[order][:-1]) & (hi[order][1:] == hi[order][:-1])
+        order = np.argsort(lo)  # (a quicksort: 1 ms for 65k random keys, where a lexsort of three took 15)
+        if len(lo) > 1 and (lo[order][1:] == lo[order][:-1]).any():  # a key sealed twice (by two writers,
+            order = np.lexsort((stamp, hi, lo))  # both whole) or halves that clash: equal keys adjacent, newest last
+        dup = _repeated_keys(lo[order], hi[order])
         keep = order[~dup]
-        keep = keep[np.argsort(e["stamp"][s][keep], kind="stable")]  # oldest stamp first
         sealed_ids, free = ids[s], ids[state == FREE]
         if dup.any():
             free = np.sort(np.concatenate([free, sealed_ids[order[dup]]]))
-        stamp = int(e["stamp"][s].max()) + 1 if s.any() else 1
-        return Adoption(sealed_ids[keep], lo[keep], hi[keep], free, ids[state == OWNED], e["gen"].copy(), stamp)
+        next_stamp = int(stamp.max()) + 1 if s.any() else 1
+        return Adoption(sealed_ids[keep], lo[keep], hi[keep], np.argsort(stamp[keep]), free, ids[state == OWNED],
+                        e["gen"].copy(), next_stamp)
 
     def _check(self) -> None:
         h = self.header

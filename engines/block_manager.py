@@ -46,6 +46,27 @@ def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
+def chain_keys(prev: bytes, tokens: list[int], block_size: int) -> list[bytes]:
+    """The keys of the full blocks of `tokens` that follow a block keyed `prev`: `block_key` for
+    each, hashed from one buffer (a continuation's 100 blocks at a failover, 256 at once)."""
+    data = memoryview(array("q", tokens).tobytes())
+    step, keys = 8 * block_size, []
+    for end in range(step, len(data) + 1, step):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(data[end - step:end])
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+def halves_of(keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """`halves` of many keys at once, as two uint64 arrays."""
+    both = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+    lo = both[:, 0].astype(np.uint64)
+    lo[lo == 0] = 1
+    return lo, both[:, 1].astype(np.uint64)
+
+
 def halves(key: bytes) -> tuple[int, int]:
     """A key as the two 64-bit ints the block manager and the index hold (lo is never 0: 0 marks
     an unkeyed block)."""
@@ -107,7 +128,7 @@ class BlockManager:
     # ---- modes -----------------------------------------------------------------------------
     def become_writer(self, adoption: Adoption, index: BlockIndex, publisher: Publisher) -> None:
         """Take the shared blocks as the index describes them (the pool's writer role is ours)."""
-        if any(self.refs[b] for b in self.shared):
+        if any(self.refs[self.shared.start:self.shared.stop]):
             raise RuntimeError("a parked engine holds shared blocks: it cannot adopt the pool")
         self.mode, self.index, self.publisher = "writer", index, publisher
         start, n = self.shared.start, len(self.shared)
@@ -121,7 +142,7 @@ class BlockManager:
 
     def park(self) -> None:
         """Give the shared blocks up (every sequence that held some is gone): scratch only."""
-        if any(self.refs[b] for b in self.shared):
+        if any(self.refs[self.shared.start:self.shared.stop]):
             raise RuntimeError("sequences still hold shared blocks: hand them off before parking")
         self.mode, self.index, self.publisher, self.adopted = "parked", None, None, None
         self.free, self.evictable, self.block_of = [], OrderedDict(), {}
@@ -171,16 +192,19 @@ class BlockManager:
         """Blocks ``first``.. of the prompt from the adopted ones, looked up at once (a continuation's
         whole prompt is there); the matched ones become ordinary keyed blocks."""
         bs, prompt = self.block_size, seq.prompt_ids
-        keys = [key]
-        for i in range(first + 1, (len(prompt) - 1) // bs):
-            keys.append(block_key(keys[-1], prompt[i * bs:(i + 1) * bs]))
-        lo, hi = np.array([halves(k) for k in keys], dtype=np.uint64).T
-        for k, block, k_lo in zip(keys, self.adopted.find(lo, hi).tolist(), lo.tolist()):
-            if block < 0:
-                return
-            self.adopted.take(block)
-            self.block_of[k_lo] = block
-            self._hit(seq, block, k)
+        keys = [key] + chain_keys(key, prompt[(first + 1) * bs:(len(prompt) - 1) // bs * bs], bs)
+        lo, hi = halves_of(keys)
+        found = self.adopted.find(lo, hi)
+        misses = np.flatnonzero(found < 0)
+        n = int(misses[0]) if len(misses) else len(found)  # the leading run of matches
+        blocks = found[:n]
+        self.adopted.take(blocks)
+        blocks_list = blocks.tolist()
+        self.block_of.update(zip(lo[:n].tolist(), blocks_list))
+        for block in blocks_list:  # (adopted blocks: no sequence holds them, none is evictable)
+            self.refs[block] = 1
+        seq.block_table.extend(blocks_list)
+        seq.block_keys.extend(keys[:n])
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the sequence can hold `num_tokens` positions after allocating what it lacks."""

@@ -234,9 +234,9 @@ class LLMEngine:
         except PreviousWriterAlive as e:
             log.error("promotion refused: %s", e)
             return "promote_failed", {"error": str(e)}
-        log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined (%.1f ms)",
-                 report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
-                 report["quarantined_blocks"], report["seconds"] * 1e3)
+        log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined (%.1f ms, "
+                 "the claim %.1f)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
+                 report["quarantined_blocks"], report["seconds"] * 1e3, report["claim_seconds"] * 1e3)
         return "promoted", {"kv_mode": "writer", **report}
 
     def demote(self) -> dict:

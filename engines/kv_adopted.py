@@ -16,27 +16,26 @@ class AdoptedCache:
     """Adopted, not yet used blocks: found by key (sorted arrays), evicted by age (a cursor)."""
 
     def __init__(self, adoption: Adoption, num_blocks: int) -> None:
-        by_key = np.argsort(adoption.key_lo, kind="stable")
-        self._lo, self._hi = adoption.key_lo[by_key], adoption.key_hi[by_key]
-        self._block = adoption.sealed[by_key]
-        self._by_age = adoption.sealed  # oldest stamp first
+        self._lo, self._hi, self._block = adoption.key_lo, adoption.key_hi, adoption.sealed  # by key_lo
+        self._by_age = adoption.sealed[adoption.by_age]  # oldest stamp first
         self._cursor = 0
         self.live = np.zeros(num_blocks, dtype=bool)
         self.live[adoption.sealed] = True
         self.count = len(adoption.sealed)
 
     def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """For each key, its live block or -1 (an adoption's keys are unique: one match at most)."""
+        """For each key, its live block or -1 (an adoption's keys are unique: one match at most; of
+        keys whose lo halves clash, only the first is found, and a miss is only a recomputation)."""
         if not len(self._lo):
             return np.full(len(lo), -1)
         i = np.minimum(np.searchsorted(self._lo, lo), len(self._lo) - 1)
         blocks = np.where((self._lo[i] == lo) & (self._hi[i] == hi), self._block[i], -1)
         return np.where(self.live[np.maximum(blocks, 0)], blocks, -1)
 
-    def take(self, block: int) -> None:
-        """A sequence matched ``block``: it is no longer this cache's."""
-        self.live[block] = False
-        self.count -= 1
+    def take(self, blocks: np.ndarray) -> None:
+        """Sequences matched ``blocks`` (live ones): they are no longer this cache's."""
+        self.live[blocks] = False
+        self.count -= len(blocks)
 
     def evict(self) -> int | None:
         """The oldest live block (its key is dropped by the caller), or None when none is left."""
@@ -44,6 +43,7 @@ class AdoptedCache:
             block = int(self._by_age[self._cursor])
             self._cursor += 1
             if self.live[block]:
-                self.take(block)
+                self.live[block] = False
+                self.count -= 1
                 return block
         return None

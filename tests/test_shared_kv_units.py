@@ -14,7 +14,7 @@ from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, Previ
                              index_bytes)
 from daemon.kv_layout import KVLayout, plan_layout
 from daemon.kv_pool import KVPool
-from engines.block_manager import BlockManager, block_key
+from engines.block_manager import BlockManager, block_key, chain_keys, halves, halves_of
 from engines.kv_publish import Publisher
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence
@@ -100,6 +100,33 @@ def test_a_key_sealed_twice_keeps_the_newest_block_and_frees_the_other(pool: KVP
         a.sealed(block, 1, 77, 3, stamp=stamp)
     adoption = open_index(pool).claim(pool.layout, FP)
     assert adoption.reset_reason is None and adoption.sealed.tolist() == [9] and 10 in adoption.free
+
+
+def test_adoption_sorts_keys_for_lookup_and_stamps_for_eviction(pool: KVPool) -> None:
+    """Keys in random order (as blake2b's are), a lo half shared by two keys, and one key sealed
+    twice: every distinct key found once, by key order; eviction goes oldest stamp first."""
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    rows = [(7, 900, 5, 4), (8, 100, 1, 2), (9, 900, 6, 9), (10, 300, 2, 1), (11, 100, 1, 7)]
+    for block, lo, hi, stamp in rows:  # (blocks 8 and 11: one key; 7 and 9: lo clashes)
+        a.owned(block, 1)
+        a.sealed(block, 1, lo, hi, stamp=stamp)
+    adoption = open_index(pool).claim(pool.layout, FP)
+    assert adoption.key_lo.tolist() == [100, 300, 900, 900] and sorted(adoption.sealed.tolist()) == [7, 9, 10, 11]
+    assert 8 in adoption.free  # the older of the twice-sealed key
+    assert adoption.sealed[adoption.by_age].tolist() == [10, 7, 11, 9]
+
+
+def test_a_continuations_keys_hashed_at_once_equal_the_block_by_block_keys() -> None:
+    tokens = [(i * 7919) % 50_000 for i in range(16 * 9 + 5)]
+    first = block_key(None, tokens[:16])
+    chained, prev = [], first
+    for i in range(1, 9):
+        prev = block_key(prev, tokens[16 * i:16 * (i + 1)])
+        chained.append(prev)
+    assert chain_keys(first, tokens[16:16 * 9], 16) == chained
+    lo, hi = halves_of([first, *chained])
+    assert list(zip(lo.tolist(), hi.tolist())) == [halves(k) for k in [first, *chained]]
 
 
 def test_one_writer_across_processes(pool: KVPool) -> None:

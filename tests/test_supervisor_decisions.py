@@ -83,7 +83,7 @@ ROWS = [
          ("wait", 2.0), ("ping", "daemon-rank0", False), ("exit", "daemon-rank0"),
          ("exit read", "daemon-rank0", -9)],
         ["probe daemon-rank0 ping", "publish daemon-rank0 FAILED", "fence daemon-rank0",
-         "publish daemon-rank0 BACKOFF"], {"daemon-rank0": "BACKOFF"}),
+         "publish daemon-rank0 BACKOFF", "start daemon-rank0"], {"daemon-rank0": "STARTING"}),
     Row("the spawn server dies: engines live on, a new one takes the next spawn",
         [("exit", "spawn-server"), ("exit read", "spawn-server", -9), ("exit", "b"), ("exit read", "b", -9),
          ("wait", 0.2), ("launched", "spawn-server"), ("ping", "spawn-server", True), ("launched", "b")],
@@ -191,14 +191,15 @@ def test_daemons_not_loaded_within_load_timeout_halt_the_boot() -> None:
     assert "daemons not loaded after 600s" in next(a.text for a in p.actions if a.brief() == "notify boot failed")
 
 
-def test_backoff_doubles_up_to_its_cap() -> None:
+def test_backoff_restarts_at_once_then_doubles_up_to_its_cap() -> None:
     p = serving(backoff_base_s=0.5, backoff_max_s=2.0)
     delays = []
-    for _ in range(4):
+    for _ in range(5):
         p.play(("exit", "b"), ("exit read", "b", 1))
-        delays.append(round(p.node.engines["b"].retry_at - p.now, 2))
+        b = p.node.engines["b"]
+        delays.append(round(b.retry_at - p.now, 2) if p.state("b").startswith("BACKOFF") else p.state("b"))
         p.play(("wait", 2.0), ("launched", "b"))
-    assert delays == [0.5, 1.0, 2.0, 2.0]
+    assert delays == ["STARTING standby", 0.5, 1.0, 2.0, 2.0]  # (never READY in between)
 
 
 def test_rollout_replaces_the_spawn_server_then_each_standby_then_switches_over() -> None:

@@ -41,20 +41,21 @@ def test_refused_transitions(src, dst):
 def test_backoff_grows_to_its_cap_and_flapping_is_a_verdict_not_an_end():
     p = RestartPolicy(base_s=0.5, max_s=3.0, window_s=60.0, max_failures=5)
     delays = [p.record_failure(now=float(i)) for i in range(4)]
-    assert delays == [0.5, 1.0, 2.0, 3.0] and not p.flapping
+    assert delays == [0.0, 0.5, 1.0, 2.0] and not p.flapping  # the first restarts at once
     assert p.record_failure(now=4.0) == 3.0 and p.flapping  # 5 failures within 60 s
     assert [p.record_failure(now=5.0 + i) for i in range(200)] == [3.0] * 200  # capped, forever
     p.reset()
-    assert p.record_failure(now=300.0) == 0.5 and not p.flapping
+    assert p.record_failure(now=300.0) == 0.0 and not p.flapping
 
 
 def test_failures_outside_the_window_are_forgotten_and_success_resets_the_delay():
     p = RestartPolicy(base_s=1.0, max_s=100.0, window_s=10.0, max_failures=3)
-    assert p.record_failure(now=0.0) == 1.0
-    assert p.record_failure(now=1.0) == 2.0
+    assert p.record_failure(now=0.0) == 0.0
+    assert p.record_failure(now=1.0) == 1.0
     p.record_success()
-    assert p.record_failure(now=20.0) == 1.0  # the two old ones left the window
-    assert len(p.failures) == 1
+    assert p.record_failure(now=20.0) == 0.0  # READY since: at once again; the two old ones left the window
+    assert p.record_failure(now=21.0) == 1.0
+    assert list(p.failures) == [20.0, 21.0]
 
 
 def test_exit_statuses_are_decoded():

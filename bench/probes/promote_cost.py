@@ -1,54 +1,90 @@
-"""What a promotion costs in the engine with a full shared pool, part by part, on this host's CPU (no
-GPU: a memfd pool): the index claim (read and check every entry), then the block manager's adoption.
+"""What a failover costs the new primary's scheduler thread with a full shared pool, part by part, on
+this host's CPU (no GPU: a memfd pool): the index claim (read and check every entry), the block
+manager's adoption, then the admission of every continued stream (its Sequence and its prefix match).
 
-    python bench/probes/promote_cost.py [--blocks 65536] [--sealed 65000] [--runs 5]
+The pool holds `--streams` sequences' blocks keyed as an engine keys them (blake2b: keys in random
+order, as a real pool's are), the rest filled with other random keys.
+
+    python bench/probes/promote_cost.py [--blocks 65536] [--streams 256] [--runs 5]
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from daemon.kv_index import BlockIndex
 from daemon.kv_layout import KVLayout
 from daemon.kv_pool import KVPool
-from engines.block_manager import BlockManager
+from engines.block_manager import BlockManager, block_key, halves
 from engines.kv_publish import Publisher
+from engines.make_model import make_model
+from engines.sampling import SamplingParams
+from engines.sequence import Sequence
+from engines.tokenizer import Tokenizer
+
+FP = b"f" * 32
+
+
+def fill(index: BlockIndex, lay: KVLayout, streams: list[list[int]], rng: random.Random) -> None:
+    """Seal every full block of `streams`, then random keys in the blocks left, stamps shuffled."""
+    keys = []
+    for ids in streams:
+        prev = None
+        for i in range(len(ids) // lay.block_size):
+            prev = block_key(prev, ids[i * lay.block_size:(i + 1) * lay.block_size])
+            keys.append(halves(prev))
+    blocks = list(lay.shared_blocks)
+    keys += [(rng.getrandbits(63) | 1, rng.getrandbits(64)) for _ in range(len(blocks) - len(keys))]
+    stamps = list(range(1, len(blocks) + 1))
+    rng.shuffle(stamps)
+    for block, (lo, hi), stamp in zip(blocks, keys, stamps):
+        gen = 1000 + block % 3000  # (a pool in use for a while: blocks allocated many times over)
+        index.owned(block, gen)
+        index.sealed(block, gen, lo, hi, stamp)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--blocks", type=int, default=65536)
-    p.add_argument("--sealed", type=int, default=65000)
+    p.add_argument("--streams", type=int, default=256, help="continued streams (prompt + answer 200-2048 tokens)")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--heap-objects", type=int, default=0,
-                   help="long-lived objects made first, as an engine's process holds (torch, the model)")
     a = p.parse_args()
-    heap = [[i] for i in range(a.heap_objects)]  # (kept alive to the end: the collector scans them)
+    rng = random.Random(0)
+    tokenizer = Tokenizer(make_model(Path(tempfile.mkdtemp()), "tiny", "llama", seed=0))
+    vocab = tokenizer.vocab_size
+    streams = [[rng.randrange(vocab) for _ in range(rng.randint(200, 2048))] for _ in range(a.streams)]
     lay = KVLayout(num_blocks=a.blocks, block_size=16, layers=1, kv_heads=1, head_dim=2, dtype="float32",
                    scratch_slots=2, scratch_blocks=32)
-    pool = KVPool(lay, b"f" * 32, torch.device("cpu"), 0)
+    pool = KVPool(lay, FP, torch.device("cpu"), 0)
     index = BlockIndex(pool.fds()[1], pool.index_bytes)
-    index.claim(lay, b"f" * 32)
-    for b in range(lay.shared_start, min(lay.num_blocks, lay.shared_start + a.sealed)):
-        gen = 1000 + b % 3000  # (a pool in use for a while: blocks allocated many times over)
-        index.owned(b, gen)
-        index.sealed(b, gen, b * 7919 + 1, (b * 31) << 40, b)
-    claims, adopts = [], []
+    index.claim(lay, FP)
+    fill(index, lay, streams, rng)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    claims, adopts, admits, reused = [], [], [], 0
     for _ in range(a.runs):
         t = time.perf_counter()
-        adoption = index.claim(lay, b"f" * 32)
+        adoption = index.claim(lay, FP)
         claims.append(time.perf_counter() - t)
         bm = BlockManager(lay.num_blocks, 16, scratch=lay.scratch(0), shared=lay.shared_blocks)
         t = time.perf_counter()
         bm.become_writer(adoption, index, Publisher(index, bm.gens, torch.device("cpu")))
         adopts.append(time.perf_counter() - t)
-    del heap
-    print(f"{a.blocks} blocks, {len(adoption.sealed)} keyed, {a.heap_objects} objects on the heap: claim median {statistics.median(claims) * 1e3:.1f} ms, "
-          f"adopt median {statistics.median(adopts) * 1e3:.1f} ms (runs {a.runs}; first claim "
-          f"{claims[0] * 1e3:.1f}, first adopt {adopts[0] * 1e3:.1f})")
+        t = time.perf_counter()
+        seqs = [Sequence(ids, greedy, tokenizer, set(), 4096, lambda o: None, replayed=len(ids) // 2)
+                for ids in streams]
+        for seq in seqs:
+            bm.match_prefix(seq)
+        admits.append(time.perf_counter() - t)
+        reused = sum(s.num_cached for s in seqs)
+    ms = lambda xs: f"median {statistics.median(xs) * 1e3:.1f} ms (first {xs[0] * 1e3:.1f})"  # noqa: E731
+    print(f"{a.blocks} blocks, {len(adoption.sealed)} keyed, runs {a.runs}: claim {ms(claims)}, adopt {ms(adopts)}, "
+          f"{a.streams} continuations admitted {ms(admits)}, {reused} of {sum(map(len, streams))} tokens reused")
 
 
 if __name__ == "__main__":

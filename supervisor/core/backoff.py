@@ -22,13 +22,17 @@ class RestartPolicy:
     consecutive: int = 0
 
     def record_failure(self, now: float | None = None) -> float:
-        """Count a failure; the delay before the next start (base x 2^(n-1), at most ``max_s``)."""
+        """Count a failure; the delay before the next start: none for the first since the slot was
+        READY (a one-off crash costs no wait: its standby is back the sooner), then base x 2^(n-2)
+        for the n-th in a row, at most ``max_s`` (as kubelet restarts a crashed container)."""
         now = time.monotonic() if now is None else now
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.window_s:
             self.failures.popleft()
         self.consecutive += 1
-        return min(self.base_s * 2.0 ** min(self.consecutive - 1, MAX_DOUBLINGS), self.max_s)
+        if self.consecutive == 1:
+            return 0.0
+        return min(self.base_s * 2.0 ** min(self.consecutive - 2, MAX_DOUBLINGS), self.max_s)
 
     @property
     def flapping(self) -> bool:
