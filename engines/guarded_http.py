@@ -23,6 +23,11 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("understudy.connections")
 LOG_EVERY_S = 10.0
+# scope["extensions"][CUT]: a callable that ends the response in progress without its end (what was
+# sent is flushed, then the connection closes: the client sees a cut body, never a clean end),
+# without uvicorn's "Exception in ASGI application" traceback that raising would log. The app
+# returns after calling it.
+CUT = "understudy.cut"
 
 
 class ListenerLimits(BaseModel):
@@ -106,6 +111,15 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[Htt
             self._in_head, self._head_bytes, self._tail = False, 0, b""
             self._disarm()
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # (its task starts later in this loop round)
+                self.scope.setdefault("extensions", {})[CUT] = lambda: self._cut(cycle)
+
+        def _cut(self, cycle) -> None:  # noqa: ANN001 (uvicorn's RequestResponseCycle)
+            """scope["extensions"][CUT] of ``cycle``'s request."""
+            cycle.keep_alive = False
+            cycle.disconnected = True  # nothing more is sent; uvicorn logs nothing when the app returns
+            self.transport.close()
 
         def on_message_complete(self) -> None:
             self._in_head = True  # what comes next is the next request's head

@@ -30,6 +30,7 @@ _IDS = ("prompt_token_ids", "token_ids")
 _STRIP = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
 
 
+_SCHEDULED = sse.SCHEDULED.rstrip(b"\n")  # the engine's marker: it began running the request
 _SEEDS = random.Random()  # seeded from os.urandom once: no system call per request, as secrets makes
 
 
@@ -74,6 +75,7 @@ class Tracked:
         self.role_sent = False
         self.done = False  # [DONE] seen
         self.progress = False  # new token ids since the flag was last cleared
+        self.ran = False  # the engine of this attempt began running it (its scheduled marker, or a token)
         self.chunks_sent = 0  # data chunks given to a streaming client
         self._buf = b""
 
@@ -122,6 +124,8 @@ class Tracked:
             if event.startswith(b"data: "):
                 if (piece := self._event(event[6:])) is not None:
                     out.append(piece)
+            elif event == _SCHEDULED:  # (other comments: a handoff's end, keep-alives)
+                self.ran = True
         return b"".join(out)
 
     def _event(self, payload: bytes) -> bytes | None:
@@ -140,7 +144,7 @@ class Tracked:
             prompt = prompt or ch.get("prompt_token_ids")
             if ids := ch.get("token_ids"):
                 self.n_output += len(ids)
-                self.progress = True
+                self.progress = self.ran = True
                 if not self.overflow:
                     self.output_ids += ids
                     if self.replay_tokens > self.max_ids and not (self.client_ids and not self.client_stream):
