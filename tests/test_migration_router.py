@@ -254,6 +254,31 @@ def test_a_cut_stream_ends_with_its_error_event_and_a_cut_connection_without_a_t
     assert seen(engines[2][1]) == []
 
 
+def test_with_migration_off_a_cut_stream_says_continuation_is_off(engines, capfd):
+    """Issue 23: a pass-through stream cut by its engine's death says why it was not continued:
+    router.migration.enabled is false (not "only n=1 requests can", which it is)."""
+    async def go() -> tuple[list[str], str | None]:
+        table = RoutingTable()
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
+                           migration=MigrationSection(enabled=False))
+        watcher = asyncio.ensure_future(follow(table, engines))
+        lines, error = [], None
+        async with on_socket(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+            try:
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": "m", "prompt": "p", "max_tokens": 5, "stream": True, "die_after": {"u1": 2}}) as r:
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+            except httpx.RemoteProtocolError as e:
+                error = str(e)
+        watcher.cancel()
+        return lines, error
+    lines, error = asyncio.run(go())
+    last = json.loads([ln for ln in lines if ln.startswith("data: ")][-1][6:])
+    assert "router.migration.enabled is false" in last["error"]["message"], last
+    assert error is not None and "Traceback" not in capfd.readouterr().err
+
+
 def closed_loop(url: str, n: int, tail_s: float) -> list[float]:
     """A real router on a socket before the engine at `url`; a client sends n streaming requests,
     each the moment it reads the previous one's [DONE]. Returns each request's seconds to [DONE]."""
