@@ -121,9 +121,9 @@ def test_thousand_prompts_times_n_refused_and_normal_request_is_not_starved(sup)
 
 def test_huge_message_lists_are_refused_before_validation_while_load_goes_on(sup):
     """8 chat bodies of 25,000 tiny messages at once (issue 23: 230,000 in 8 MB cost seconds of the
-    front end's CPU each): the engine counts them on the parsed JSON, against the config's
-    limits.max_messages (1000 here), before validating a single one (their roles are invalid too);
-    a steady load goes on, nothing restarts."""
+    front end's CPU each): the router (and the engine behind it, for whoever reaches it directly)
+    counts them on the parsed JSON, against the config's limits.max_messages (1000 here), before
+    validating a single one (their roles are invalid too); a steady load goes on, nothing restarts."""
     before, failovers = incarnations(sup), len(sup.status()["recent_failovers"])
     body = json.dumps({"model": sup.model, "messages": [{"role": "nobody", "content": "hi"}] * 25000}).encode()
     assert len(body) < 1048576

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from engines import sse
+from engines import request_body, sse
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
@@ -39,14 +39,16 @@ def _dump(obj: Any) -> bytes:
 
 
 def parse_request(path: str, body: bytes) -> Any:
-    """The JSON body of a generation request, parsed once for the router's limits and tracking;
-    None for other paths and for a body that is not JSON (nesting too deep included): such a body
-    passes through, and the engine names what is wrong with it."""
+    """The JSON body of a generation request, parsed once for the router's limits and tracking,
+    with the cyclic GC paused as the engine does (engines/request_body.py: a body of a million
+    small lists otherwise sets off hundreds of collections); None for other paths and for a body
+    that is not JSON (nesting too deep included): such a body passes through, and the engine names
+    what is wrong with it."""
     if path not in PATHS:
         return None
     try:
-        return orjson.loads(body)
-    except ValueError:
+        return request_body.loads(body)
+    except request_body.BodyError:
         return None
 
 
