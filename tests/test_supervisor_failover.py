@@ -84,6 +84,9 @@ def test_admin_needs_the_token_and_reports_bad_requests(sup):
     assert sup.admin("POST", "/admin/promote", token="wrong").status_code == 401
     r = sup.admin("POST", "/admin/engines/zzz/restart")
     assert r.status_code == 404 and "unknown engine 'zzz'" in r.json()["error"]
+    r = sup.admin("POST", "/admin/engines/" + "x" * 10_000 + "/restart")  # issue 23: not echoed whole
+    assert r.status_code == 404 and r.json()["error"].startswith("unknown engine 'xxx") and len(r.text) < 300, r.text[:500]
+    assert "(10000 characters)" in r.json()["error"]
 
 
 def test_a_second_supervisor_on_the_same_runtime_dir_is_refused(sup):
