@@ -62,7 +62,9 @@ class Tracked:
         self.client_ids = bool(req.get("return_token_ids"))
         opts = req.get("stream_options")
         self.include_usage = self.client_stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
-        if req.get("seed") is None:  # the draw is a function of (seed, position): fix it now
+        self._seed_drawn = req.get("seed") is None  # by the router (the client sent none, or null)
+        self._seed_null = self._seed_drawn and "seed" in req
+        if self._seed_drawn:  # the draw is a function of (seed, position): fix it now
             req["seed"] = _SEEDS.getrandbits(63)
         self.rid: str | None = None
         self.created: int | None = None
@@ -113,6 +115,29 @@ class Tracked:
         if self.prompt_ids is not None:
             body["continuation"] = {"prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids}
         return _dump(body)
+
+    def in_client_terms(self, error: bytes) -> bytes:
+        """An engine's refusal (its JSON error body) of ``upstream_body()``, in terms of the body the
+        client sent: where the message shows the whole body (a missing field's error,
+        engines/request_body.py `preview`), it shows the client's fields, not the seed, `stream`,
+        `return_token_ids` and `continuation` the router set. Anything else is returned as it came."""
+        try:
+            err = orjson.loads(error)
+            message = err["error"]["message"]
+            if not isinstance(message, str):
+                return error
+            own = dict(self.req)
+            if self._seed_null:
+                own["seed"] = None
+            elif self._seed_drawn:
+                del own["seed"]
+            mine = message.replace(request_body.preview(orjson.loads(self.upstream_body())), request_body.preview(own))
+        except (ValueError, KeyError, TypeError):
+            return error
+        if mine == message:
+            return error
+        err["error"]["message"] = mine
+        return _dump(err)
 
     # ---- the engine's stream --------------------------------------------------------------------
     def feed(self, data: bytes) -> bytes:

@@ -210,11 +210,12 @@ class _Call:
         if not self.started and not self.migrations:
             self.m.u.count_status(r.status)
             headers = [(k, v) for k, v in r.headers if k not in NOT_RELAYED]
+            body = self.req.in_client_terms(r.body) if 400 <= r.status < 500 else r.body
             await self.send({"type": "http.response.start", "status": r.status, "headers": [
-                *headers, (b"content-length", str(len(r.body)).encode())]})
-            await self.send({"type": "http.response.body", "body": r.body})
+                *headers, (b"content-length", str(len(body)).encode())]})
+            await self.send({"type": "http.response.body", "body": body})
             return
-        detail = r.body[:300].decode(errors="replace")
+        detail = self.req.in_client_terms(r.body)[:300].decode(errors="replace")
         await self._give_up("failed", 502, f"the new primary refused the continuation: HTTP {r.status} {detail}")
 
     async def _give_up(self, result: str | None, status: int, message: str) -> None:
