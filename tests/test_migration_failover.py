@@ -259,4 +259,8 @@ def test_a_refusal_shows_the_body_the_client_sent_not_what_the_router_added(sup)
     r = httpx.post(sup.router_url + "/v1/chat/completions", json={"model": "m", "stream": True}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"] == \
         'messages: Field required (got {"model": "m", "stream": true})', r.text
+    for field, value in (("max_tokens", "4"), ("stream", "yes"), ("seed", "7")):  # OpenAI's types, strictly
+        r = httpx.post(sup.router_url + "/v1/completions", json={**GREEDY, field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert r.json()["error"]["code"] == "invalid_type" and f"(got '{value}')" in r.json()["error"]["message"]
     assert whole_stream(sup, "/v1/completions", {**GREEDY, "max_tokens": 3}).done
