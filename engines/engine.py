@@ -293,6 +293,9 @@ class LLMEngine:
         """One scheduler step: launch the scheduled work, then read the previous step's tokens and
         release the sequences that finished."""
         work = self.scheduler.schedule()
+        # The scheduled markers of sequences run for the first time go out before the step runs:
+        # a request that kills the engine in its first step was seen to run here (by the router).
+        self._flush()
         launch = None
         if work:
             if self.runner.tp_size > 1:

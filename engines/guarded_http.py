@@ -1,28 +1,48 @@
 """Connection hygiene for our uvicorn listeners (router, admin, engines): a cap on open
-connections, a deadline for a request head (slowloris), the keep-alive idle timeout.
+connections shared fairly between clients, a deadline for a request head (slowloris), the
+keep-alive idle timeout, and (admin) credentials checked on the request head, before its body.
 
 uvicorn's own ``limit_concurrency`` answers 503 only once a request arrives and keeps idle
 connections open; here a connection over the cap is closed as soon as it is accepted (its file
 descriptor freed at once), a connection that has not sent a whole request head within
 ``header_timeout_s`` of connecting (or of its first bytes after a keep-alive pause) is closed, and
-a request head over ``max_head_bytes`` is answered 431 and closed.
-Refusals are counted and logged at most once per ``LOG_EVERY_S``.
+a request head over ``max_head_bytes`` is answered 431 and closed. With ``peer_share`` (router,
+admin) each client address holds at most that share of the cap, and a new connection closes an
+idle one (the peer's own at its share, else the biggest holder's) instead of being refused
+(engines/connection_share.py). A listener with a ``Gate`` (admin) answers a request without valid
+credentials (401) from its head alone and closes the connection after discarding at most
+``REFUSED_BODY_DISCARD`` bytes of its body; a connection that sent valid ones is never closed to
+make room. Refusals are counted and logged at most once per ``LOG_EVERY_S``.
 """
 from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .connection_share import Occupancy
+
 log = logging.getLogger("understudy.connections")
 LOG_EVERY_S = 10.0
+# Bytes of a refused (401) request's body dropped unread before closing: closing with unread bytes
+# sends a reset, and the client's kernel then drops the answer it had received but not yet read.
+# A client that sends more before reading (no legitimate admin request has a body) may miss it.
+REFUSED_BODY_DISCARD = 1 << 20
+# scope["extensions"][CUT]: a callable that ends the response in progress without its end (what was
+# sent is flushed, then the connection closes: the client sees a cut body, never a clean end),
+# without uvicorn's "Exception in ASGI application" traceback that raising would log. The app
+# returns after calling it.
+CUT = "understudy.cut"
 
 
 class ListenerLimits(BaseModel):
@@ -34,63 +54,129 @@ class ListenerLimits(BaseModel):
     header_timeout_s: float = Field(default=10.0, gt=0, description="connect (or first byte) -> whole request head")
     keepalive_timeout_s: float = Field(default=5.0, gt=0, description="idle time between requests on a connection")
     max_head_bytes: int = Field(default=65536, ge=1024, description="request line + headers; more: 431, closed")
+    peer_share: float | None = Field(default=None, gt=0, le=1, description="share of max_connections one client "
+                                     "address may hold unauthenticated; null: a plain cap, nothing closed to make room")
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Who may send requests on a listener, decided on each request's head (before its body is read):
+    ``check(path, headers)`` is True for valid credentials, None for a path open to anyone, False to
+    refuse with ``refusal`` (a whole HTTP response; the connection is closed after it)."""
+
+    check: Callable[[bytes, list[tuple[bytes, bytes]]], bool | None]
+    refusal: bytes
 
 
 class ConnectionStats:
     """Counters of one listener (shared by its connections)."""
 
+    FIELDS = {"refused": "refused (over the cap or the client's share, nothing idle to close)",
+              "evicted": "idle ones closed to make room", "header_timeouts": "closed without a request head in time",
+              "unauthorized": "requests refused on their head (401)"}
+
     def __init__(self, name: str) -> None:
         self.name = name
-        self.refused = 0
-        self.header_timeouts = 0
+        self.refused = self.evicted = self.header_timeouts = self.unauthorized = 0
+        self.occupancy: Occupancy | None = None  # who holds the connections (set by guarded_protocol)
         self._logged_at = 0.0
-        self._logged_refused = 0
-        self._logged_timeouts = 0
+        self._logged = dict.fromkeys(self.FIELDS, 0)
 
     def note(self) -> None:
-        """Log what was refused or timed out since the last line, at most once per LOG_EVERY_S."""
+        """Log what was refused, closed or timed out since the last line, at most once per LOG_EVERY_S."""
         now = time.monotonic()
         if now - self._logged_at < LOG_EVERY_S:
             return
-        refused, timeouts = self.refused - self._logged_refused, self.header_timeouts - self._logged_timeouts
-        if refused or timeouts:
-            self._logged_at = now
-            self._logged_refused, self._logged_timeouts = self.refused, self.header_timeouts
-            log.warning("%s: %d connections refused (over the cap), %d closed without a request head in time "
-                        "(totals %d, %d)", self.name, refused, timeouts, self.refused, self.header_timeouts)
+        now_counts = {k: getattr(self, k) for k in self.FIELDS}
+        new = {k: v - self._logged[k] for k, v in now_counts.items() if v > self._logged[k]}
+        if new:
+            self._logged_at, self._logged = now, now_counts
+            log.warning("%s: connections %s", self.name, ", ".join(
+                f"{n} {self.FIELDS[k]} (total {now_counts[k]})" for k, n in new.items()))
 
 
-def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol enforcing ``limits`` (uvicorn.Config(http=...) takes a class).
+def _bytes_waiting(transport: asyncio.BaseTransport) -> bool:
+    """Bytes already wait on a just-accepted connection (a client that sent its request at once)."""
+    tsock = transport.get_extra_info("socket")
+    if tsock is None:
+        return False
+    sock = socket.socket(fileno=tsock.fileno())  # (asyncio's wrapper has no recv)
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # (BlockingIOError: nothing yet)
+        return False
+    finally:
+        sock.detach()
+
+
+def peer_of(transport: asyncio.BaseTransport) -> str:
+    """The client address a connection counts against (IPv6: its /64, which one host may hold whole)."""
+    name = transport.get_extra_info("peername")
+    host = name[0] if isinstance(name, tuple) and name else ""
+    if ":" in host:
+        try:
+            return str(ipaddress.IPv6Network(f"{host.split('%')[0]}/64", strict=False).network_address)
+        except ValueError:
+            return host
+    return host
+
+
+def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate | None = None) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol enforcing ``limits`` and ``gate`` (uvicorn.Config(http=...) takes a class).
 
     httptools (llhttp, C) rather than h11: every chunk of every streamed answer goes through this
     class, and with h11 the router spent a quarter more CPU per chunk (bench/probes/http_chunks.py).
     llhttp does not bound a request head, so this class does (``max_head_bytes``, 431), as h11 did."""
+    occupancy = stats.occupancy = Occupancy(limits.max_connections, limits.peer_share)
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        _refused = False
+        _refused = False  # over the cap: never admitted
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = True  # between requests: since connecting or the last request's end, no whole head yet
         _head_bytes = 0  # of the head being received
         _tail = b""  # the last bytes of it (its end may straddle two reads)
+        _discard: int | None = None  # refused on its head: body bytes still to drop before closing
+        _heard = False  # a byte arrived
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= limits.max_connections:
+            peer = peer_of(transport) if occupancy.fair else ""
+            talking = occupancy.pressed(peer) and _bytes_waiting(transport)  # (a syscall only under pressure)
+            admitted, victim = occupancy.admit(self, peer, talking)
+            if not admitted:
                 self._refused = True
                 stats.refused += 1
                 stats.note()
                 transport.abort()  # RST: the descriptor is freed now, the client sees a refusal
                 return
+            if victim is not None:
+                victim._make_room()  # type: ignore[attr-defined]
             super().connection_made(transport)
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
                 return
+            occupancy.release(self)
             self._disarm()
             super().connection_lost(exc)
 
+        def _make_room(self) -> None:
+            """Closed (idle) so that a new connection can have its slot."""
+            occupancy.release(self)
+            self._disarm()
+            stats.evicted += 1
+            stats.note()
+            self.transport.close()
+
         def data_received(self, data: bytes) -> None:
+            if not self._heard:
+                self._heard = True
+                occupancy.heard(self)
+            if self._discard is not None:  # refused: the body is dropped unread, up to a bound
+                self._discard -= len(data)
+                if self._discard < 0:
+                    self.transport.close()
+                return
             if self._in_head:
                 if self._head_timer is None and self._idle():
                     self._arm()  # a new request head began after a keep-alive pause
@@ -103,13 +189,43 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[Htt
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
+            if self._discard is not None:
+                return  # (a request pipelined after a refused one, in the same read)
             self._in_head, self._head_bytes, self._tail = False, 0, b""
             self._disarm()
+            occupancy.busy(self)
+            if gate is not None:
+                verdict = gate.check(self.url.split(b"?", 1)[0], self.headers)
+                if verdict is False:
+                    self._refuse_unauthorized()
+                    return
+                if verdict:
+                    occupancy.trust(self)
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # (its task starts later in this loop round)
+                self.scope.setdefault("extensions", {})[CUT] = lambda: self._cut(cycle)
+
+        def on_body(self, body: bytes) -> None:
+            if self._discard is None:
+                super().on_body(body)
 
         def on_message_complete(self) -> None:
+            if self._discard is not None:
+                return
             self._in_head = True  # what comes next is the next request's head
             super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self._idle():
+                occupancy.idle(self)  # (a pipelined request that started instead keeps it busy)
+
+        def _cut(self, cycle) -> None:  # noqa: ANN001 (uvicorn's RequestResponseCycle)
+            """scope["extensions"][CUT] of ``cycle``'s request."""
+            cycle.keep_alive = False
+            cycle.disconnected = True  # nothing more is sent; uvicorn logs nothing when the app returns
+            self.transport.close()
 
         def _idle(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -136,6 +252,20 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats) -> type[Htt
                                  b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
             self.transport.close()
 
+        def _refuse_unauthorized(self) -> None:
+            """The gate's refusal, from the head alone: the answer goes out with the end of our side
+            of the connection; what the client still sends of its body is dropped (a bounded amount,
+            within header_timeout_s, so a client that reads only after sending still gets the answer
+            in most cases), then the connection is closed. Never read into memory."""
+            stats.unauthorized += 1
+            stats.note()
+            occupancy.doomed(self)  # the first to close if room is needed
+            self._discard = REFUSED_BODY_DISCARD
+            self.transport.write(gate.refusal)  # type: ignore[union-attr]
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(limits.header_timeout_s, self.transport.close)
+
     return GuardedHttpToolsProtocol
 
 
@@ -149,10 +279,11 @@ def _head_part(tail: bytes, data: bytes) -> int:
     return len(data)
 
 
-def guarded_config(app, limits: ListenerLimits, name: str, **kwargs) -> uvicorn.Config:
-    """A uvicorn.Config for ``app`` with the guarded protocol; the stats are ``config.connection_stats``."""
+def guarded_config(app, limits: ListenerLimits, name: str, gate: Gate | None = None, **kwargs) -> uvicorn.Config:
+    """A uvicorn.Config for ``app`` with the guarded protocol (no WebSocket upgrades: a connection
+    is HTTP from its accept to its close); the stats are ``config.connection_stats``."""
     stats = ConnectionStats(name)
-    cfg = uvicorn.Config(app, http=guarded_protocol(limits, stats),
+    cfg = uvicorn.Config(app, http=guarded_protocol(limits, stats, gate), ws="none",
                          timeout_keep_alive=limits.keepalive_timeout_s, **kwargs)  # type: ignore[arg-type]
     cfg.connection_stats = stats  # type: ignore[attr-defined]
     return cfg

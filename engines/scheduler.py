@@ -9,7 +9,6 @@ an error or a truncation for it, only a later token.
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -132,7 +131,7 @@ class Scheduler:
 
     def _take(self, seq: Sequence, n: int) -> Scheduled:
         if seq.first_scheduled is None:
-            seq.first_scheduled = time.monotonic()
+            seq.scheduled()  # its marker goes out before the step runs (LLMEngine.step)
         start = seq.num_computed
         self.blocks.grow(seq, start + n)
         seq.num_computed = start + n

@@ -36,6 +36,12 @@ class Output:
     timing: tuple[float, float] | None = None  # first Output only: (queued, arrival -> this Output) seconds
     error_code: str | None = None  # with `error`: the OpenAI error code ("sampling_error", "parked")
 
+    @property
+    def is_scheduled(self) -> bool:
+        """The scheduled marker (`Sequence.scheduled`): no text, no ids, not finished. The core
+        emits no other Output like it (text held back also holds its ids back)."""
+        return not self.delta and self.finish_reason is None and not self.token_ids
+
     def to_row(self) -> list:
         """The fields in order, for the core link (`Output(*row)` rebuilds it). Written out:
         `dataclasses.astuple` deep-copies every field and cost 9 µs an Output on the dev VM."""
@@ -148,6 +154,15 @@ class Sequence:
             self._text, self._sent = self._text[cut:], self._holdback
         if delta or self.finish_reason:
             self.emit(self.output(delta))
+
+    def scheduled(self) -> None:
+        """The scheduler gives it positions to compute for the first time: emit the scheduled
+        marker (an Output with no text, no ids and no finish reason; `Output.is_scheduled`), which
+        tells a stream's reader (the router) that this engine really ran the request, as opposed to
+        only queueing it. Later steps (and a recompute after preemption) emit nothing more."""
+        self.first_scheduled = time.monotonic()
+        self.emit(Output(self.seq_id, "", None, len(self.prompt_ids) - self.replayed,
+                         len(self.output_ids) + self.replayed))
 
     def fail(self, why: str, code: str = "sampling_error") -> None:
         """End this sequence with an error (e.g. its logits were not finite); others run on."""

@@ -222,6 +222,8 @@ class OpenAIServer:
                 yield events.choice(i, out.delta, out.finish_reason, out.token_ids,
                                     prompt_of[i] if i in first else None)  # type: ignore[index]
                 first.discard(i)
+            elif ids and out.is_scheduled:
+                yield sse.SCHEDULED
         if include_usage:
             yield events.usage(prompt_tokens, sum(completion))
 
@@ -273,6 +275,8 @@ class OpenAIServer:
             completion[i] = out.completion_tokens
             if out.delta or out.finish_reason:
                 yield events.choice(i, out.delta or None, out.finish_reason, out.token_ids)
+            elif ids and out.is_scheduled:
+                yield sse.SCHEDULED
         if include_usage:
             yield events.usage(prompt_tokens, sum(completion))
 
@@ -419,7 +423,7 @@ class _EventStream:
         try:
             async for event in self.chunks:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-                if CHUNK_DELAY_S:
+                if CHUNK_DELAY_S and event is not sse.SCHEDULED:  # (the test pause is per data chunk)
                     await asyncio.sleep(CHUNK_DELAY_S)
         except HandedOff:
             end = HANDOFF_END

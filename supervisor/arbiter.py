@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from supervisor.admin.gate import bearer_gate
 from supervisor.admin.requests import AdminRequests
 from supervisor.admin.status_view import status_view
 from supervisor.admin.token import ensure_token
@@ -215,7 +216,7 @@ class Supervisor:
         admin = await asyncio.to_thread(importlib.import_module, "supervisor.admin.api")
         if not self.node.stopping:
             self._servers.append(make_server(admin.build_admin(self.admin, self.token), self.admin_sock, lvl,
-                                             admin_limits, "admin"))
+                                             admin_limits, "admin", bearer_gate(self.token)))
             self._essential_task(self._servers[1].serve(sockets=[self.admin_sock]), "admin")
 
     def _essential_task(self, coro, name: str) -> None:  # noqa: ANN001

@@ -4,7 +4,9 @@ which the product never imports."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from importlib import import_module
 
 DELEGATED = {
@@ -16,6 +18,7 @@ BENCH = {"attach": "harness.bench.weights", "load": "harness.bench.weights", "de
          "restart": "harness.bench.engine", "validate": "harness.bench.engine", "failover": "harness.bench.failover",
          "serve": "harness.bench.serve", "supervisor-restart": "harness.bench.readopt"}
 WHOLE_ARGV = ("harness.bench.weights", "harness.bench.engine")  # their own subcommands: `attach`, `decode`...
+EXIT_READER_GONE = 128 + 13  # the shell's status of a writer ended by SIGPIPE (`git log | head -1`)
 
 
 def _delegate(module: str, argv: list[str]) -> int:
@@ -26,6 +29,20 @@ def _delegate(module: str, argv: list[str]) -> int:
         return 2
     rc = mod.main(argv)
     return int(rc or 0)
+
+
+def printing(command: Callable[[], int]) -> int:
+    """Run a command that prints to stdout; a reader that left early (`understudy status | head -1`)
+    ends it quietly with EXIT_READER_GONE instead of a BrokenPipeError traceback."""
+    try:
+        rc = command()
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is left in the buffer goes there at exit
+        os.close(devnull)
+        return EXIT_READER_GONE
 
 
 def port_number(text: str) -> int:
@@ -70,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in ADMIN_COMMANDS.items():
         a = sub.add_parser(name, help=help_, description=help_)
         a.add_argument("-c", "--config", help="the config the supervisor runs with (admin URL, token)")
-        a.add_argument("--json", action="store_true", help="print the raw JSON reply")
+        a.add_argument("--json", action="store_true", help="print {admin_url, token} as JSON" if name == "token"
+                       else "print the raw JSON reply")
         if name == "restart":
             a.add_argument("engine", help="the engine's name, as `understudy status` lists it (e.g. a or b)")
             a.add_argument("--force", action="store_true", help="restart the primary even without a READY standby")
@@ -101,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config OK: data plane {cfg.router.host}:{cfg.router.port}, admin {cfg.admin.host}:{cfg.admin.port}")
             return 0
         return serve(ns.config, ns.port, ns.admin_port)
+    return printing(lambda: _admin_command(ns))
+
+
+def _admin_command(ns: argparse.Namespace) -> int:
+    """`understudy status|promote|drain|undrain|restart|rollout|token`."""
     from supervisor.admin.client import run_command
     if ns.cmd == "token":
         from supervisor.admin.client import print_token
-        return print_token(ns.config)
+        return print_token(ns.config, ns.json)
     if ns.cmd == "status":
         return run_command(ns.config, "GET", "/status", ns.json)
     paths = {"promote": "/admin/promote", "drain": "/admin/drain", "undrain": "/admin/undrain",

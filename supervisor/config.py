@@ -197,6 +197,11 @@ class LimitsSection(RequestLimits):
     max_client_connections: int = Field(default=4096, ge=1, description="open connections on the router; "
                                         "more are closed on accept (lowered to fit the open-files limit)")
     admin_max_connections: int = Field(default=64, ge=1)
+    peer_connection_share: float = Field(default=0.5, gt=0, le=1, description="router and admin: the share of "
+                                         "the listener's cap one client address (IPv6: its /64) may hold; a client "
+                                         "at its share, or any new one on a full listener, makes an idle connection "
+                                         "close (unauthenticated; refused only if none is idle); 1: no share (behind "
+                                         "a proxy every client has its address)")
     header_timeout_s: float = Field(default=10.0, gt=0, description="connect -> whole request head, else closed")
     body_timeout_s: float = Field(default=30.0, gt=0, description="router: request head -> whole body, else 408")
     keepalive_timeout_s: float = Field(default=30.0, gt=0, description="router/admin: idle keep-alive connections close")

@@ -121,9 +121,9 @@ def test_thousand_prompts_times_n_refused_and_normal_request_is_not_starved(sup)
 
 def test_huge_message_lists_are_refused_before_validation_while_load_goes_on(sup):
     """8 chat bodies of 25,000 tiny messages at once (issue 23: 230,000 in 8 MB cost seconds of the
-    front end's CPU each): the engine counts them on the parsed JSON, against the config's
-    limits.max_messages (1000 here), before validating a single one (their roles are invalid too);
-    a steady load goes on, nothing restarts."""
+    front end's CPU each): the router (and the engine behind it, for whoever reaches it directly)
+    counts them on the parsed JSON, against the config's limits.max_messages (1000 here), before
+    validating a single one (their roles are invalid too); a steady load goes on, nothing restarts."""
     before, failovers = incarnations(sup), len(sup.status()["recent_failovers"])
     body = json.dumps({"model": sup.model, "messages": [{"role": "nobody", "content": "hi"}] * 25000}).encode()
     assert len(body) < 1048576
@@ -255,6 +255,50 @@ def test_chaos_hostile_faults_are_refused_cleanly(sup):
     normal_request(sup)
     assert not [f for f in load.failures if "Connect" not in str(f[2]) and f[2] != 503], load.failures[:5]
     assert incarnations(sup) == before
+
+
+def test_connection_hogs_lock_nobody_out(sup):
+    """Issue 23: 200 sockets that reconnect whenever closed, on the admin API from 127.0.0.1 (where
+    every local client comes from): `understudy status`, /metrics, the status page and the preStop
+    `understudy drain` all work meanwhile; on the data port from one address: others' new
+    connections are served. Nothing restarts, and a normal request is served after."""
+    import subprocess
+    import sys
+
+    from harness import ROOT
+    from tests.test_connection_share import Hog, request_from
+    before = incarnations(sup)
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "supervisor", *a, "-c", str(sup.config)],  # noqa: E731
+                                    cwd=ROOT, capture_output=True, text=True, timeout=60)
+    admin_port = int(sup.admin_url.rsplit(":", 1)[1])
+    with Hog(admin_port, 200) as hog:
+        hog.wait_reconnects(400)
+        status = cli("status")
+        assert status.returncode == 0 and "primary" in status.stdout, status.stderr
+        assert "understudy_router_requests_total" in sup.metrics()
+        assert httpx.get(sup.admin_url + "/ui", timeout=10).status_code == 200
+        assert cli("drain").returncode == 0 and httpx.get(sup.router_url + "/readyz").status_code == 503
+        assert cli("undrain").returncode == 0 and httpx.get(sup.router_url + "/readyz").status_code == 200
+    router_port = int(sup.router_url.rsplit(":", 1)[1])
+    with Hog(router_port, 4 * CAP, source="127.0.0.2") as hog:
+        hog.wait_reconnects(4 * CAP)
+        answers = [request_from("127.0.0.3", router_port) for _ in range(15)]  # GET /x: 404, from the router
+    assert all(a.startswith(b"HTTP/1.1 404 ") for a in answers), [a[:40] for a in answers]
+    normal_request(sup)
+    assert incarnations(sup) == before
+
+
+def test_an_unauthenticated_admin_request_is_refused_from_its_head(sup):
+    """Issue 23: 500 MB announced to /admin/promote without the token: the 401 arrives before the
+    body is sent, which the node never reads (it drops a bounded amount, then closes)."""
+    from tests.test_connection_share import send_unauthenticated_body
+    mark, epoch = len(sup.events), sup.status()["epoch"]
+    got, sent, reset = send_unauthenticated_body(int(sup.admin_url.rsplit(":", 1)[1]), 500_000_000)
+    assert got.startswith(b"HTTP/1.1 401 ") and b"bearer token" in got, got[:300]
+    assert reset and sent < 32 << 20, f"{sent} bytes sent before the node closed"
+    assert not [e for e in sup.events[mark:] if e["type"] == "failover"]  # promote was never asked
+    assert sup.status()["epoch"] == epoch
+    normal_request(sup)
 
 
 BIG_CONTEXT = """

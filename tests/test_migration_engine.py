@@ -132,3 +132,31 @@ def test_non_streaming_token_ids_and_continuation(engine):
     bad = httpx.post(engine.url + "/v1/completions", timeout=60, json={
         **body, "n": 2, "continuation": {"prompt_token_ids": [1, 2]}})
     assert bad.status_code == 400 and "continuation needs n=1" in bad.json()["error"]["message"]
+
+
+def raw_events(url: str, path: str, body: dict) -> list[str]:
+    """The events of a stream as sent (comments included), in order."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [e for e in r.read().decode().split("\n\n") if e]
+
+
+def test_a_stream_with_token_ids_marks_the_moment_its_request_first_runs(engine):
+    """Issue 23: the `: scheduled` comment (engines/sse.py SCHEDULED) tells the router the engine
+    began running the request, not only queued it: once per stream asking for token ids, before its
+    first token (a completion) or after the role chunk (chat), also in a continuation; never in a
+    stream that did not ask for ids (its bytes stay OpenAI's)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    events = raw_events(engine.url, "/v1/completions", {**body, "return_token_ids": True})
+    assert events.count(": scheduled") == 1 and events[0] == ": scheduled", events[:3]
+    first = json.loads(events[1][6:])["choices"][0]
+    cont = raw_events(engine.url, "/v1/completions", {**body, "return_token_ids": True, "continuation": {
+        "prompt_token_ids": first["prompt_token_ids"], "output_token_ids": first["token_ids"]}})
+    assert cont.count(": scheduled") == 1 and cont[0] == ": scheduled", cont[:3]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True}
+    events = raw_events(engine.url, "/v1/chat/completions", chat)
+    assert '"role":"assistant"' in events[0] and events[1] == ": scheduled", events[:3]
+    assert events.count(": scheduled") == 1
+    for path, b in (("/v1/completions", body), ("/v1/chat/completions", {**chat, "return_token_ids": False})):
+        assert not any(e.startswith(":") for e in raw_events(engine.url, path, b))

@@ -238,8 +238,29 @@ def test_a_stream_that_cannot_be_continued_ends_with_an_error_event(sup):
     assert not s.done and "error" in s.chunks[-1], s.chunks[-2:]
     assert s.error is not None, "the connection must be aborted, not ended"
     assert "cannot be continued" in s.chunks[-1]["error"]["message"]
+    assert "Exception in ASGI application" not in sup.log.read_text()  # cut, not raised (issue 23)
     m = sup.metrics()
     assert 'understudy_migrations_total{result="unsupported"} 1.0' in m
     assert 'understudy_migrations_total{result="continued"}' in m
     assert "understudy_migration_stall_seconds_count" in m
     del mark
+
+
+def test_a_refusal_shows_the_body_the_client_sent_not_what_the_router_added(sup):
+    """Issue 23: the router sends the engine a stream with token ids and a seed it drew; an error
+    that shows the whole body (a missing field) must show the client's fields only."""
+    for body, want in (({"model": "m"}, '{"model": "m"}'),
+                       ({"model": "m", "seed": None, "stream": False}, '{"model": "m", "seed": null, "stream": false}'),
+                       ({"model": "m", "seed": 7}, '{"model": "m", "seed": 7}')):
+        r = httpx.post(sup.router_url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message == f"prompt: Field required (got {want})", message
+    r = httpx.post(sup.router_url + "/v1/chat/completions", json={"model": "m", "stream": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        'messages: Field required (got {"model": "m", "stream": true})', r.text
+    for field, value in (("max_tokens", "4"), ("stream", "yes"), ("seed", "7")):  # OpenAI's types, strictly
+        r = httpx.post(sup.router_url + "/v1/completions", json={**GREEDY, field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert r.json()["error"]["code"] == "invalid_type" and f"(got '{value}')" in r.json()["error"]["message"]
+    assert whole_stream(sup, "/v1/completions", {**GREEDY, "max_tokens": 3}).done

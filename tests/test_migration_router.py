@@ -1,13 +1,18 @@
 """The router's continuation rules against stand-in engines that die on cue (real processes, real
-sockets): each speaks the engine's stream format with token ids, generates token i as text "t{i} ",
+sockets): each speaks the engine's stream format with token ids (and its scheduled marker, the
+`: scheduled` comment, as it begins running a request), generates token i as text "t{i} ",
 continues from `continuation.output_token_ids`, and exits (os._exit) after `die_after` chunks of a
-request: a poison request (die_after 0: it dies having taken the request, before any token) or an
-engine lost mid-stream. The real engine and supervisor are in tests/test_migration_failover.py."""
+request: a poison request (die_after 0: it dies having begun running the request, before any
+token) or an engine lost mid-stream; or, with `queued_s`, it answers the request's head, keeps it
+queued (no marker) and dies that much later (another request killed it). The real engine and
+supervisor are in tests/test_migration_failover.py and tests/test_migration_second_death.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import textwrap
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -35,7 +40,13 @@ ENGINE = textwrap.dedent('''
         cont = body.get("continuation") or {}
         start = len(cont.get("output_token_ids", []))
         die_after = body.get("die_after", {}).get(sys.argv[2])
+        queued_s = body.get("queued_s", {}).get(sys.argv[2])
         async def gen():
+            if queued_s is not None:  # never scheduled: no marker, no token
+                yield ": keep-alive\\n\\n"
+                await asyncio.sleep(queued_s)
+                os._exit(1)
+            yield ": scheduled\\n\\n"
             sent = 0
             for i in range(start, body["max_tokens"]):
                 if die_after is not None and sent >= die_after:
@@ -131,6 +142,26 @@ def test_a_request_that_kills_two_engines_before_any_token_is_quarantined(engine
     assert seen(engines[2][1]) == [], "never sent to a third engine"
 
 
+def test_an_engine_that_only_queued_the_request_does_not_count_towards_quarantine(engines):
+    """Issue 23: u1 dies having begun the request (no token yet), u2 takes its continuation but only
+    queues it (behind others) and dies too: the request did not run on u2, so u3 serves it."""
+    r, events, metrics = request(engines, {"max_tokens": 3, "die_after": {"u1": 0}, "queued_s": {"u2": 0.2}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "t0 t1 t2 "
+    assert [e["result"] for e in events] == ["continued"]
+    assert 'understudy_migrations_total{result="quarantined"} 0.0' in metrics
+    assert len(seen(engines[2][1])) == 1
+
+
+def test_a_request_that_kills_every_engine_it_runs_on_is_stopped_after_two_even_with_queues_between(engines):
+    """u1 runs the request and dies before its first token; u2 only queues it and dies; u3 runs it
+    and dies before a token: it ran on two engines that failed, with no token in between."""
+    r, events, _ = request(engines, {"max_tokens": 3, "die_after": {"u1": 0, "u3": 0}, "queued_s": {"u2": 0.2}})
+    assert r.status_code == 502 and "quarantined" in r.json()["error"]["message"], r.text
+    assert [e["result"] for e in events] == ["quarantined"]
+    assert "2 engines that failed" in r.json()["error"]["message"]  # u1 and u3; not u2, which only queued it
+
+
 def test_a_primary_fenced_before_the_request_reached_it_does_not_count_towards_quarantine(engines):
     r, events, _ = request(engines, {"max_tokens": 3, "die_after": {"u1": 0}}, supervisor=both_lost_at_once)
     assert r.status_code == 200, r.text
@@ -181,6 +212,73 @@ def test_a_streaming_client_gets_one_seamless_stream(engines):
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in chunks)
 
 
+@contextlib.asynccontextmanager
+async def on_socket(app) -> AsyncIterator[str]:  # noqa: ANN001
+    """`app` served by our listener (supervisor/effects/servers.py) on a port of its own: its URL."""
+    sock = bind_tcp("127.0.0.1", 0, "router")
+    server = make_server(app, sock, "warning")
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def test_a_cut_stream_ends_with_its_error_event_and_a_cut_connection_without_a_traceback(engines, capfd):
+    """Issue 23: a streaming request quarantined after tokens went out: its client gets the error
+    event, then the connection is cut (no end of the chunked body, so it cannot pass for a whole
+    answer); the listener logs no ASGI traceback (only the router's one warning)."""
+    async def go() -> tuple[list[str], str | None]:
+        table = RoutingTable()
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10)
+        watcher = asyncio.ensure_future(follow(table, engines))
+        lines, error = [], None
+        async with on_socket(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+            try:
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": "m", "prompt": "p", "max_tokens": 5, "stream": True,
+                        "die_after": {"u1": 1, "u2": 0}}) as r:
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+            except httpx.RemoteProtocolError as e:
+                error = str(e)
+        watcher.cancel()
+        return lines, error
+    lines, error = asyncio.run(go())
+    data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert data[0]["choices"][0]["text"] == "t0 " and "quarantined" in data[-1]["error"]["message"], data
+    assert error is not None and "incomplete chunked read" in error, error
+    err = capfd.readouterr().err  # (uvicorn logs to stderr, through its own logging config)
+    assert "Traceback" not in err and "ASGI" not in err, err
+    assert seen(engines[2][1]) == []
+
+
+def test_with_migration_off_a_cut_stream_says_continuation_is_off(engines, capfd):
+    """Issue 23: a pass-through stream cut by its engine's death says why it was not continued:
+    router.migration.enabled is false (not "only n=1 requests can", which it is)."""
+    async def go() -> tuple[list[str], str | None]:
+        table = RoutingTable()
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
+                           migration=MigrationSection(enabled=False))
+        watcher = asyncio.ensure_future(follow(table, engines))
+        lines, error = [], None
+        async with on_socket(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+            try:
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": "m", "prompt": "p", "max_tokens": 5, "stream": True, "die_after": {"u1": 2}}) as r:
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+            except httpx.RemoteProtocolError as e:
+                error = str(e)
+        watcher.cancel()
+        return lines, error
+    lines, error = asyncio.run(go())
+    last = json.loads([ln for ln in lines if ln.startswith("data: ")][-1][6:])
+    assert "router.migration.enabled is false" in last["error"]["message"], last
+    assert error is not None and "Traceback" not in capfd.readouterr().err
+
+
 def closed_loop(url: str, n: int, tail_s: float) -> list[float]:
     """A real router on a socket before the engine at `url`; a client sends n streaming requests,
     each the moment it reads the previous one's [DONE]. Returns each request's seconds to [DONE]."""
@@ -188,12 +286,9 @@ def closed_loop(url: str, n: int, tail_s: float) -> list[float]:
         table = RoutingTable()
         table.set_primary(Upstream(url, "u1", 1))
         app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10)
-        sock = bind_tcp("127.0.0.1", 0, "router")
-        server = make_server(app, sock, "warning")
-        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         took = []
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=30) as c:
+        async with on_socket(app) as base:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
                 for _ in range(n):
                     t = asyncio.get_running_loop().time()
                     body = {"model": "m", "prompt": "p", "max_tokens": 2, "stream": True, "tail_s": tail_s}
@@ -203,9 +298,6 @@ def closed_loop(url: str, n: int, tail_s: float) -> list[float]:
                             if line == "data: [DONE]":
                                 break
                     took.append(asyncio.get_running_loop().time() - t)
-        finally:
-            server.should_exit = True
-            await serving
         return took
     return asyncio.run(go())
 

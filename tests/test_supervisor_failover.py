@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -84,6 +85,9 @@ def test_admin_needs_the_token_and_reports_bad_requests(sup):
     assert sup.admin("POST", "/admin/promote", token="wrong").status_code == 401
     r = sup.admin("POST", "/admin/engines/zzz/restart")
     assert r.status_code == 404 and "unknown engine 'zzz'" in r.json()["error"]
+    r = sup.admin("POST", "/admin/engines/" + "x" * 10_000 + "/restart")  # issue 23: not echoed whole
+    assert r.status_code == 404 and r.json()["error"].startswith("unknown engine 'xxx") and len(r.text) < 300, r.text[:500]
+    assert "(10000 characters)" in r.json()["error"]
 
 
 def test_a_second_supervisor_on_the_same_runtime_dir_is_refused(sup):
@@ -311,6 +315,27 @@ def test_cli_talks_to_the_admin_api(sup):
     assert r.returncode == 1 and "HTTP 404" in r.stderr and "unknown engine 'nope'" in r.stderr
     assert cli("drain").returncode == 0 and sup.status()["drained"]
     assert cli("undrain").returncode == 0 and not sup.status()["drained"]
+    r = cli("token", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"admin_url": sup.admin_url, "token": sup.token}, r.stdout
+
+
+def test_cli_output_to_a_reader_that_left_ends_quietly(sup):
+    """Issue 23: `understudy status | head -1` ended in a BrokenPipeError traceback. Here the reader
+    is gone before anything is written (every write fails): exit 141, as a writer ended by SIGPIPE,
+    and nothing on stderr; then the literal pipeline, with whatever timing it gets."""
+    argv = [sys.executable, "-m", "supervisor"]
+    for args in (("status",), ("status", "--json"), ("token", "--json")):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            r = subprocess.run([*argv, *args, "-c", str(sup.config)], cwd=ROOT, stdout=write_end,
+                               stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(write_end)
+        assert r.returncode == 141 and r.stderr == "", (args, r.returncode, r.stderr)
+    r = subprocess.run(f"{shlex.join(argv)} status --json -c {shlex.quote(str(sup.config))} | head -1", shell=True,
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.stdout == "{\n" and r.stderr == "", r.stderr
 
 
 def test_changed_checkpoint_is_a_miss_with_reason_and_never_promoted(sup, make_tiny):

@@ -401,3 +401,52 @@ def test_failover_clock_stops_when_a_stream_first_reaches_the_client_not_when_it
         seconds = float(text.split("understudy_failover_seconds_sum ")[1].split()[0])
         assert count == 1 and seconds < 0.25, text
     run(go())
+
+
+def test_message_lists_over_the_limits_are_refused_by_the_router_before_any_engine(upstreams):
+    """Issue 23: the router bounds a chat body's messages and their characters on the parsed JSON
+    (engines/limits.py check_body), as the engines do, so a huge list costs one parse and no engine
+    (external ones included) sees it; this upstream has no chat route: a forwarded body would get 404."""
+    from engines.limits import RequestLimits
+    table, metrics = RoutingTable(), Metrics()
+    table.set_primary(Upstream(upstreams[0], "a", 1))
+    app = build_router(table, metrics, hold_timeout_s=2, retry_after_s=7, upstream_timeout_s=10,
+                       migration=MigrationSection(enabled=False),
+                       limits=RequestLimits(max_messages=10, max_message_chars=100))
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=20) as c:
+            many = await c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "x"}] * 11})
+            long = await c.post("/v1/chat/completions", json={"model": "m", "messages": [
+                {"role": "user", "content": "a" * 60}, {"role": "user", "content": [{"type": "text", "text": "b" * 41}]}]})
+            ok = await c.post("/v1/completions", json={"prompt": "hello"})
+            return [many, long, ok]
+    many, long, ok = run(go())
+    assert many.status_code == 400 and many.json()["error"]["code"] == "max_messages", many.text
+    assert "11 messages; at most 10" in many.json()["error"]["message"]
+    assert long.status_code == 400 and long.json()["error"]["code"] == "max_message_chars", long.text
+    assert "101 characters; at most 100" in long.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["from"] == "u1"
+    assert 'understudy_router_requests_total{code="400"} 2.0' in metrics.render().decode()
+
+
+def test_the_router_parses_a_body_with_the_garbage_collector_paused():
+    """A body of 200,000 small lists would set off hundreds of collections over a growing heap
+    (issue 23); parsed with the GC paused, none, and the GC runs again afterwards."""
+    import gc
+
+    from supervisor.router.continuation import parse_request
+    body = json.dumps({"model": "m", "prompt": [[1]] * 200_000}).encode()
+    collections: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+    gc.callbacks.append(count)
+    try:
+        req = parse_request("/v1/completions", body)
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+    assert len(req["prompt"]) == 200_000 and collections == []
+    assert parse_request("/v1/completions", b"{not json") is None

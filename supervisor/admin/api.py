@@ -1,7 +1,6 @@
 """Admin API (bearer token): status, metrics, promote, drain, undrain, restart, rollout; the status page."""
 from __future__ import annotations
 
-import hmac
 from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
@@ -9,6 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 
+from supervisor.admin.gate import UNAUTHORIZED, bearer_ok
 from supervisor.errors import AdminError
 from supervisor.admin.status_page import StatusPage
 
@@ -30,11 +30,9 @@ def build_admin(target: AdminTarget, token: str) -> FastAPI:
     """The admin app; every route needs ``Authorization: Bearer <token>``."""
     expected = token.encode()
 
-    async def auth(request: Request) -> None:
-        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), expected)
-        if not ok:  # the scheme is case-insensitive (RFC 9110), the token is not
-            raise AdminError(401, "missing or wrong bearer token (see admin.token_file, or `understudy token`)")
+    async def auth(request: Request) -> None:  # (the listener checked it already: supervisor/admin/gate.py)
+        if not bearer_ok(request.headers.get("authorization", "").encode(), expected):
+            raise AdminError(401, UNAUTHORIZED)
 
     page = StatusPage(lambda: target.status_dict()["events"],  # /ui and /events (status_page.py)
                       stopping=lambda: target.stopping)

@@ -70,14 +70,15 @@ def admin_endpoint(config_path: str | None) -> tuple[str, str]:
     return url, token
 
 
-def print_token(config_path: str | None) -> int:
-    """`understudy token`: the admin token on stdout, for curl and friends."""
+def print_token(config_path: str | None, as_json: bool = False) -> int:
+    """`understudy token`: the admin token on stdout, for curl and friends; ``as_json``:
+    ``{"admin_url", "token"}``, all a script needs to call the admin API."""
     try:
-        _, token = admin_endpoint(config_path)
+        url, token = admin_endpoint(config_path)
     except ClientError as e:
         print(f"understudy: {e}", file=sys.stderr)
         return 2
-    print(token)
+    print(json.dumps({"admin_url": url, "token": token}) if as_json else token)
     return 0
 
 

@@ -15,6 +15,16 @@ from supervisor.errors import AdminError
 from supervisor.metrics import Metrics
 
 
+NAME_SHOWN = 64  # characters of a name a client sent that an error shows
+
+
+def shown(name: str) -> str:
+    """A name a client sent, for an error message: quoted, cut after NAME_SHOWN characters."""
+    if len(name) <= NAME_SHOWN:
+        return repr(name)
+    return f"{name[:NAME_SHOWN]!r}... ({len(name)} characters)"
+
+
 class AdminRequests:
     """The admin API's target (supervisor/admin/api.py AdminTarget)."""
 
@@ -41,6 +51,8 @@ class AdminRequests:
         return await self._ask("drain" if drained else "undrain")
 
     async def admin_restart(self, name: str, force: bool = False) -> dict[str, Any]:
+        if name not in self.node.engines:  # answered here: the name is echoed short, whatever its length
+            raise AdminError(404, f"unknown engine {shown(name)} (engines: {', '.join(self.node.engines)})")
         return await self._ask("restart", name, force)
 
     async def admin_rollout(self) -> dict[str, Any]:

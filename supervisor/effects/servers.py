@@ -9,7 +9,7 @@ import logging
 import resource
 import socket
 
-from engines.guarded_http import ListenerLimits, SpareFdListener, guarded_config
+from engines.guarded_http import Gate, ListenerLimits, SpareFdListener, guarded_config
 from engines.loopback import QuietServer
 from supervisor.config import UnderstudyConfig
 
@@ -42,10 +42,12 @@ def bind_tcp(host: str, port: int, what: str) -> socket.socket:
 
 
 def make_server(app, sock: socket.socket, log_level: str, limits: ListenerLimits | None = None,
-                name: str = "listener") -> QuietServer:
-    """A server for ``app`` on the pre-bound ``sock``, with a connection cap and header/idle timeouts."""
+                name: str = "listener", gate: Gate | None = None) -> QuietServer:
+    """A server for ``app`` on the pre-bound ``sock``, with a connection cap (shared fairly between
+    clients where ``limits.peer_share`` says), header/idle timeouts, and ``gate`` checking each
+    request's credentials on its head (the admin API)."""
     limits = limits or ListenerLimits(keepalive_timeout_s=30)
-    cfg = guarded_config(app, limits, name, log_level=log_level, access_log=False, lifespan="on",
+    cfg = guarded_config(app, limits, name, gate, log_level=log_level, access_log=False, lifespan="on",
                          timeout_graceful_shutdown=5)
     return QuietServer(cfg)
 
@@ -74,7 +76,7 @@ def listener_limits(cfg: UnderstudyConfig, open_files: int) -> tuple[ListenerLim
                     "(raise it: LimitNOFILE= in the unit, ulimit -n)", lim.max_client_connections, router_cap,
                     open_files)
     router = ListenerLimits(max_connections=router_cap, header_timeout_s=lim.header_timeout_s,
-                            keepalive_timeout_s=lim.keepalive_timeout_s)
+                            keepalive_timeout_s=lim.keepalive_timeout_s, peer_share=lim.peer_connection_share)
     admin = ListenerLimits(max_connections=lim.admin_max_connections, header_timeout_s=lim.header_timeout_s,
-                           keepalive_timeout_s=lim.keepalive_timeout_s)
+                           keepalive_timeout_s=lim.keepalive_timeout_s, peer_share=lim.peer_connection_share)
     return router, admin

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from engines import sse
+from engines import request_body, sse
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
@@ -30,6 +30,7 @@ _IDS = ("prompt_token_ids", "token_ids")
 _STRIP = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
 
 
+_SCHEDULED = sse.SCHEDULED.rstrip(b"\n")  # the engine's marker: it began running the request
 _SEEDS = random.Random()  # seeded from os.urandom once: no system call per request, as secrets makes
 
 
@@ -38,14 +39,16 @@ def _dump(obj: Any) -> bytes:
 
 
 def parse_request(path: str, body: bytes) -> Any:
-    """The JSON body of a generation request, parsed once for the router's limits and tracking;
-    None for other paths and for a body that is not JSON (nesting too deep included): such a body
-    passes through, and the engine names what is wrong with it."""
+    """The JSON body of a generation request, parsed once for the router's limits and tracking,
+    with the cyclic GC paused as the engine does (engines/request_body.py: a body of a million
+    small lists otherwise sets off hundreds of collections); None for other paths and for a body
+    that is not JSON (nesting too deep included): such a body passes through, and the engine names
+    what is wrong with it."""
     if path not in PATHS:
         return None
     try:
-        return orjson.loads(body)
-    except ValueError:
+        return request_body.loads(body)
+    except request_body.BodyError:
         return None
 
 
@@ -59,7 +62,9 @@ class Tracked:
         self.client_ids = bool(req.get("return_token_ids"))
         opts = req.get("stream_options")
         self.include_usage = self.client_stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
-        if req.get("seed") is None:  # the draw is a function of (seed, position): fix it now
+        self._seed_drawn = req.get("seed") is None  # by the router (the client sent none, or null)
+        self._seed_null = self._seed_drawn and "seed" in req
+        if self._seed_drawn:  # the draw is a function of (seed, position): fix it now
             req["seed"] = _SEEDS.getrandbits(63)
         self.rid: str | None = None
         self.created: int | None = None
@@ -74,6 +79,7 @@ class Tracked:
         self.role_sent = False
         self.done = False  # [DONE] seen
         self.progress = False  # new token ids since the flag was last cleared
+        self.ran = False  # the engine of this attempt began running it (its scheduled marker, or a token)
         self.chunks_sent = 0  # data chunks given to a streaming client
         self._buf = b""
 
@@ -110,6 +116,29 @@ class Tracked:
             body["continuation"] = {"prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids}
         return _dump(body)
 
+    def in_client_terms(self, error: bytes) -> bytes:
+        """An engine's refusal (its JSON error body) of ``upstream_body()``, in terms of the body the
+        client sent: where the message shows the whole body (a missing field's error,
+        engines/request_body.py `preview`), it shows the client's fields, not the seed, `stream`,
+        `return_token_ids` and `continuation` the router set. Anything else is returned as it came."""
+        try:
+            err = orjson.loads(error)
+            message = err["error"]["message"]
+            if not isinstance(message, str):
+                return error
+            own = dict(self.req)
+            if self._seed_null:
+                own["seed"] = None
+            elif self._seed_drawn:
+                del own["seed"]
+            mine = message.replace(request_body.preview(orjson.loads(self.upstream_body())), request_body.preview(own))
+        except (ValueError, KeyError, TypeError):
+            return error
+        if mine == message:
+            return error
+        err["error"]["message"] = mine
+        return _dump(err)
+
     # ---- the engine's stream --------------------------------------------------------------------
     def feed(self, data: bytes) -> bytes:
         """Take bytes of the engine's event stream; return what to send a streaming client."""
@@ -122,6 +151,8 @@ class Tracked:
             if event.startswith(b"data: "):
                 if (piece := self._event(event[6:])) is not None:
                     out.append(piece)
+            elif event == _SCHEDULED:  # (other comments: a handoff's end, keep-alives)
+                self.ran = True
         return b"".join(out)
 
     def _event(self, payload: bytes) -> bytes | None:
@@ -140,7 +171,7 @@ class Tracked:
             prompt = prompt or ch.get("prompt_token_ids")
             if ids := ch.get("token_ids"):
                 self.n_output += len(ids)
-                self.progress = True
+                self.progress = self.ran = True
                 if not self.overflow:
                     self.output_ids += ids
                     if self.replay_tokens > self.max_ids and not (self.client_ids and not self.client_stream):

@@ -1,7 +1,9 @@
 """The router's request limits: the body is read within ``limits.body_timeout_s`` (408) and
-``limits.max_body_bytes`` (413, from Content-Length before a byte is read); a completion request's
-prompts and n are checked (400) before it goes anywhere, so external engines are bounded too. Bodies
-that are not JSON objects pass untouched: the engine names what is wrong with them. (Listener limits:
+``limits.max_body_bytes`` (413, from Content-Length before a byte is read); a generation request's
+prompts and n, a chat request's messages and their characters are checked on the parsed JSON (400,
+engines/limits.py ``check_body``, ``check_shape``) before it goes anywhere, so external engines are
+bounded too and a huge message list costs the router one parse, no validation. Bodies that are not
+JSON objects pass untouched: the engine names what is wrong with them. (Listener limits:
 supervisor/effects/servers.py; engines get theirs in their EngineConfig.)"""
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engines.limits import LimitError, RequestLimits, body_too_large, check_shape, drain
+from engines.limits import LimitError, RequestLimits, body_too_large, check_body, check_shape, drain
 
 Receive = Callable[[], Awaitable[dict]]
 
@@ -55,18 +57,20 @@ async def read_body(scope: dict, receive: Receive, max_bytes: int, timeout_s: fl
 
 
 def check_request(path: str, req: Any, limits: RequestLimits) -> None:
-    """Prompts per request, n, prompts x n of a completion request, `req` its body as
-    supervisor/router/continuation.py `parse_request` read it (Refusal when over; anything but a JSON
-    object passes: the engine answers it with its own error)."""
+    """Prompts per request, n, prompts x n of a generation request, a chat request's messages and
+    their characters; `req` its body as supervisor/router/continuation.py `parse_request` read it
+    (Refusal when over; anything but a JSON object passes: the engine answers it with its own error)."""
     if not isinstance(req, dict):
         return
+    chat = path.endswith("chat/completions")
     n = req.get("n", 1)
     n = n if isinstance(n, int) and not isinstance(n, bool) else 1
     prompts = 1
     prompt = req.get("prompt")
-    if path == "/v1/completions" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+    if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompts = len(prompt)
     try:
-        check_shape(limits, prompts, n, "messages" if path.endswith("chat/completions") else "prompt")
+        check_body(limits, req, chat=chat)
+        check_shape(limits, prompts, n, "messages" if chat else "prompt")
     except LimitError as e:
         raise _refusal(e) from None

@@ -5,10 +5,11 @@ Rules (DESIGN.md §4, issues 11 and 12):
 - a failure after the request was sent, on a primary that then goes away, is a migration: the new
   primary gets the continuation (prompt + emitted ids, same seed), at most `max_migrations` times
   and `max_replay_tokens` long;
-- a request in flight at two failures of different primaries (epochs) with no new token in between
-  is quarantined: failed with a clear error, never sent to a third engine (a poison request). In
-  flight means the engine had taken it (answered its stream's head): a request that a dead or
-  frozen engine never answered did not kill it;
+- a request running on two primaries (epochs) when they failed, with no new token in between, is
+  quarantined: failed with a clear error, never sent to a third engine (a poison request). Running
+  means the engine had begun computing it: its stream carried the engine's scheduled marker
+  (engines/sse.py SCHEDULED, sent before the step that first runs it) or a token. A request that an
+  engine only answered and queued (behind max_num_seqs others), or never answered, did not kill it;
 - a request that cannot be continued ends explicitly: an SSE error event and an aborted connection
   once bytes went to the client, an HTTP error before. Never a silent truncation.
 """
@@ -80,8 +81,7 @@ class _Call:
         self.started = False  # the response head went to our client
         self.last_sent = time.monotonic()  # our client's last byte (a non-streaming one: last chunk read)
         self.migrating_since: float | None = None  # last_sent when the current continuation began
-        self.failed_epochs: set[int] = set()  # primaries lost with this request, since its last new token
-        self.answered = False  # the current attempt's engine took the request (its stream began)
+        self.failed_epochs: set[int] = set()  # primaries lost running this request, since its last new token
         self.migrations = 0
         self.replayed = 0  # tokens the current continuation replays
         self.chunks_before = 0  # data chunks our client had when the current continuation began
@@ -92,7 +92,7 @@ class _Call:
         u = self.m.u
         attempts = u.attempts()
         while (up := await attempts.primary()) is not None:
-            self.epoch, self.answered = up.epoch, False  # (here: an attempt fenced before it ran took nothing)
+            self.epoch, self.req.ran = up.epoch, False  # (here: an attempt fenced before it ran took nothing)
             try:
                 await attempts.call(up, self._attempt(up))
                 return await self._finish()
@@ -107,7 +107,7 @@ class _Call:
                 attempts.failed(up, e)
                 if isinstance(e, ConnectError):  # never reached the engine: a plain retry
                     continue
-            if self.answered:
+            if self.req.ran:
                 self._lost_with(up.epoch)
             if self.req.done:
                 return await self._finish()
@@ -134,9 +134,9 @@ class _Call:
         req, cfg = self.req, self.m.cfg
         req.progress = False
         if len(self.failed_epochs) >= 2:
-            return ("quarantined", 502, f"request quarantined: it was in flight when {len(self.failed_epochs)} "
-                                        f"engines failed, with no token generated in between (a request that "
-                                        f"kills engines is not sent to another)")
+            return ("quarantined", 502, f"request quarantined: it was running on each of the {len(self.failed_epochs)} "
+                                        f"engines that failed, with no token generated in between (a request "
+                                        f"that kills engines is not sent to another)")
         if self.migrations >= cfg.max_migrations:
             return ("limit", 502, f"the engine was lost mid-request and this request was already continued "
                                   f"router.migration.max_migrations={cfg.max_migrations} times")
@@ -153,7 +153,6 @@ class _Call:
         try:
             if resp.status != 200 or not resp.is_event_stream:
                 raise _Refused(resp.status, resp.headers, await resp.read())
-            self.answered = True
             engine_headers = [(b"x-understudy-engine", up.name.encode()),
                               (b"x-understudy-epoch", str(up.epoch).encode())]
             async for chunk in resp.stream():
@@ -211,11 +210,12 @@ class _Call:
         if not self.started and not self.migrations:
             self.m.u.count_status(r.status)
             headers = [(k, v) for k, v in r.headers if k not in NOT_RELAYED]
+            body = self.req.in_client_terms(r.body) if 400 <= r.status < 500 else r.body
             await self.send({"type": "http.response.start", "status": r.status, "headers": [
-                *headers, (b"content-length", str(len(r.body)).encode())]})
-            await self.send({"type": "http.response.body", "body": r.body})
+                *headers, (b"content-length", str(len(body)).encode())]})
+            await self.send({"type": "http.response.body", "body": body})
             return
-        detail = r.body[:300].decode(errors="replace")
+        detail = self.req.in_client_terms(r.body)[:300].decode(errors="replace")
         await self._give_up("failed", 502, f"the new primary refused the continuation: HTTP {r.status} {detail}")
 
     async def _give_up(self, result: str | None, status: int, message: str) -> None:

@@ -17,8 +17,8 @@ from supervisor.config import MigrationSection
 from supervisor.router.attempts import Upstreams
 from supervisor.router.continuation import Tracked, error_event, parse_request
 from supervisor.router.limits import Refusal, check_request, read_body
-from supervisor.router.migrating import Migrator, Publish
-from supervisor.router.replies import Receive, Reply, Send, error_body, json_reply, send_whole, target_of
+from supervisor.router.migrating import Migrator, Publish, StreamAborted
+from supervisor.router.replies import Receive, Reply, Send, cut, error_body, json_reply, send_whole, target_of
 from supervisor.router.routing import PrimaryLost, Upstream
 from supervisor.router.upstream import NOT_RELAYED, Headers, UpstreamError, UpstreamTimeout
 from supervisor.router.upstream import Response as UpstreamResponse
@@ -61,16 +61,29 @@ class Proxy:
         tracked = Tracked.parse(scope["path"], req, cfg.max_replay_tokens, arrived) \
             if cfg.enabled and scope["method"] == "POST" else None
         target, headers = target_of(scope)
-        if tracked is not None:  # its StreamAborted is re-raised: uvicorn aborts the connection, so the cut
-            # cannot pass for an end; when our client goes away, stop (dropping the upstream connection)
-            await unless_client_leaves(self.migrator.serve(tracked, target, headers, send), receive)
+        if tracked is not None:  # when our client goes away, stop (dropping the upstream connection)
+            try:
+                await unless_client_leaves(self.migrator.serve(tracked, target, headers, send), receive)
+            except StreamAborted:  # the error event went out: cut the connection, so it cannot pass for an end
+                if not cut(scope):
+                    raise
             return
         reply = await self._forward(scope["method"], target, headers, body)
         self.u.count_status(reply.status)
         if reply.stream is None:
             await send_whole(send, reply)
         else:
-            await self._relay(reply, reply.stream, receive, send)
+            try:
+                await self._relay(reply, reply.stream, receive, send)
+            except UpstreamError:  # _pump said so in the stream: cut the connection (see above)
+                if not cut(scope):
+                    raise
+
+    def _why_untracked(self) -> str:
+        """Why a request was passed through, not tracked for continuation."""
+        if not self.migrator.cfg.enabled:
+            return "continuation is off: router.migration.enabled is false, or the engines are external"
+        return "only completions and chat completions with n=1 and one prompt can"
 
     async def _forward(self, method: str, target: bytes, headers: Headers, body: bytes) -> Reply:
         """Send the request to the primary (waiting for one, trying again on a new one) and get its answer."""
@@ -126,7 +139,7 @@ class Proxy:
             self.u.metrics.migrations.labels(result="unsupported").inc()
             await send({"type": "http.response.body", "more_body": True, "body": error_event(
                 f"the engine was lost mid-response ({type(e).__name__}) and this request cannot be continued "
-                f"(only completions and chat completions with n=1 can)", "migration_failed", 502)})
+                f"({self._why_untracked()})", "migration_failed", 502)})
             raise
         finally:
             resp.close()
