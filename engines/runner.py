@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -178,8 +179,9 @@ class ModelRunner:
             return self.graph_sizes
         decode = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_seqs} | {self.max_seqs})
         mixed = sorted({t for t in GRAPH_TOKEN_SIZES if t < self.max_rows} | {self.max_rows})
-        pool = None
+        pool, warm_s, capture_s = None, 0.0, 0.0
         for key in [(MIXED, t) for t in reversed(mixed)] + [(DECODE, b) for b in reversed(decode)]:
+            t0 = time.perf_counter()
             host = self._hosts[0]
             step = self._graph_step(key, host)
             self._pad(host.numpy(), step, 0, 0, 0)
@@ -187,12 +189,15 @@ class ModelRunner:
             ids, pos, meta = self._views(step)
             self._forward(ids, pos, meta)  # warm up kernels (Triton compiles) and NCCL outside capture
             torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self._forward(ids, pos, meta)
             pool = graph.pool()
             self.graphs[key] = (graph, out)
+            warm_s, capture_s = warm_s + t1 - t0, capture_s + time.perf_counter() - t1
         torch.cuda.synchronize(self.device)
+        log.info("captured %d graphs: warm-up runs %.3f s, captures %.3f s", len(self.graphs), warm_s, capture_s)
         self._sizes_by_kind = {k: [s for kk, s in sorted(self.graphs) if kk == k] for k in (DECODE, MIXED)}
         return self.graph_sizes
 
