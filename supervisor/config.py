@@ -148,7 +148,8 @@ class MigrationSection(_Section):
 
     enabled: bool = Field(default=True, description="false: requests pass through untouched (a stream cut "
                           "mid-response ends with an error event)")
-    max_migrations: int = Field(default=3, ge=0, description="continuations of one request at most")
+    max_migrations: int = Field(default=10, ge=0, description="continuations of one request at most: how many "
+                                "failovers a request may ride (one that kills engines is quarantined after two)")
     max_replay_tokens: int = Field(default=32768, ge=1, description="prompt + emitted tokens a continuation "
                                    "may replay at most; a longer request ends with an explicit error")
 
