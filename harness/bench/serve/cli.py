@@ -21,15 +21,13 @@ or a target that cannot be measured as asked.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import sys
 import time
 from pathlib import Path
 
-from .client import request_body, run_point
-from .fanout import run_point_procs
+from .point import request_body, run_point
 from .metrics import prefix_delta, scrape
 from .report import Report, table, write
 from .stats import summarize
@@ -135,7 +133,7 @@ def live(args: argparse.Namespace, w: Workload) -> Report:
         rng = random.Random(args.seed - 1)
         warm = [request_body(t.model, RequestSpec(random_ids(rng, 16, t.vocab), 4), 0.0, True)
                 for _ in range(args.warmup)]
-        res, _ = asyncio.run(run_point(t.url, "/v1/completions", warm, min(args.warmup, max(conc)), args.timeout))
+        res, _ = run_point(t.url, warm, min(args.warmup, max(conc)), args.timeout)
         bad = [r.error for r in res if not r.ok]
         if bad:
             notes.append(f"warm-up: {len(bad)} of {len(res)} failed, e.g. {bad[0]}")
@@ -148,12 +146,8 @@ def live(args: argparse.Namespace, w: Workload) -> Report:
         note(f"point {k + 1}/{len(conc)}: concurrency {c}, {n} requests")
         before = scrape(t.metrics_sources)
         cpu0 = time.process_time()
-        if args.client_procs > 1:
-            results, elapsed = run_point_procs(t.url, "/v1/completions", bodies, c, args.timeout, args.duration,
-                                               args.client_procs)
-        else:
-            results, elapsed = asyncio.run(run_point(t.url, "/v1/completions", bodies, c, args.timeout,
-                                                     args.duration, label=f"concurrency {c}: "))
+        results, elapsed = run_point(t.url, bodies, c, args.timeout, args.duration, args.client_procs,
+                                     label=f"concurrency {c}: ")
         point = summarize(c, results, elapsed)
         if args.client_procs == 1:  # the CPU of child processes is not counted here
             point.client_cpu = round((time.process_time() - cpu0) / elapsed, 3) if elapsed > 0 else None
