@@ -1,6 +1,8 @@
-"""`understudy bench failover`: SIGKILL the primary under steady load, N times; report the time from
-the kill to the first success served by the new primary (p50/p99) and count failed requests. With
-`--streams N`, the failover a client sees instead (harness/bench/failover_streams.py).
+"""`understudy bench failover`: SIGKILL the primary under steady load, N times: kill -> first success.
+
+Reports the time from the kill to the first success served by the new primary (p50/p99) and counts
+failed requests. With `--streams N`, the failover a client sees instead
+(harness/bench/failover_streams.py).
 
 It starts its own supervisor (the given config, or the embedded default) with a private runtime
 dir and free ports, so it never touches a production instance.
@@ -94,18 +96,24 @@ def router_overhead(h, model: str, n: int, max_tokens: int) -> dict[str, float]:
             "requests": n}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench failover", description=__doc__.splitlines()[0])
     add_target_args(p)
-    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--runs", type=int, default=10, help="primary kills (%(default)s)")
     p.add_argument("--concurrency", type=int, default=2, help="clients sending back-to-back requests")
-    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (%(default)s)")
     p.add_argument("--overhead-requests", type=int, default=100,
                    help="interleaved direct/router requests to measure router overhead (0: skip)")
     p.add_argument("--settle", type=float, default=0.5, help="seconds of steady load before each kill")
-    p.add_argument("--boot-timeout", type=float, default=900.0)
+    p.add_argument("--boot-timeout", type=float, default=900.0,
+                   help="seconds the node may take to start, and each replacement to be READY")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     add_stream_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.streams:
         return run_streams(args)

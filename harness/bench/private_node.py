@@ -33,7 +33,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
     p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
     p.add_argument("--model", help="checkpoint folder (overrides model.path)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="the node's device (overrides device)")
 
 
 def say(args: argparse.Namespace, msg: str) -> None:

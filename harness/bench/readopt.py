@@ -1,8 +1,10 @@
-"""`understudy bench supervisor-restart`: SIGKILL the supervisor under open-loop load, N times, and
-start it again on the same listening sockets (as systemd's understudy.socket + Restart= would).
-Reports, per kill: the time until requests are served again, when the children were re-adopted,
-requests lost (in flight inside the killed process), connections refused, and engine restarts
-(an engine whose pid changed). Target (issue 12): 0 refused, 0 engine restarts, serving within 2 s.
+"""`understudy bench supervisor-restart`: SIGKILL the supervisor under load, N times, and start it again.
+
+It starts again on the same listening sockets (as systemd's understudy.socket + Restart= would),
+under open-loop load. Reports, per kill: the time until requests are served again, when the
+children were re-adopted, requests lost (in flight inside the killed process), connections refused,
+and engine restarts (an engine whose pid changed). Target (issue 12): 0 refused, 0 engine restarts,
+serving within 2 s.
 
 It starts its own supervisor (the given config, or the embedded default) with a private runtime dir
 and its own listening sockets, so it never touches a production instance.
@@ -129,15 +131,21 @@ def _first_success_after(load, t_kill: float, timeout_s: float) -> float | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench supervisor-restart", description=__doc__.splitlines()[0])
     add_target_args(p)
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=5, help="supervisor kills (%(default)s)")
     p.add_argument("--rate", type=float, default=20.0, help="requests per second, each on a new connection")
-    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (%(default)s)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds of load before each kill")
-    p.add_argument("--boot-timeout", type=float, default=900.0)
+    p.add_argument("--boot-timeout", type=float, default=900.0,
+                   help="seconds the node may take to start, and to be all READY after each restart")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.runs < 1 or args.rate <= 0:
         p.error("--runs must be >= 1 and --rate > 0")

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench serve", description=__doc__.split("\n\n")[0],
                                 epilog="Example: understudy bench serve -c configs/h200-1b.yaml --workload chat "
                                        "--out bench/serve-chat", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=list(WORKLOADS), default="chat")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="chat",
+                   help="chat: prompts 64-512, 128 out; nano: 256 requests at once, 100-1024 in and out; "
+                        "shared-prefix: a 1,500-token prefix + 32, 128 out (%(default)s)")
     t = p.add_argument_group("target (default: the router of the config's supervisor)")
     t.add_argument("-c", "--config", help="supervisor config: router URL, admin API (model, /metrics), engine settings")
     t.add_argument("--url", help="base URL of any OpenAI endpoint (overrides the config's router)")
@@ -52,10 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["cpu", "cuda"], help="default: the supervisor's")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the config's")
     s.add_argument("--max-num-seqs", type=int, help="the engine's batch cap: static batch = min(concurrency, this)")
-    s.add_argument("--no-cuda-graphs", action="store_true")
-    s.add_argument("--no-fused-kernels", action="store_true")
+    s.add_argument("--no-cuda-graphs", action="store_true", help="static decode without CUDA graphs")
+    s.add_argument("--no-fused-kernels", action="store_true", help="static decode through the torch path only")
     s.add_argument("--no-static", action="store_true", help="skip the static decode")
-    s.add_argument("--static-timeout", type=float, default=1800.0)
+    s.add_argument("--static-timeout", type=float, default=1800.0, help="seconds the static decode may take")
     w = p.add_argument_group("load")
     w.add_argument("--concurrency", help="comma-separated sweep, e.g. 1,8,32 (default: the workload's)")
     w.add_argument("--num-requests", type=int,
@@ -64,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--input-len", help="prompt tokens N or LO:HI, after any shared prefix (default: the workload's)")
     w.add_argument("--output-len", help="output tokens N or LO:HI (default: the workload's)")
     w.add_argument("--prefix-len", type=int, help="shared prefix tokens (default: the workload's)")
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (%(default)s: greedy)")
     w.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="the prompts' and lengths' random ids (%(default)s)")
     w.add_argument("--warmup", type=int, default=4, help="short requests before the sweep, not counted")
     w.add_argument("--timeout", type=float, default=600.0, help="seconds any one read may wait")
     w.add_argument("--client-procs", type=int, default=1,
