@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.bench.failover_streams import add_args as add_stream_args, run_streams
-from harness.bench.private_node import add_target_args, bench_config, say
+from harness.bench.private_node import add_kill_args, add_target_args, bench_config, say
 from harness.stats import bench_summary, tail_text
 
 
@@ -99,15 +99,10 @@ def router_overhead(h, model: str, n: int, max_tokens: int) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench failover", description=__doc__.splitlines()[0])
     add_target_args(p)
-    p.add_argument("--runs", type=int, default=10, help="primary kills (%(default)s)")
+    add_kill_args(p, "primary", runs=10, settle=0.5)
     p.add_argument("--concurrency", type=int, default=2, help="clients sending back-to-back requests")
-    p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (%(default)s)")
     p.add_argument("--overhead-requests", type=int, default=100,
                    help="interleaved direct/router requests to measure router overhead (0: skip)")
-    p.add_argument("--settle", type=float, default=0.5, help="seconds of steady load before each kill")
-    p.add_argument("--boot-timeout", type=float, default=900.0,
-                   help="seconds the node may take to start, and each replacement to be READY")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     add_stream_args(p)
     return p
 

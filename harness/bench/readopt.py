@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.bench.private_node import add_target_args, bench_config, say
+from harness.bench.private_node import add_kill_args, add_target_args, bench_config, say
 from harness.stats import bench_summary
 
 ADOPTED_LINE = "re-adopted from the previous supervisor"
@@ -134,13 +134,8 @@ def _first_success_after(load, t_kill: float, timeout_s: float) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench supervisor-restart", description=__doc__.splitlines()[0])
     add_target_args(p)
-    p.add_argument("--runs", type=int, default=5, help="supervisor kills (%(default)s)")
+    add_kill_args(p, "supervisor", runs=5, settle=2.0)
     p.add_argument("--rate", type=float, default=20.0, help="requests per second, each on a new connection")
-    p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (%(default)s)")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds of load before each kill")
-    p.add_argument("--boot-timeout", type=float, default=900.0,
-                   help="seconds the node may take to start, and to be all READY after each restart")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
 
 
