@@ -24,7 +24,8 @@ from harness.bench.decode import bench_decode, fused_as_accurate, fused_logit_er
 from harness.bench.restart import bench_restart, print_restart
 
 
-DECODE = "Decode tokens/s at batch 1, 8, 32 (greedy, in-process) and the batch-1 fraction of the memory-bandwidth floor."
+DECODE = ("Decode tokens/s at batch 1, 8, 32 (greedy, in-process) and the batch-1 fraction of the "
+          "memory-bandwidth floor.")
 RESTART = "Restart-to-ready in client mode (a daemon holds the weights): a cold exec vs the spawn server, per phase."
 VALIDATE = "The H200 check: CUDA graphs vs eager tokens, then the decode and restart benchmarks, one summary table."
 

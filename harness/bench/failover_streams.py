@@ -12,7 +12,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -20,6 +20,9 @@ from harness.bench.private_node import bench_config, say
 from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
 from harness.load.processes import ClientProcesses, split
 from harness.stats import bench_summary, tail_text
+
+if TYPE_CHECKING:
+    from harness.node import Harness
 
 
 def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
@@ -49,7 +52,7 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
 
 
-def kill_primaries(args: argparse.Namespace, h) -> tuple[list[float], ...]:  # noqa: ANN001 (harness.node.Harness)
+def kill_primaries(args: argparse.Namespace, h: Harness) -> tuple[list[float], list[float], list[float], list[float]]:
     """SIGKILL the primary `--runs` times, each once the node is whole again: the kill times
     (time.monotonic, the client processes' clock), failover_seconds, the standby back, the promotion
     inside the engine (shared KV)."""
