@@ -1,7 +1,7 @@
-"""`understudy bench failover`: SIGKILL the primary under steady load, N times: kill -> first success.
+"""SIGKILL the primary under steady load, N times: kill -> first success.
 
-Reports the time from the kill to the first success served by the new primary (p50/p99) and counts
-failed requests. With `--streams N`, the failover a client sees instead
+`understudy bench failover` reports the time from the kill to the first success served by the new
+primary (p50/p99) and counts failed requests. With `--streams N`, the failover a client sees instead
 (harness/bench/failover_streams.py).
 
 It starts its own supervisor (the given config, or the embedded default) with a private runtime

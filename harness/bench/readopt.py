@@ -1,10 +1,10 @@
-"""`understudy bench supervisor-restart`: SIGKILL the supervisor under load, N times, and start it again.
+"""SIGKILL the supervisor under load, N times, and start it again.
 
-It starts again on the same listening sockets (as systemd's understudy.socket + Restart= would),
-under open-loop load. Reports, per kill: the time until requests are served again, when the
-children were re-adopted, requests lost (in flight inside the killed process), connections refused,
-and engine restarts (an engine whose pid changed). Target (issue 12): 0 refused, 0 engine restarts,
-serving within 2 s.
+`understudy bench supervisor-restart` starts it again on the same listening sockets (as systemd's
+understudy.socket + Restart= would), under open-loop load. Reports, per kill: the time until
+requests are served again, when the children were re-adopted, requests lost (in flight inside the
+killed process), connections refused, and engine restarts (an engine whose pid changed). Target
+(issue 12): 0 refused, 0 engine restarts, serving within 2 s.
 
 It starts its own supervisor (the given config, or the embedded default) with a private runtime dir
 and its own listening sockets, so it never touches a production instance.

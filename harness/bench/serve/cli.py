@@ -1,15 +1,15 @@
-"""`understudy bench serve`: a load generator for an OpenAI endpoint (the router by default).
+"""A load generator for an OpenAI endpoint (the router by default).
 
-Closed loop: N clients each send the next request when their previous one is done, streaming, so
-time to first token (TTFT) and inter-token latency (ITL: gaps between content chunks) are seen as
-a client sees them. Prompts are token ids of exact lengths on /v1/completions (random ids, seeded;
-no tokenizer), `ignore_eos` on, greedy by default; output tokens are counted from the final
-`usage` chunk (`stream_options.include_usage`), else from content chunks (the report says which).
-After the sweep, the engine's static decode (`harness.bench.engine decode`, same checkpoint, device,
-dtype, max_model_len and kernels) runs at each point's batch, and each point gets the ratio
-live output tok/s / static tok/s. Prefix-cache hit rate per point comes from the Prometheus
-counters (supervisor admin /metrics, `--metrics-url`, or the endpoint's own /metrics); "n/a" when
-they are not found.
+`understudy bench serve` runs a closed loop: N clients each send the next request when their
+previous one is done, streaming, so time to first token (TTFT) and inter-token latency (ITL: gaps
+between content chunks) are seen as a client sees them. Prompts are token ids of exact lengths on
+/v1/completions (random ids, seeded; no tokenizer), `ignore_eos` on, greedy by default; output
+tokens are counted from the final `usage` chunk (`stream_options.include_usage`), else from content
+chunks (the report says which). After the sweep, the engine's static decode (`harness.bench.engine
+decode`, same checkpoint, device, dtype, max_model_len and kernels) runs at each point's batch, and
+each point gets the ratio live output tok/s / static tok/s. Prefix-cache hit rate per point comes
+from the Prometheus counters (supervisor admin /metrics, `--metrics-url`, or the endpoint's own
+/metrics); "n/a" when they are not found.
 
 Workloads: chat (prompts 64-512 tokens, 128 out), nano (256 requests, in and out uniform in
 100-1024, all at once), shared-prefix (one 1,500-token prefix + 32 tokens, 128 out).
