@@ -1,6 +1,7 @@
 """`understudy -h` and the README say the same thing: every subcommand has a description line and
 help for every argument, and the README's command lists are checked against the parser (issue 24).
-The chaos and bench subcommands parse their own arguments (their modules' parsers, under harness/)."""
+The chaos, bench, make-model and daemon subcommands parse their own arguments (their modules'
+parsers: supervisor.cli.tool_parser)."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +9,10 @@ import itertools
 import re
 import subprocess
 import sys
-from importlib import import_module
 
 import pytest
 
-from supervisor.cli import ADMIN_COMMANDS, BENCH, DELEGATED, WHOLE_ARGV, build_parser
+from supervisor.cli import ADMIN_COMMANDS, BENCH, DELEGATED, bench_parser, build_parser, tool_parser
 from harness import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -21,20 +21,6 @@ README = (ROOT / "README.md").read_text()
 def subparsers() -> dict[str, argparse.ArgumentParser]:
     (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(action.choices)
-
-
-def subcommand(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    (action,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
-    return action.choices[name]
-
-
-def tool_parsers() -> dict[str, argparse.ArgumentParser]:
-    """`chaos` and `bench NAME` for every bench: the parser that reads its arguments."""
-    out = {"chaos": import_module(DELEGATED["chaos"]).build_parser()}
-    for name, module in BENCH.items():
-        p = import_module(module).build_parser()
-        out[f"bench {name}"] = subcommand(p, name) if module in WHOLE_ARGV else p
-    return out
 
 
 def own_commands() -> list[str]:
@@ -51,12 +37,12 @@ def test_every_command_says_what_it_does_and_every_argument_has_help(name):
             assert a.help and a.help != argparse.SUPPRESS, f"understudy {name}: {a.dest} has no help"
 
 
-TOOLS = [*(f"bench {name}" for name in BENCH), "chaos"]
+TOOLS = [*(f"bench {name}" for name in BENCH), "chaos"]  # the README's 'Benchmarks and chaos' block
 
 
-@pytest.mark.parametrize("name", TOOLS)
-def test_every_bench_and_chaos_says_what_it_does_and_every_argument_has_help(name):
-    p = tool_parsers()[name]
+@pytest.mark.parametrize("name", [*TOOLS, *(name for name in DELEGATED if name != "chaos")])
+def test_every_delegated_command_says_what_it_does_and_every_argument_has_help(name):
+    p = tool_parser(name)
     assert p.prog == f"understudy {name}"
     d = p.description or ""
     assert len(d) > 15 and "\n" not in d and d.endswith("."), f"`understudy {name} -h`: no description line: {d!r}"
@@ -83,7 +69,18 @@ def test_the_readme_benchmarks_block_is_one_line_per_bench_and_chaos_in_the_cli_
 
 @pytest.mark.parametrize("name, example, comment", readme_tool_lines())
 def test_every_readme_benchmark_example_parses_and_names_only_real_options(name, example, comment):
-    p = tool_parsers()[name]
+    assert_parses(name, example, comment)
+
+
+def test_the_readme_make_model_example_parses_and_names_only_real_options():
+    (example,) = re.findall(r"`understudy make-model ([^`]+)`", README)
+    assert_parses("make-model", example)
+
+
+def assert_parses(name: str, example: str, comment: str = "") -> None:
+    """`understudy NAME EXAMPLE` parses with its `[...]` parts given, once per alternative of each
+    `a|b`; every option the example or its comment names exists."""
+    p = tool_parser(name)
     words = example.replace("[", " ").replace("]", " ").split()
     for argv in itertools.product(*(w.split("|") for w in words)):  # chat|nano: each of them
         try:
@@ -110,7 +107,17 @@ def test_bench_and_chaos_help_comes_through_the_console_script(name):
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: understudy {name} ")
-    assert tool_parsers()[name].description in " ".join(out.stdout.split())
+    assert tool_parser(name).description in " ".join(out.stdout.split())
+
+
+def test_bench_help_lists_every_bench_with_its_description():
+    out = subprocess.run([sys.executable, "-m", "supervisor", "bench", "-h"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert text.startswith("usage: understudy bench ") and bench_parser().description in text
+    for name in BENCH:
+        assert f"{name} {tool_parser(f'bench {name}').description}" in text
 
 
 def test_every_command_is_in_the_readme():
