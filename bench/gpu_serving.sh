@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The serving engine on an H200 (device tool), one call per part. Usage:
 #   bash bench/gpu_serving.sh engine   # kernels natively, graphs == eager, static decode, offline nano
-#   bash bench/gpu_serving.sh probe    # the ad-hoc live probe (.out/live_probe.py): router and engine
+#   bash bench/gpu_serving.sh probe    # the chat sweep through the router, shared-prefix, and 256 clients on the
+#                                      # primary engine directly (`understudy bench serve`, no static decode)
 #   bash bench/gpu_serving.sh serve    # a real `understudy serve` under `understudy bench serve`
 #   bash bench/gpu_serving.sh ttft     # shared-prefix time to first token: router vs engine, and the
 #                                      # engine's own split (bench/probes/ttft_split.py); TTFT_RUNS
@@ -37,9 +38,11 @@ engine)
   ;;
 probe)
   serve_1b
-  timeout 200 python3 .out/live_probe.py http://127.0.0.1:8000 m1b chat 2>&1 | tee "$OUT/probe_chat.log"
-  timeout 100 python3 .out/live_probe.py http://127.0.0.1:8000 m1b shared 2>&1 | tee "$OUT/probe_shared.log"
-  timeout 100 python3 .out/live_probe.py "$(primary url)" m1b direct 2>&1 | tee "$OUT/probe_direct.log"
+  B="python3 -m supervisor.cli bench serve -c $C --client-procs 8 --no-static"
+  timeout 200 $B --workload chat --concurrency 1,32,64,256 2>&1 | tee "$OUT/probe_chat.log"
+  timeout 100 $B --workload shared-prefix --concurrency 32 --num-requests 256 2>&1 | tee "$OUT/probe_shared.log"
+  timeout 100 $B --url "$(primary url)" --workload chat --concurrency 256 --num-requests 1024 2>&1 \
+    | tee "$OUT/probe_direct.log"
   stop_serve
   ;;
 serve)  # the live path: a real `understudy serve` under `understudy bench serve`, static decode beside it

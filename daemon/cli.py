@@ -16,11 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Hold one rank's weights in an arena and share it with engines.")
     p.add_argument("--model", required=True, help="HF checkpoint folder (config.json + *.safetensors)")
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank this daemon holds")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--tp-size", type=int, default=1, help="ranks of the tensor-parallel group (%(default)s)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the arena is (%(default)s)")
     p.add_argument("--gpu-id", type=int, default=None, help="GPU of this rank (default: the rank)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--runtime-dir", default=str(default_runtime_dir()))
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the weights' dtype in the arena (%(default)s)")
+    p.add_argument("--runtime-dir", default=str(default_runtime_dir()),
+                   help="private folder of its socket, daemon-rankN.sock (%(default)s)")
     p.add_argument("--threads", type=int, default=None, help="reader threads for the cold load")
     p.add_argument("--max-load-mbps", type=float, default=None,
                    help="cap the cold-load read rate (MB/s), to rehearse slow disks")
@@ -28,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allocate the rank's shared KV pool of this many bytes (0: none)")
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block of the pool")
     p.add_argument("--kv-slots", type=int, default=2, help="engine slots that get scratch blocks in the pool")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (%(default)s)")
     return p
 
 

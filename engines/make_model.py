@@ -147,13 +147,19 @@ def make_model(model_dir: str | Path, preset: str = "tiny", arch: str = "llama",
     return model_dir
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="understudy make-model", description=__doc__.splitlines()[0])
     parser.add_argument("dir", help="folder to write the checkpoint into")
-    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
-    parser.add_argument("--arch", choices=list(ARCHS), default="llama")
-    parser.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args(argv)
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                        help="its size: tiny (2 layers of 64), small (4 of 256), 1b (16 of 2048) (%(default)s)")
+    parser.add_argument("--arch", choices=list(ARCHS), default="llama",
+                        help="the architecture config.json names (%(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the weights' seed: one seed, the same bytes (%(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     out = make_model(ns.dir, ns.preset, ns.arch, ns.seed)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {ns.preset} {ns.arch} checkpoint to {out} ({size / 1e6:.1f} MB of weights)")

@@ -21,6 +21,29 @@ WHOLE_ARGV = ("harness.bench.weights", "harness.bench.engine")  # their own subc
 EXIT_READER_GONE = 128 + 13  # the shell's status of a writer ended by SIGPIPE (`git log | head -1`)
 
 
+def tool_parser(name: str) -> argparse.ArgumentParser:
+    """The parser that reads the arguments of `name`, a subcommand handed to another module (`chaos`,
+    `make-model`, `daemon`, `bench NAME`): that module is imported now."""
+    cmd, _, bench = name.partition(" ")
+    if cmd != "bench":
+        return import_module(DELEGATED[cmd]).build_parser()
+    p = import_module(BENCH[bench]).build_parser()
+    if BENCH[bench] not in WHOLE_ARGV:
+        return p
+    (action,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices[bench]
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """`understudy bench -h`: every benchmark with its own description line."""
+    p = argparse.ArgumentParser(prog="understudy bench", description="Benchmarks, each with arguments of its own "
+                                "(`understudy bench NAME -h`).")
+    sub = p.add_subparsers(metavar="NAME", required=True)
+    for name in BENCH:
+        sub.add_parser(name, help=tool_parser(f"bench {name}").description, add_help=False)
+    return p
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     try:
         mod = import_module(module)
@@ -102,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATED:
         return _delegate(DELEGATED[argv[0]], argv[1:])
     if argv and argv[0] == "bench":
+        if argv[1:] in (["-h"], ["--help"]):
+            bench_parser().print_help()
+            return 0
         if len(argv) < 2 or argv[1] not in BENCH:
-            print(f"usage: understudy bench {{{'|'.join(BENCH)}}} ...", file=sys.stderr)
+            print(f"usage: understudy bench {{{'|'.join(BENCH)}}} ... (-h: what each does)", file=sys.stderr)
             return 2
         return _delegate(BENCH[argv[1]], argv[1:] if BENCH[argv[1]] in WHOLE_ARGV else argv[2:])
     ns = build_parser().parse_args(argv)

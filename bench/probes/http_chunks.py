@@ -1,6 +1,6 @@
 """What an HTTP hop costs per stream chunk, on the live path (real listener, real sockets), without a GPU:
 CPU seconds of one process per chunk it relays, read from /proc, under closed-loop streaming clients
-(raw sockets, no HTTP library, so the clients cost little).
+(harness/load: raw sockets, no HTTP library, so the clients cost little).
 
 - `--target router`: the real router app on its listener, in front of a stand-in engine that streams
   engine-shaped chunks (token ids; `--prompt-ids` prompt ids in the first) every `--step-ms`.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -26,6 +27,11 @@ import tempfile
 import time
 
 from cpu_share import cpu_seconds  # (this script's folder is on sys.path)
+
+from harness.load.client import Client
+from harness.load.request import Request
+from harness.load.result import RequestResult
+from harness.load.schedules import closed_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -76,32 +82,14 @@ async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arg
         writer.close()
 
 
-async def client(port: int, args, stop_at: float, ttft: list[float], counts: list[int],
-                 total: list[float] | None = None) -> None:
-    """Closed loop: stream a completion, read to the end of the chunked body, again."""
-    body = json.dumps({"model": args.model_name, "prompt": [10 + i % 500 for i in range(args.prompt_ids)],  # within a tiny vocabulary
-                       "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0,
-                       "return_token_ids": True}).encode()
-    req = (b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-           b"content-length: %d\r\n\r\n%s" % (len(body), body))
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    while time.monotonic() < stop_at:
-        t0 = time.monotonic()
-        writer.write(req)
-        await reader.readuntil(b"\r\n\r\n")
-        first = True
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            if first:
-                ttft.append(time.monotonic() - t0)
-                first = False
-            counts[0] += data.count(b"data: ")
-        if total is not None:
-            total.append(time.monotonic() - t0)
-    writer.close()
+async def load(port: int, args, seconds: float) -> list[RequestResult]:
+    """`--clients` closed loops of one streamed completion after another (harness/load), each on a
+    kept-alive connection, for `seconds`; the requests in flight then finish."""
+    body = {"model": args.model_name, "prompt": [10 + i % 500 for i in range(args.prompt_ids)],  # a tiny vocabulary's
+            "max_tokens": args.tokens, "stream": True, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    client = Client(f"http://127.0.0.1:{port}", 30.0, every_event=True)
+    await closed_loop(client, itertools.repeat(Request.of(body)), args.clients, deadline=time.monotonic() + seconds)
+    return client.results
 
 
 async def router_target(args, stack: contextlib.ExitStack) -> tuple[int, int]:
@@ -145,22 +133,21 @@ async def main(args) -> dict:
     with contextlib.ExitStack() as stack:
         target = router_target if args.target == "router" else engine_target
         port, pid = await target(args, stack)
-        warm_ttft: list[float] = []
-        await asyncio.gather(*(client(port, args, time.monotonic() + 1.0, warm_ttft, [0])
-                               for _ in range(args.clients)))
-        ttft: list[float] = []
-        total: list[float] = []
-        counts = [0]
+        await load(port, args, 1.0)  # warm-up
         cpu0, own0, t0 = cpu_seconds(pid), time.process_time(), time.monotonic()
-        await asyncio.gather(*(client(port, args, t0 + args.seconds, ttft, counts, total)
-                               for _ in range(args.clients)))
+        results = await load(port, args, args.seconds)
         cpu, own, wall = cpu_seconds(pid) - cpu0, time.process_time() - own0, time.monotonic() - t0
-    return {"target": args.target, "clients": args.clients, "chunks": counts[0],
-            "chunks_per_s": round(counts[0] / wall), "cpu_share": round(cpu / wall, 3),
-            "us_per_chunk": round(cpu / counts[0] * 1e6, 1),
-            "clients_cpu_share": round(own / wall, 3), "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2),
-            "request_p50_ms": round(statistics.median(total) * 1e3, 1),
-            "requests": len(ttft)}
+    chunks = sum(len(r.event_times) for r in results)  # data events, [DONE] too
+    ok = [r for r in results if r.ok]
+    if len(ok) < len(results):
+        raise RuntimeError(f"{len(results) - len(ok)} of {len(results)} requests failed: {results[0].error}")
+    return {"target": args.target, "clients": args.clients, "chunks": chunks,
+            "chunks_per_s": round(chunks / wall), "cpu_share": round(cpu / wall, 3),
+            "us_per_chunk": round(cpu / chunks * 1e6, 1),
+            "clients_cpu_share": round(own / wall, 3),
+            "ttft_p50_ms": round(statistics.median(r.ttft for r in ok) * 1e3, 2),
+            "request_p50_ms": round(statistics.median(r.latency for r in ok) * 1e3, 1),
+            "requests": len(ok)}
 
 
 if __name__ == "__main__":

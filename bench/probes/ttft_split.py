@@ -11,31 +11,26 @@ client <-> router hop; the router's minus the engine's ingress and front-end fig
 router <-> engine hop and both HTTP loops."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from harness.prometheus import Histogram, MetricsSnapshot
 
 ROUTER_PARTS = ("understudy_router_first_token_seconds",)
 ENGINE_PARTS = ("understudy_engine_ingress_seconds", "understudy_engine_queue_seconds",
                 "understudy_engine_core_first_output_seconds", "understudy_engine_first_output_seconds")
 
 
-def histograms(text: str, parts: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """{histogram: {'count': n, 'sum': s, le: cumulative count}} for `parts` in a Prometheus text."""
-    out: dict[str, dict[str, float]] = {p: {} for p in parts}
-    for fam in text_string_to_metric_families(text):
-        h = out.get(fam.name) if fam.name in out else out.get(fam.name + "_seconds")
-        if h is None:
-            continue
-        for s in fam.samples:
-            key = s.labels["le"] if s.name.endswith("_bucket") else s.name.rsplit("_", 1)[1]
-            h[key] = s.value
-    return out
+def histograms(text: str, parts: tuple[str, ...]) -> dict[str, Histogram]:
+    """The histograms `parts` of a Prometheus text (harness/prometheus.py reads it)."""
+    snap = MetricsSnapshot.parse(text)
+    return {p: snap.histogram(p) for p in parts}
 
 
-def scrape(engine_url: str, config: str | None) -> dict[str, dict[str, float]]:
+def scrape(engine_url: str, config: str | None) -> dict[str, Histogram]:
     out = histograms(httpx.get(engine_url + "/metrics", timeout=10).text, ENGINE_PARTS)
     if config is not None:
         from supervisor.admin.client import call
@@ -52,13 +47,11 @@ def main() -> int:
     rc = subprocess.call(cmd)
     after = scrape(url, config)
     print(f"{'part':46}{'n':>7}{'mean ms':>10}{'p50 <= ms':>11}")
-    for part in after:
-        a, b = after[part], before.get(part, {})
-        n = a.get("count", 0) - b.get("count", 0)
-        mean = (a.get("sum", 0) - b.get("sum", 0)) / n * 1e3 if n else float("nan")
-        les = sorted((float(le), a[le] - b.get(le, 0)) for le in a if le not in ("count", "sum", "created"))
-        p50 = next((le for le, c in les if c >= n / 2), float("nan")) * 1e3 if n else float("nan")
-        print(f"{part:46}{n:>7.0f}{mean:>10.2f}{p50:>11.1f}")
+    for part, a in after.items():
+        h = a.minus(before[part]) if part in before else a
+        mean, p50 = h.mean, h.bucket_of(0.5)  # p50: the upper bound of its bucket
+        print(f"{part:46}{h.count:>7.0f}{math.nan if mean is None else mean * 1e3:>10.2f}"
+              f"{math.nan if p50 is None else p50[1] * 1e3:>11.1f}")
     return rc
 
 

@@ -24,34 +24,46 @@ from harness.bench.decode import bench_decode, fused_as_accurate, fused_logit_er
 from harness.bench.restart import bench_restart, print_restart
 
 
-def main(argv: list[str] | None = None) -> int:
+DECODE = ("Decode tokens/s at batch 1, 8, 32 (greedy, in-process) and the batch-1 fraction of the "
+          "memory-bandwidth floor.")
+RESTART = "Restart-to-ready in client mode (a daemon holds the weights): a cold exec vs the spawn server, per phase."
+VALIDATE = "The H200 check: CUDA graphs vs eager tokens, then the decode and restart benchmarks, one summary table."
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="understudy bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     dev_default = "cuda" if torch.cuda.is_available() else "cpu"
-    d = sub.add_parser("decode", help="decode tokens/s at batch 1, 8, 32 and the batch-1 bandwidth floor")
-    d.add_argument("model_dir")
-    d.add_argument("--batches", default="1,8,32")
-    d.add_argument("--tokens", type=int, default=128)
-    d.add_argument("--prompt-len", type=int, default=64)
+    d = sub.add_parser("decode", help=DECODE, description=DECODE)
+    d.add_argument("model_dir", help="checkpoint folder")
+    d.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (%(default)s)")
+    d.add_argument("--tokens", type=int, default=128, help="tokens generated per sequence (%(default)s)")
+    d.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence (%(default)s)")
     d.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's context, as a server's (default: prompt-len + tokens + 8)")
-    r = sub.add_parser("restart", help="restart-to-ready in client mode, cold vs spawn server, per phase")
-    r.add_argument("model_dir")
-    r.add_argument("--runs", type=int, default=3)
-    r.add_argument("--kv-cache-gb", type=float, default=1.0)
-    r.add_argument("--max-num-seqs", type=int, default=16)
+    r = sub.add_parser("restart", help=RESTART, description=RESTART)
+    r.add_argument("model_dir", help="checkpoint folder")
+    r.add_argument("--runs", type=int, default=3, help="restarts per mode (median reported)")
+    r.add_argument("--kv-cache-gb", type=float, default=1.0, help="the engine's KV cache, GiB (%(default)s)")
+    r.add_argument("--max-num-seqs", type=int, default=16, help="the engine's batch cap (%(default)s)")
     r.add_argument("--work-dir", type=Path, default=None, help="keep logs here (default: temp, removed)")
-    v = sub.add_parser("validate", help="H200 check: CUDA graphs vs eager, then decode and restart benchmarks")
+    v = sub.add_parser("validate", help=VALIDATE, description=VALIDATE)
     v.add_argument("--model-dir", default=None, help="checkpoint to use (default: make the 1b preset in a temp dir)")
-    v.add_argument("--preset", default="1b")
-    v.add_argument("--runs", type=int, default=3)
+    v.add_argument("--preset", default="1b", help="the preset made when no --model-dir is given (%(default)s)")
+    v.add_argument("--runs", type=int, default=3, help="restarts per mode in the restart benchmark")
     for p in (d, r, v):
-        p.add_argument("--device", choices=["cpu", "cuda"], default=dev_default)
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+        p.add_argument("--device", choices=["cpu", "cuda"], default=dev_default,
+                       help="default: cuda when torch sees a GPU, else cpu")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                       help="default: float32 on cpu, else the checkpoint's torch_dtype")
         p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
-    d.add_argument("--no-cuda-graphs", action="store_true")
+    d.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     d.add_argument("--no-fused-kernels", action="store_true", help="decode through the torch path only")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
 
     if ns.cmd == "decode":
         res = bench_decode(ns.model_dir, ns.device, [int(b) for b in ns.batches.split(",")], ns.tokens,

@@ -1,6 +1,8 @@
-"""`understudy bench failover`: SIGKILL the primary under steady load, N times; report the time from
-the kill to the first success served by the new primary (p50/p99) and count failed requests. With
-`--streams N`, the failover a client sees instead (harness/bench/failover_streams.py).
+"""SIGKILL the primary under steady load, N times: kill -> first success.
+
+`understudy bench failover` reports the time from the kill to the first success served by the new
+primary (p50/p99) and counts failed requests. With `--streams N`, the failover a client sees instead
+(harness/bench/failover_streams.py).
 
 It starts its own supervisor (the given config, or the embedded default) with a private runtime
 dir and free ports, so it never touches a production instance.
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.bench.failover_streams import add_args as add_stream_args, run_streams
-from harness.bench.private_node import add_target_args, bench_config, say
+from harness.bench.private_node import add_kill_args, add_target_args, bench_config, say
 from harness.stats import bench_summary, tail_text
 
 
@@ -94,18 +96,19 @@ def router_overhead(h, model: str, n: int, max_tokens: int) -> dict[str, float]:
             "requests": n}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench failover", description=__doc__.splitlines()[0])
     add_target_args(p)
-    p.add_argument("--runs", type=int, default=10)
+    add_kill_args(p, "primary", runs=10, settle=0.5)
     p.add_argument("--concurrency", type=int, default=2, help="clients sending back-to-back requests")
-    p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--overhead-requests", type=int, default=100,
                    help="interleaved direct/router requests to measure router overhead (0: skip)")
-    p.add_argument("--settle", type=float, default=0.5, help="seconds of steady load before each kill")
-    p.add_argument("--boot-timeout", type=float, default=900.0)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     add_stream_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.streams:
         return run_streams(args)

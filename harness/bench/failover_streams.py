@@ -9,18 +9,20 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from harness import ROOT
 from harness.bench.private_node import bench_config, say
+from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
+from harness.load.processes import ClientProcesses, split
 from harness.stats import bench_summary, tail_text
+
+if TYPE_CHECKING:
+    from harness.node import Harness
 
 
 def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
@@ -30,44 +32,49 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
     cfg = yaml.safe_load(bench_config(args.config, workdir, args))
     cfg["engines"]["shared_kv"] = shared_kv
     h = Harness(workdir, yaml.safe_dump(cfg), notify=False)
-    clients: list[subprocess.Popen] = []
     try:
         h.wait_booted(args.boot_timeout)
         st = h.wait_all_ready(args.boot_timeout)
-        clients = start_clients(args, h.router_url, st["model"]["name"], _vocab(st["model"]["path"]))
-        say(args, f"shared_kv={shared_kv}: {args.streams} streams from {len(clients)} client processes; warm-up "
-                  f"{args.warmup:g} s")
-        time.sleep(args.warmup)
-        kills, failover_s, recovery_s, promotion_s = [], [], [], []
-        for i in range(args.runs):
-            h.wait_all_ready(args.boot_timeout)
+        with ClientProcesses(stream_jobs(args, h.router_url, st["model"]["name"], _vocab(st["model"]["path"]))) as load:
+            say(args, f"shared_kv={shared_kv}: {args.streams} streams from {len(load.jobs)} client processes; "
+                      f"warm-up {args.warmup:g} s")
+            time.sleep(args.warmup)
+            kills, failover_s, recovery_s, promotion_s = kill_primaries(args, h)
             time.sleep(args.settle)
-            old = h.primary()
-            mark = len(h.events)
-            t_kill = time.perf_counter()
-            os.killpg(old["pid"], signal.SIGKILL)
-            kills.append(t_kill)
-            ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
-            failover_s.append(ev["seconds"])
-            if ev.get("promotion_s") is not None:  # (shared KV: the new primary's own claim and adoption)
-                promotion_s.append(ev["promotion_s"])
-            rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
-                               timeout_s=args.boot_timeout)
-            recovery_s.append(rec["seconds"])
-            say(args, f"  kill {i + 1}/{args.runs}: failover {ev['seconds'] * 1e3:.1f} ms, standby back in "
-                      f"{rec['seconds']:.2f} s")
-        time.sleep(args.settle)
-        out = stop_clients(clients, kills, args.window)
+            load.stop()
+            reports = load.collect(marks=kills)
         recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
-        return {**summarize(args, shared_kv, out, failover_s, recovery_s, recomputed),
+        return {**summarize(args, shared_kv, reports, kills, failover_s, recovery_s, recomputed),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in promotion_s], 2)}
     finally:
-        for c in clients:
-            if c.poll() is None:
-                c.kill()
         h.stop()
         if args.out:  # the supervisor's and every engine's log, for what the figures do not say
             keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
+
+
+def kill_primaries(args: argparse.Namespace, h: Harness) -> tuple[list[float], list[float], list[float], list[float]]:
+    """SIGKILL the primary `--runs` times, each once the node is whole again: the kill times
+    (time.monotonic, the client processes' clock), failover_seconds, the standby back, the promotion
+    inside the engine (shared KV)."""
+    kills, failover_s, recovery_s, promotion_s = [], [], [], []
+    for i in range(args.runs):
+        h.wait_all_ready(args.boot_timeout)
+        time.sleep(args.settle)
+        old = h.primary()
+        mark = len(h.events)
+        t_kill = time.monotonic()
+        os.killpg(old["pid"], signal.SIGKILL)
+        kills.append(t_kill)
+        ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
+        failover_s.append(ev["seconds"])
+        if ev.get("promotion_s") is not None:  # (shared KV: the new primary's own claim and adoption)
+            promotion_s.append(ev["promotion_s"])
+        rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
+                           timeout_s=args.boot_timeout)
+        recovery_s.append(rec["seconds"])
+        say(args, f"  kill {i + 1}/{args.runs}: failover {ev['seconds'] * 1e3:.1f} ms, standby back in "
+                  f"{rec['seconds']:.2f} s")
+    return kills, failover_s, recovery_s, promotion_s
 
 
 def keep_logs(workdir: Path, dest: Path) -> None:
@@ -79,60 +86,36 @@ def keep_logs(workdir: Path, dest: Path) -> None:
                 tar.add(f, arcname=f.name)
 
 
-def start_clients(args: argparse.Namespace, url: str, model: str, vocab: int) -> list[subprocess.Popen]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def stream_jobs(args: argparse.Namespace, url: str, model: str, vocab: int) -> list[Job]:
+    """The streams dealt over the client processes, each with prompts of its own seed."""
     procs = max(1, min(args.client_procs, args.streams))
-    clients = []
-    for i in range(procs):
-        job = {"url": url, "model": model, "vocab": vocab, "streams": args.streams // procs + (i < args.streams % procs),
-               "input": args.input_len, "output": args.output_len, "seed": 1000 + i, "timeout_s": 120.0,
-               "window_s": args.window}
-        p = subprocess.Popen([sys.executable, "-m", "harness.bench.stream_watch"], cwd=ROOT, env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        p.stdin.write(json.dumps(job) + "\n")
-        p.stdin.flush()
-        clients.append(p)
-    for p in clients:
-        if p.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"client process {p.pid} did not start (exit {p.wait()})")
-    for p in clients:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    return clients
+    return [Job(url=url, timeout_s=120.0, workers=n,
+                requests=TokenPrompts(model=model, vocab=vocab, input_len=args.input_len, output_len=args.output_len,
+                                      seed=1000 + i))
+            for i, n in enumerate(split(args.streams, procs))]
 
 
-def stop_clients(clients: list[subprocess.Popen], kills: list[float], window_s: float) -> list[dict]:
-    for p in clients:
-        p.stdin.write("stop\n")
-        p.stdin.flush()
-    for p in clients:
-        if p.stdout.readline().strip() != "stopped":
-            raise RuntimeError(f"client process {p.pid} failed (exit {p.wait()})")
-    reports = []
-    for p in clients:
-        p.stdin.write(json.dumps({"kills": kills}) + "\n")
-        p.stdin.flush()
-        reports.append(json.loads(p.stdout.readline()))
-        p.wait(30)
-    return reports
-
-
-def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[dict], failover_s: list[float],
-              recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
-    across = [g for r in reports for per_kill in r["across"] for g in per_kill]
-    in_flight = [sum(len(r["across"][k]) for r in reports) for k in range(args.runs)]
-    calm = [g for r in reports for g in r["calm"]]
-    failed = [f for r in reports for f in r["failed"]]
+def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessReport], kills: list[float],
+              failover_s: list[float], recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
+    """Per kill, the gap every stream in flight saw across it; the other streams' longest gaps (those
+    not within `--window` of a kill); the failures; the client processes' CPU."""
+    gaps: list[Gaps] = [g for r in reports for g in r.gaps]
+    across_kill = [[a for g in gaps if (a := g.across[k]) is not None] for k in range(len(kills))]
+    calm = [g.longest for g in gaps if g.error is None and
+            not any(g.sent - args.window < t < g.end + args.window for t in kills)]
+    failed = [{"sent": g.sent, "end": g.end, "error": g.error} for g in gaps if g.error]
     ms = lambda xs: bench_summary([x * 1000 for x in xs], 2)  # noqa: E731
     return {
         "shared_kv": shared_kv, "streams": args.streams, "kills": args.runs,
         "input_len": args.input_len, "output_len": args.output_len,
-        "streams_in_flight_per_kill": {"min": min(in_flight, default=0), "max": max(in_flight, default=0)},
-        "gap_across_kill_ms": ms(across), "longest_gap_other_streams_ms": ms(calm),
+        "streams_in_flight_per_kill": {"min": min(map(len, across_kill), default=0),
+                                       "max": max(map(len, across_kill), default=0)},
+        "gap_across_kill_ms": ms([a for per_kill in across_kill for a in per_kill]),
+        "longest_gap_other_streams_ms": ms(calm),
         "failover_seconds_ms": ms(failover_s), "standby_back_s": bench_summary(recovery_s),
         "recomputed_tokens_per_continuation": bench_summary(recomputed, 1),
-        "requests": sum(r["requests"] for r in reports), "failed": len(failed), "failures": failed[:5],
-        "client_cpu_share_max": round(max(r["cpu_s"] / r["wall_s"] for r in reports), 3),
+        "requests": len(gaps), "failed": len(failed), "failures": failed[:5],
+        "client_cpu_share_max": round(max(r.cpu_s / (r.end - r.start) for r in reports), 3),
         "client_procs": len(reports),
     }
 

@@ -33,7 +33,17 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
     p.add_argument("--preset", choices=["tiny", "small", "1b"], help="built-in model preset (when model.path is null)")
     p.add_argument("--model", help="checkpoint folder (overrides model.path)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="the node's device (overrides device)")
+
+
+def add_kill_args(p: argparse.ArgumentParser, victim: str, runs: int, settle: float) -> None:
+    """The options of a bench that SIGKILLs `victim` `--runs` times under load."""
+    p.add_argument("--runs", type=int, default=runs, help=f"{victim} kills (%(default)s)")
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (%(default)s)")
+    p.add_argument("--settle", type=float, default=settle, help="seconds of load before each kill (%(default)s)")
+    p.add_argument("--boot-timeout", type=float, default=900.0,
+                   help="seconds the node may take to start, and to be all READY again after each kill")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def say(args: argparse.Namespace, msg: str) -> None:

@@ -1,8 +1,10 @@
-"""`understudy bench supervisor-restart`: SIGKILL the supervisor under open-loop load, N times, and
-start it again on the same listening sockets (as systemd's understudy.socket + Restart= would).
-Reports, per kill: the time until requests are served again, when the children were re-adopted,
-requests lost (in flight inside the killed process), connections refused, and engine restarts
-(an engine whose pid changed). Target (issue 12): 0 refused, 0 engine restarts, serving within 2 s.
+"""SIGKILL the supervisor under load, N times, and start it again.
+
+`understudy bench supervisor-restart` starts it again on the same listening sockets (as systemd's
+understudy.socket + Restart= would), under open-loop load. Reports, per kill: the time until
+requests are served again, when the children were re-adopted, requests lost (in flight inside the
+killed process), connections refused, and engine restarts (an engine whose pid changed). Target
+(issue 12): 0 refused, 0 engine restarts, serving within 2 s.
 
 It starts its own supervisor (the given config, or the embedded default) with a private runtime dir
 and its own listening sockets, so it never touches a production instance.
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.bench.private_node import add_target_args, bench_config, say
+from harness.bench.private_node import add_kill_args, add_target_args, bench_config, say
 from harness.stats import bench_summary
 
 ADOPTED_LINE = "re-adopted from the previous supervisor"
@@ -129,15 +131,16 @@ def _first_success_after(load, t_kill: float, timeout_s: float) -> float | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench supervisor-restart", description=__doc__.splitlines()[0])
     add_target_args(p)
-    p.add_argument("--runs", type=int, default=5)
+    add_kill_args(p, "supervisor", runs=5, settle=2.0)
     p.add_argument("--rate", type=float, default=20.0, help="requests per second, each on a new connection")
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--settle", type=float, default=2.0, help="seconds of load before each kill")
-    p.add_argument("--boot-timeout", type=float, default=900.0)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.runs < 1 or args.rate <= 0:
         p.error("--runs must be >= 1 and --rate > 0")

@@ -17,35 +17,45 @@ from harness.bench.attach import bench_attach, run_exporter, run_importer
 from harness.bench.cold_load import bench_load
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `understudy bench ...` (argv without the word 'bench')."""
+ATTACH = "Attach time of N tensors held by another process: one arena vs one allocation per tensor, and the ratio."
+LOAD = "Cold load of a checkpoint (page cache warm) vs a raw read of the same files, in GB/s."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`attach` and `load`, and the two processes `attach` starts (not listed)."""
     p = argparse.ArgumentParser(prog="understudy bench", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("attach", help="arena vs one-handle-per-tensor attach time")
-    a.add_argument("--tensors", type=int, default=10_000)
-    a.add_argument("--total-mb", type=float, default=1000.0)
-    a.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    a.add_argument("--gpu-id", type=int, default=0)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{attach,load}")
+    a = sub.add_parser("attach", help=ATTACH, description=ATTACH)
+    a.add_argument("--tensors", type=int, default=10_000, help="tensors the exporter holds (%(default)s)")
+    a.add_argument("--total-mb", type=float, default=1000.0, help="their total size in MB (%(default)s)")
+    a.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the tensors live (%(default)s)")
+    a.add_argument("--gpu-id", type=int, default=0, help="the CUDA device with --device cuda (%(default)s)")
     a.add_argument("--repeat", type=int, default=3, help="importer processes per mode (median reported)")
-    a.add_argument("--json", action="store_true")
-    ld = sub.add_parser("load", help="cold-load GB/s vs raw read of the same files")
-    ld.add_argument("model_dir")
-    ld.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ld.add_argument("--gpu-id", type=int, default=0)
+    a.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ld = sub.add_parser("load", help=LOAD, description=LOAD)
+    ld.add_argument("model_dir", help="checkpoint folder (*.safetensors and config.json)")
+    ld.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the weights go (%(default)s)")
+    ld.add_argument("--gpu-id", type=int, default=0, help="the CUDA device with --device cuda (%(default)s)")
     ld.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="default: the checkpoint's torch_dtype")
-    ld.add_argument("--threads", type=int, default=None)
-    ld.add_argument("--repeat", type=int, default=3)
-    ld.add_argument("--json", action="store_true")
-    for role in ("_export", "_import"):  # the processes `attach` starts
-        r = sub.add_parser(role)
-        r.add_argument("--mode", choices=["arena", "per_tensor"], required=True)
-        r.add_argument("--socket", required=True)
-        r.add_argument("--device", default="cpu")
-        r.add_argument("--gpu-id", type=int, default=0)
-        r.add_argument("--tensors", type=int, default=0)
-        r.add_argument("--total-mb", type=float, default=0)
-    args = p.parse_args(argv)
+    ld.add_argument("--threads", type=int, default=None, help="readers of our load and of the raw read (default: the "
+                                                               "loader's, 2 to 8 by CPU count)")
+    ld.add_argument("--repeat", type=int, default=3, help="rounds of every reader (median reported)")
+    ld.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    for role, what in (("_export", "holds the tensors"), ("_import", "attaches them and times it")):
+        r = sub.add_parser(role, description=f"(started by `attach`) the process that {what}.")
+        r.add_argument("--mode", choices=["arena", "per_tensor"], required=True, help="one arena or one per tensor")
+        r.add_argument("--socket", required=True, help="the AF_UNIX socket the fds go over")
+        r.add_argument("--device", default="cpu", help="where the tensors live")
+        r.add_argument("--gpu-id", type=int, default=0, help="the CUDA device")
+        r.add_argument("--tensors", type=int, default=0, help="tensors to hold")
+        r.add_argument("--total-mb", type=float, default=0, help="their total size in MB")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `understudy bench attach|load` (argv without the word 'bench')."""
+    args = build_parser().parse_args(argv)
     if args.cmd == "_export":
         return run_exporter(args)
     if args.cmd == "_import":

@@ -1,26 +1,26 @@
-"""Open-loop load at a fixed arrival rate through the data port; every request becomes a record."""
+"""Chaos's load: requests at a fixed arrival rate through the data port (harness/load's OpenRate, at
+most `concurrency` in flight), a seeded mix of endpoints and of streaming; every request becomes a
+record, with wall-clock times (those of the faults, events and status polls)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-from typing import Any
+from collections.abc import Iterator
 
-import httpx
+from harness.load.client import Client
+from harness.load.request import CHAT, COMPLETIONS, Request
+from harness.load.result import RequestResult, longest_wait
+from harness.load.schedules import OpenRate
 
-from .records import ENGINE_HEADER, EPOCH_HEADER, RETRIES_HEADER, RequestRecord
+from .records import RequestRecord
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
-PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
-
-
-def _int_header(resp: httpx.Response, name: str) -> int | None:
-    value = resp.headers.get(name)
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
+PATHS = {"completion": COMPLETIONS, "chat": CHAT}
+MAX_CHUNK_TIMES = 4096  # per record
+ERRORS = {"refused": "connect", "connect": "connect", "timeout": "timeout", "bad_body": "bad_body",
+          "bad_event": "bad_chunk", "error_event": "stream_error", "cut": "stream_broken",
+          "cancelled": "cancelled_at_stop"}  # the load's failures as the report counts them
 
 
 class LoadGenerator:
@@ -39,152 +39,61 @@ class LoadGenerator:
         timeout_s: float,
         seed: int = 0,
     ) -> None:
-        self.model = model
-        self.rate = rate
-        self.concurrency = concurrency
-        self.mix = mix
-        self.stream_fraction = stream_fraction
-        self.max_tokens = max_tokens
+        self.model, self.mix, self.stream_fraction, self.max_tokens = model, mix, stream_fraction, max_tokens
         self.timeout_s = timeout_s
-        self.records: list[RequestRecord] = []
-        self.not_sent = 0
         self._rng = random.Random(seed)
-        self._inflight: set[asyncio.Task[None]] = set()
-        self._http = httpx.AsyncClient(
-            base_url=data_url,
-            timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-            trust_env=False,
-        )
+        self._client = Client(data_url, timeout_s, connect_timeout_s=timeout_s, clock=time.time, keep_text=True,
+                              every_event=True)
+        self._rate = OpenRate(self._client, rate, concurrency=concurrency)
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        """Every request sent, in order (its id)."""
+        return [record(i, r) for i, r in enumerate(self._client.results)]
+
+    @property
+    def not_sent(self) -> int:
+        """Arrivals not sent: `concurrency` requests were in flight."""
+        return self._rate.not_sent
 
     async def run(self, stop: asyncio.Event, deadline: float) -> None:
         """Send until `stop` is set or time.time() passes `deadline`; then let in-flight finish."""
-        gap = 1.0 / self.rate
-        next_t = time.time()
-        try:
-            while not stop.is_set() and time.time() < deadline:
-                delay = next_t - time.time()
-                if delay > 0:
-                    try:
-                        await asyncio.wait_for(stop.wait(), timeout=delay)
-                        break
-                    except asyncio.TimeoutError:
-                        pass
-                elif delay < -1.0:
-                    next_t = time.time()  # fell behind (e.g. a stalled loop): do not burst
-                next_t += gap
-                if len(self._inflight) >= self.concurrency:
-                    self.not_sent += 1
-                    continue
-                task = asyncio.create_task(self._one(self._next_record()))
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
-            if self._inflight:
-                await asyncio.wait(set(self._inflight), timeout=self.timeout_s + 2.0)
-        finally:
-            for task in list(self._inflight):
-                task.cancel()
-            await self._http.aclose()
+        await self._rate.run(self._requests(), stop, deadline, drain_s=self.timeout_s + 2.0)
 
-    def _next_record(self) -> RequestRecord:
+    def _requests(self) -> Iterator[Request]:
         endpoints = list(self.mix)
-        endpoint = self._rng.choices(endpoints, weights=[self.mix[e] for e in endpoints])[0]
-        stream = self._rng.random() < self.stream_fraction
-        rec = RequestRecord(id=len(self.records), endpoint=endpoint, stream=stream, t_start=time.time())
-        self.records.append(rec)
-        return rec
+        while True:
+            endpoint = self._rng.choices(endpoints, weights=[self.mix[e] for e in endpoints])[0]
+            body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
+                    "stream": self._rng.random() < self.stream_fraction}
+            if endpoint == "chat":
+                body["messages"] = [{"role": "user", "content": PROMPT}]
+            else:
+                body["prompt"] = PROMPT
+            yield Request.of(body, PATHS[endpoint])
 
-    def _payload(self, rec: RequestRecord) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": self.max_tokens,
-            "temperature": 0,
-            "stream": rec.stream,
-        }
-        if rec.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": PROMPT}]
-        else:
-            body["prompt"] = PROMPT
-        return body
 
-    async def _one(self, rec: RequestRecord) -> None:
-        try:
-            async with self._http.stream("POST", PATHS[rec.endpoint], json=self._payload(rec)) as resp:
-                rec.status = resp.status_code
-                rec.engine = resp.headers.get(ENGINE_HEADER)
-                rec.epoch = _int_header(resp, EPOCH_HEADER)
-                rec.retries = _int_header(resp, RETRIES_HEADER)
-                if resp.status_code != 200:
-                    await resp.aread()
-                    rec.error = f"http_{resp.status_code}"
-                elif rec.stream:
-                    await self._read_stream(rec, resp)
-                else:
-                    rec.t_first = time.time()
-                    await self._read_body(rec, resp)
-        except httpx.TimeoutException:
-            rec.error = "timeout"
-        except httpx.ConnectError:
-            rec.error = "connect"
-        except (httpx.RemoteProtocolError, httpx.ReadError):
-            rec.error = "stream_broken" if rec.status == 200 else "disconnected"
-        except httpx.HTTPError as exc:
-            rec.error = f"http_error:{type(exc).__name__}"
-        except asyncio.CancelledError:
-            rec.error = "cancelled_at_stop"
-            raise
-        finally:
-            rec.t_end = time.time()
-            rec.ok = rec.error is None
+def record(i: int, r: RequestResult) -> RequestRecord:
+    """Request number `i` as the report reads it: its first byte (a stream's first event, else the
+    answer's head), whether a stream was cut after its 200, its longest wait for an event."""
+    answered = r.status == 200
+    events = r.event_times or []
+    return RequestRecord(
+        id=i, endpoint="chat" if r.path == CHAT else "completion", stream=r.stream, t_start=r.sent,
+        t_end=r.end or 0.0, t_first=(events[0] if events else None) if r.stream else r.head if answered else None,
+        ok=r.ok, status=r.status, error=error_kind(r), engine=r.engine, epoch=r.epoch, retries=r.retries,
+        response_id=r.response_id, text=r.text, cut=r.stream and answered and not r.ok,
+        max_gap_s=longest_wait(r.sent, events) if r.stream and answered else None,
+        chunk_times=events[:MAX_CHUNK_TIMES])
 
-    async def _read_body(self, rec: RequestRecord, resp: httpx.Response) -> None:
-        raw = await resp.aread()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            rec.error = "bad_body"
-            return
-        if not isinstance(body, dict) or not body.get("choices"):
-            rec.error = "bad_body"
-            return
-        rec.response_id = body.get("id")
-        choice = body["choices"][0]
-        rec.text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
 
-    async def _read_stream(self, rec: RequestRecord, resp: httpx.Response) -> None:
-        """Read a stream whole: its text, the longest wait between chunks, and whether it was cut (no
-        finish_reason and [DONE], an error event, or a broken connection: then `cut` is set)."""
-        done, chunks, finished, text = False, 0, False, []
-        last, rec.max_gap_s = rec.t_start, 0.0
-        rec.cut = True  # until the stream proves whole
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            now = time.time()
-            rec.max_gap_s, last = max(rec.max_gap_s, now - last), now
-            data = line[5:].strip()
-            if len(rec.chunk_times) < 4096:
-                rec.chunk_times.append(now)
-            if data == "[DONE]":
-                done = True
-                break
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                rec.error = "bad_chunk"
-                return
-            if isinstance(chunk, dict) and "error" in chunk:
-                rec.error = "stream_error"
-                return
-            if rec.t_first is None:
-                rec.t_first = now
-                rec.response_id = chunk.get("id")
-            for ch in chunk.get("choices") or ():
-                text.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
-                finished = finished or ch.get("finish_reason") is not None
-            chunks += 1
-        rec.text = "".join(text)
-        if not done or chunks == 0 or not finished:
-            rec.error = "stream_broken"
-        else:
-            rec.cut = False
+def error_kind(r: RequestResult) -> str | None:
+    """The failure's kind, e.g. "connect", "timeout", "http_503", "stream_broken"."""
+    if r.failure is None:
+        return None
+    if r.failure == "http":
+        return f"http_{r.status}"
+    if r.failure == "broken":
+        return "stream_broken" if r.status == 200 else "disconnected"
+    return ERRORS[r.failure]
+

@@ -1,15 +1,15 @@
-"""`understudy bench serve`: a load generator for an OpenAI endpoint (the router by default).
+"""A load generator for an OpenAI endpoint (the router by default).
 
-Closed loop: N clients each send the next request when their previous one is done, streaming, so
-time to first token (TTFT) and inter-token latency (ITL: gaps between content chunks) are seen as
-a client sees them. Prompts are token ids of exact lengths on /v1/completions (random ids, seeded;
-no tokenizer), `ignore_eos` on, greedy by default; output tokens are counted from the final
-`usage` chunk (`stream_options.include_usage`), else from content chunks (the report says which).
-After the sweep, the engine's static decode (`harness.bench.engine decode`, same checkpoint, device,
-dtype, max_model_len and kernels) runs at each point's batch, and each point gets the ratio
-live output tok/s / static tok/s. Prefix-cache hit rate per point comes from the Prometheus
-counters (supervisor admin /metrics, `--metrics-url`, or the endpoint's own /metrics); "n/a" when
-they are not found.
+`understudy bench serve` runs a closed loop: N clients each send the next request when their
+previous one is done, streaming, so time to first token (TTFT) and inter-token latency (ITL: gaps
+between content chunks) are seen as a client sees them. Prompts are token ids of exact lengths on
+/v1/completions (random ids, seeded; no tokenizer), `ignore_eos` on, greedy by default; output
+tokens are counted from the final `usage` chunk (`stream_options.include_usage`), else from content
+chunks (the report says which). After the sweep, the engine's static decode (`harness.bench.engine
+decode`, same checkpoint, device, dtype, max_model_len and kernels) runs at each point's batch, and
+each point gets the ratio live output tok/s / static tok/s. Prefix-cache hit rate per point comes
+from the Prometheus counters (supervisor admin /metrics, `--metrics-url`, or the endpoint's own
+/metrics); "n/a" when they are not found.
 
 Workloads: chat (prompts 64-512 tokens, 128 out), nano (256 requests, in and out uniform in
 100-1024, all at once), shared-prefix (one 1,500-token prefix + 32 tokens, 128 out).
@@ -21,15 +21,13 @@ or a target that cannot be measured as asked.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import sys
 import time
 from pathlib import Path
 
-from .client import request_body, run_point
-from .fanout import run_point_procs
+from .point import request_body, run_point
 from .metrics import prefix_delta, scrape
 from .report import Report, table, write
 from .stats import summarize
@@ -41,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench serve", description=__doc__.split("\n\n")[0],
                                 epilog="Example: understudy bench serve -c configs/h200-1b.yaml --workload chat "
                                        "--out bench/serve-chat", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=list(WORKLOADS), default="chat")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="chat",
+                   help="chat: prompts 64-512, 128 out; nano: 256 requests at once, 100-1024 in and out; "
+                        "shared-prefix: a 1,500-token prefix + 32, 128 out (%(default)s)")
     t = p.add_argument_group("target (default: the router of the config's supervisor)")
     t.add_argument("-c", "--config", help="supervisor config: router URL, admin API (model, /metrics), engine settings")
     t.add_argument("--url", help="base URL of any OpenAI endpoint (overrides the config's router)")
@@ -54,10 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["cpu", "cuda"], help="default: the supervisor's")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the config's")
     s.add_argument("--max-num-seqs", type=int, help="the engine's batch cap: static batch = min(concurrency, this)")
-    s.add_argument("--no-cuda-graphs", action="store_true")
-    s.add_argument("--no-fused-kernels", action="store_true")
+    s.add_argument("--no-cuda-graphs", action="store_true", help="static decode without CUDA graphs")
+    s.add_argument("--no-fused-kernels", action="store_true", help="static decode through the torch path only")
     s.add_argument("--no-static", action="store_true", help="skip the static decode")
-    s.add_argument("--static-timeout", type=float, default=1800.0)
+    s.add_argument("--static-timeout", type=float, default=1800.0, help="seconds the static decode may take")
     w = p.add_argument_group("load")
     w.add_argument("--concurrency", help="comma-separated sweep, e.g. 1,8,32 (default: the workload's)")
     w.add_argument("--num-requests", type=int,
@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--input-len", help="prompt tokens N or LO:HI, after any shared prefix (default: the workload's)")
     w.add_argument("--output-len", help="output tokens N or LO:HI (default: the workload's)")
     w.add_argument("--prefix-len", type=int, help="shared prefix tokens (default: the workload's)")
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (%(default)s: greedy)")
     w.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="the prompts' and lengths' random ids (%(default)s)")
     w.add_argument("--warmup", type=int, default=4, help="short requests before the sweep, not counted")
     w.add_argument("--timeout", type=float, default=600.0, help="seconds any one read may wait")
     w.add_argument("--client-procs", type=int, default=1,
@@ -135,7 +135,7 @@ def live(args: argparse.Namespace, w: Workload) -> Report:
         rng = random.Random(args.seed - 1)
         warm = [request_body(t.model, RequestSpec(random_ids(rng, 16, t.vocab), 4), 0.0, True)
                 for _ in range(args.warmup)]
-        res, _ = asyncio.run(run_point(t.url, "/v1/completions", warm, min(args.warmup, max(conc)), args.timeout))
+        res, _ = run_point(t.url, warm, min(args.warmup, max(conc)), args.timeout)
         bad = [r.error for r in res if not r.ok]
         if bad:
             notes.append(f"warm-up: {len(bad)} of {len(res)} failed, e.g. {bad[0]}")
@@ -148,12 +148,8 @@ def live(args: argparse.Namespace, w: Workload) -> Report:
         note(f"point {k + 1}/{len(conc)}: concurrency {c}, {n} requests")
         before = scrape(t.metrics_sources)
         cpu0 = time.process_time()
-        if args.client_procs > 1:
-            results, elapsed = run_point_procs(t.url, "/v1/completions", bodies, c, args.timeout, args.duration,
-                                               args.client_procs)
-        else:
-            results, elapsed = asyncio.run(run_point(t.url, "/v1/completions", bodies, c, args.timeout,
-                                                     args.duration, label=f"concurrency {c}: "))
+        results, elapsed = run_point(t.url, bodies, c, args.timeout, args.duration, args.client_procs,
+                                     label=f"concurrency {c}: ")
         point = summarize(c, results, elapsed)
         if args.client_procs == 1:  # the CPU of child processes is not counted here
             point.client_cpu = round((time.process_time() - cpu0) / elapsed, 3) if elapsed > 0 else None

@@ -6,7 +6,8 @@ import sys
 import threading
 import time
 
-from .client import RequestResult
+from harness.load.result import RequestResult, Usage
+
 from .workloads import RequestSpec
 
 
@@ -23,29 +24,21 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
                           cuda_graphs=cuda_graphs, fused_kernels=fused_kernels)
     warm = specs[:min(len(specs), 8)]
     engine.generate([s.prompt for s in warm], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    results = [RequestResult(False) for _ in specs]
-    last = [0.0] * len(specs)
+    results = [RequestResult(path="(in-process)", stream=True, sent=0.0) for _ in specs]
     left = [len(specs)]
     finished = threading.Event()
     lock = threading.Lock()
 
-    def emitter(i: int, t0: float):
-        r = results[i]
-
+    def emitter(r: RequestResult):
         def emit(out) -> None:  # noqa: ANN001  (engines.sequence.Output, on the loop thread)
             now = time.perf_counter()
             if out.delta or out.finish_reason is not None:
-                if r.ttft is None:
-                    r.ttft = now - t0
-                else:
-                    r.itl.append(now - last[i])
-                last[i] = now
-                r.chunks += 1
+                r.content_times.append(now)
             if out.finish_reason is not None:
-                r.latency, r.output_tokens, r.prompt_tokens = now - t0, out.completion_tokens, out.prompt_tokens
-                r.usage_reported = True
-                r.ok = out.finish_reason in ("stop", "length")
-                r.error = None if r.ok else f"finished with {out.finish_reason!r}"
+                r.end = now
+                r.usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+                if out.finish_reason not in ("stop", "length"):
+                    r.failure, r.error = "cut", f"finished with {out.finish_reason!r}"
                 with lock:
                     left[0] -= 1
                     if left[0] == 0:
@@ -55,9 +48,11 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
     engine.start()
     try:
         t0 = time.perf_counter()
-        for i, s in enumerate(specs):
+        for s, r in zip(specs, results):
             params = SamplingParams(max_tokens=s.max_tokens, temperature=temperature, ignore_eos=ignore_eos)
-            engine.submit(s.prompt, params, emitter(i, t0))
+            engine.submit(s.prompt, params, emitter(r))
+        for r in results:  # (all count as sent at t0)
+            r.sent = t0
         deadline = t0 + timeout_s
         while not finished.wait(0.2):
             if engine.stopped.is_set():
@@ -69,8 +64,8 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
     finally:
         engine.stop()
     for r in results:
-        if r.error is None and not r.ok:
-            r.error = "never finished"
+        if r.end is None:
+            r.failure, r.error = "cut", "never finished"
     dev = engine.runner.device
     facts = {"model_dir": model_dir, "device": str(dev), "dtype": str(engine.runner.model.dtype).removeprefix("torch."),
              "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}

@@ -5,9 +5,8 @@ import statistics
 
 from pydantic import BaseModel
 
+from harness.load.result import RequestResult
 from harness.stats import nearest_rank
-
-from .client import RequestResult
 
 
 class Dist(BaseModel):
@@ -77,7 +76,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration_s: float)
         concurrency=concurrency, requests=len(results), ok=len(good), errors=len(errors), error_samples=samples,
         duration_s=round(duration_s, 4), output_tokens=out, prompt_tokens=sum(r.prompt_tokens for r in good),
         output_tokens_from="usage" if good and all(r.usage_reported for r in good) else "chunks",
-        content_chunks=sum(r.chunks for r in good),
+        content_chunks=sum(len(r.content_times) for r in good),
         output_tok_s=round(out / duration_s, 2) if duration_s > 0 else 0.0,
         req_s=round(len(good) / duration_s, 3) if duration_s > 0 else 0.0,
         ttft_ms=Dist.of_seconds([r.ttft for r in good if r.ttft is not None]),

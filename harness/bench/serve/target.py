@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from harness.state_file import read_state
+
 
 class TargetError(Exception):
     """The target cannot be benchmarked as asked; str() says why."""
@@ -35,17 +37,15 @@ class Target:
 
 def _router_url(cfg, config_path: str | None) -> str:  # noqa: ANN001
     if cfg.router.port == 0:  # the real port is in state.json
-        state = cfg.resolved_runtime_dir() / "state.json"
-        try:
-            st = json.loads(state.read_text())
-            url = st["router_url"]
-        except (OSError, ValueError, KeyError):
-            raise TargetError(f"router.port is 0 and {state} has no router_url: is the supervisor of "
-                              f"{config_path or 'the default config'} running?") from None
+        rd = cfg.resolved_runtime_dir()
+        st = read_state(rd) or {}
+        if not st.get("router_url"):
+            raise TargetError(f"router.port is 0 and {rd / 'state.json'} has no router_url: is the supervisor of "
+                              f"{config_path or 'the default config'} running?")
         if st.get("stopped"):
             raise TargetError(f"the supervisor of {config_path or 'the default config'} has stopped "
-                              f"({state} says so): nothing to measure")
-        return url
+                              f"({rd / 'state.json'} says so): nothing to measure")
+        return st["router_url"]
     host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::", "") else cfg.router.host
     return f"http://{host}:{cfg.router.port}"
 

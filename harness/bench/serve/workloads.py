@@ -1,42 +1,13 @@
-"""Workloads: prompts as token ids of exact lengths (random ids in [10, vocab), seeded), so no
-tokenizer is needed and the endpoint sees exactly the sizes asked for."""
+"""Workloads: what one sweep point sends, as token-id prompts of exact lengths (harness/load/prompts.py)."""
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from itertools import islice
+
+from harness.load.prompts import FIRST_ID, Lengths, random_ids, token_prompts
 
 SHARED_PREFIX_LEN = 1500
-FIRST_ID = 10  # ids below this are often special tokens
-
-
-@dataclass(frozen=True)
-class Lengths:
-    """A token count: fixed (lo == hi) or uniform in [lo, hi]."""
-
-    lo: int
-    hi: int
-
-    @classmethod
-    def parse(cls, text: str, what: str) -> "Lengths":
-        """'128' or '100:1024' (uniform, both ends included)."""
-        try:
-            lo, _, hi = text.partition(":")
-            out = cls(int(lo), int(hi or lo))
-        except ValueError:
-            raise ValueError(f"{what}: expected N or LO:HI (token counts), got {text!r}") from None
-        if out.lo < 1 or out.hi < out.lo:
-            raise ValueError(f"{what}: expected 1 <= LO <= HI, got {text!r}")
-        return out
-
-    def draw(self, rng: random.Random) -> int:
-        return self.lo if self.lo == self.hi else rng.randint(self.lo, self.hi)
-
-    @property
-    def mean(self) -> float:
-        return (self.lo + self.hi) / 2
-
-    def __str__(self) -> str:
-        return str(self.lo) if self.lo == self.hi else f"{self.lo}:{self.hi}"
 
 
 @dataclass(frozen=True)
@@ -76,16 +47,11 @@ class RequestSpec:
     max_tokens: int
 
 
-def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
-
-
 def make_requests(w: Workload, n: int, vocab: int, seed: int) -> list[RequestSpec]:
     """`n` requests of workload `w`; the shared prefix depends only on the vocab (not on `seed`),
     so every point of a sweep shares it, while the rest differs per seed."""
     if vocab <= FIRST_ID:
         raise ValueError(f"vocab: expected more than {FIRST_ID} token ids, got {vocab}")
     prefix = random_ids(random.Random(1_500_000 + vocab), w.prefix_len, vocab)
-    rng = random.Random(seed)
-    return [RequestSpec(prefix + random_ids(rng, w.input_len.draw(rng), vocab), w.output_len.draw(rng))
-            for _ in range(n)]
+    prompts = token_prompts(random.Random(seed), w.input_len, w.output_len, vocab, prefix)
+    return [RequestSpec(ids, max_tokens) for ids, max_tokens in islice(prompts, n)]

@@ -1,4 +1,4 @@
-"""A load generator's HTTP/1.1 connection: one per client worker, kept alive between requests.
+"""The load generator's HTTP/1.1 connection: one per client worker, kept alive between requests.
 
 Unlike the router's client (supervisor/router/upstream.py), which hands over one chunk per await, a
 response body here comes as whatever the socket holds at each read (up to 256 KiB), with chunked
@@ -8,26 +8,38 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Literal
 from urllib.parse import urlsplit
 
 READ_SIZE = 1 << 18
 
+WireFailure = Literal["refused", "connect", "timeout", "broken"]
+
 
 class WireError(Exception):
-    """No answer, or a broken or malformed one; str() says which."""
+    """No answer, or a broken or malformed one; str() says which, `kind` names it: refused (nothing
+    listens), connect (another connect failure), timeout (connect or read), broken (the connection
+    closed or reset, or bytes that are not HTTP)."""
+
+    def __init__(self, kind: WireFailure, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class Connection:
-    """Keep-alive connection to one base URL; `post` one request at a time."""
+    """Keep-alive connection to one base URL; `post` one request at a time. A kept-alive connection
+    the server closed while it was idle is reopened before the request is written; a request is never
+    sent twice (a failure after it was written is the request's)."""
 
-    def __init__(self, url: str, timeout_s: float, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, timeout_s: float, connect_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         u = urlsplit(url)
         if u.scheme != "http" or not u.hostname:
-            raise WireError(f"expected an http://host:port URL, got {url!r}")
+            raise WireError("connect", f"expected an http://host:port URL, got {url!r}")
         self.host, self.port, self.prefix = u.hostname, u.port or 80, u.path.rstrip("/")
         self.host_header = u.netloc
-        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.timeout_s, self.connect_timeout_s, self.clock = timeout_s, connect_timeout_s, clock
         self._r: asyncio.StreamReader | None = None
         self._w: asyncio.StreamWriter | None = None
         self._keep = False  # the current response leaves the connection reusable
@@ -37,38 +49,47 @@ class Connection:
             self._w.transport.abort()
         self._r = self._w = None
 
+    @property
+    def is_open(self) -> bool:
+        """Open and reusable: not closed by either side (as far as the event loop has seen)."""
+        return (self._w is not None and not self._w.is_closing() and not self._r.at_eof()
+                and self._r.exception() is None)
+
     async def _connect(self) -> None:
         try:
             self._r, self._w = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port, limit=READ_SIZE), self.connect_timeout_s)
-        except (OSError, TimeoutError) as e:
-            raise WireError(f"ConnectError: {self.host}:{self.port}: {e or type(e).__name__}") from None
+        except ConnectionRefusedError as e:
+            raise WireError("refused", f"ConnectError: {self.host}:{self.port}: {e}") from None
+        except TimeoutError:
+            raise WireError("timeout", f"ConnectError: {self.host}:{self.port}: TimeoutError") from None
+        except OSError as e:
+            raise WireError("connect", f"ConnectError: {self.host}:{self.port}: {e or type(e).__name__}") from None
 
     async def post(self, path: str, body: bytes) -> tuple[int, dict[bytes, bytes]]:
         """Send a POST and read the response head: (status, headers); then read the body with
-        `body()`. A kept-alive connection the server closed meanwhile is reopened once."""
+        `body()`."""
         req = (f"POST {self.prefix}{path} HTTP/1.1\r\nhost: {self.host_header}\r\ncontent-type: application/json\r\n"
                f"accept: text/event-stream\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
-        for attempt in (0, 1):
-            reused = self._w is not None
-            if not reused:
-                await self._connect()
-            try:
-                self._w.write(req)
-                async with asyncio.timeout(self.timeout_s):
-                    await self._w.drain()
-                    head = await self._r.readuntil(b"\r\n\r\n")
-                break
-            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError) as e:
-                self.close()
-                if reused and attempt == 0 and not isinstance(e, TimeoutError):
-                    continue
-                raise WireError(f"no response: {type(e).__name__}: {e}") from None
+        if not self.is_open:
+            self.close()
+            await self._connect()
+        try:
+            self._w.write(req)
+            async with asyncio.timeout(self.timeout_s):
+                await self._w.drain()
+                head = await self._r.readuntil(b"\r\n\r\n")
+        except TimeoutError:
+            self.close()
+            raise WireError("timeout", f"no response within {self.timeout_s:g} s") from None
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            self.close()
+            raise WireError("broken", f"no response: {type(e).__name__}: {e}") from None
         lines = head[:-4].split(b"\r\n")
         parts = lines[0].split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             self.close()
-            raise WireError(f"malformed status line {lines[0][:80]!r}")
+            raise WireError("broken", f"malformed status line {lines[0][:80]!r}")
         headers = {}
         for line in lines[1:]:
             k, _, v = line.partition(b":")
@@ -77,7 +98,8 @@ class Connection:
         return int(parts[1]), headers
 
     async def body(self, headers: dict[bytes, bytes]) -> AsyncIterator[tuple[float, bytes]]:
-        """The body as (time read, bytes) pieces; raises WireError if it is cut short."""
+        """The body as (time read, bytes) pieces, times on the connection's clock; raises WireError if
+        it is cut short."""
         if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
             gen = self._chunked()
         elif b"content-length" in headers:
@@ -99,29 +121,29 @@ class Connection:
             async with asyncio.timeout(self.timeout_s):
                 return await self._r.read(READ_SIZE)
         except TimeoutError:
-            raise WireError(f"no data within {self.timeout_s:g} s") from None
+            raise WireError("timeout", f"no data within {self.timeout_s:g} s") from None
         except OSError as e:
-            raise WireError(f"ReadError: {e}") from None
+            raise WireError("broken", f"ReadError: {e}") from None
 
     async def _sized(self, n: int) -> AsyncIterator[tuple[float, bytes]]:
         while n > 0:
             data = await self._read()
             if not data:
-                raise WireError("server disconnected before the end of the body")
+                raise WireError("broken", "server disconnected before the end of the body")
             n -= len(data)
-            yield time.perf_counter(), data
+            yield self.clock(), data
 
     async def _until_close(self) -> AsyncIterator[tuple[float, bytes]]:
         while data := await self._read():
-            yield time.perf_counter(), data
+            yield self.clock(), data
 
     async def _chunked(self) -> AsyncIterator[tuple[float, bytes]]:
         buf, done = b"", False
         while not done:
             data = await self._read()
             if not data:
-                raise WireError("server disconnected: chunked body cut short")
-            now = time.perf_counter()
+                raise WireError("broken", "server disconnected: chunked body cut short")
+            now = self.clock()
             buf += data
             out, pos = [], 0
             while True:
@@ -131,7 +153,7 @@ class Connection:
                 try:
                     size = int(buf[pos:i].split(b";", 1)[0], 16)
                 except ValueError:
-                    raise WireError(f"malformed chunk size {buf[pos:i][:40]!r}") from None
+                    raise WireError("broken", f"malformed chunk size {buf[pos:i][:40]!r}") from None
                 if size == 0:
                     end = buf.find(b"\r\n\r\n", i)
                     if end < 0:

@@ -1,0 +1,98 @@
+"""One request as the client saw it (pydantic: it also crosses from client processes as JSON), and
+the figures taken from its timeline. Times are on the clock the load ran with (time.monotonic unless
+said: the system-wide monotonic clock, so the times of several processes compare)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+#: What went wrong: nothing listening, another connect failure, no data within the timeout, the
+#: connection broke (closed, reset, not HTTP), a non-200 answer, a body or stream event that is not
+#: JSON, an error event in the stream, a stream that ended without finishing (no finish_reason or
+#: no `data: [DONE]`), the load stopped while it was in flight.
+Failure = Literal["refused", "connect", "timeout", "broken", "http", "bad_body", "bad_event", "error_event", "cut",
+                  "cancelled"]
+
+
+class Usage(BaseModel):
+    """The server's token counts (the final `usage`)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RequestResult(BaseModel):
+    """What was sent, when each piece of the answer came, how it ended."""
+
+    path: str
+    stream: bool
+    sent: float  # when the request was sent
+    end: float | None = None  # when the answer ended or failed; None while in flight
+    head: float | None = None  # when the status line and headers came
+    status: int | None = None
+    failure: Failure | None = None
+    error: str | None = None  # the failure in words; None: a success (once ended)
+    engine: str | None = None  # the router's x-understudy-* headers
+    epoch: int | None = None
+    retries: int | None = None
+    response_id: str | None = None
+    text: str | None = None  # the generated text, when the client keeps it
+    usage: Usage | None = None
+    content_times: list[float] = Field(default_factory=list)  # arrival of each event that brings tokens
+    event_times: list[float] | None = None  # arrival of every data event ([DONE] too), when kept
+
+    @property
+    def ok(self) -> bool:
+        return self.end is not None and self.error is None
+
+    @property
+    def latency(self) -> float:
+        """Seconds from the send to the end of the answer (or of the failure)."""
+        return (self.end or self.sent) - self.sent
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from the send to the first event that brought tokens."""
+        return self.content_times[0] - self.sent if self.content_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        """Gaps between consecutive token-bearing events."""
+        t = self.content_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def output_tokens(self) -> int:
+        """The server's count when it gave one (`usage_reported`), else the token-bearing events."""
+        return self.usage.completion_tokens if self.usage else len(self.content_times)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens if self.usage else 0
+
+    @property
+    def usage_reported(self) -> bool:
+        return self.usage is not None
+
+    def longest_gap(self) -> float:
+        """The longest wait for tokens (from the send for the first)."""
+        return longest_wait(self.sent, self.content_times)
+
+    def gap_across(self, t: float) -> float | None:
+        """For a request in flight at `t`: the gap between the last tokens before `t` (or the send) and
+        the first after it; None if it was not in flight (or got no tokens after `t`)."""
+        if not self.sent < t < (self.end or self.sent):
+            return None
+        before = self.sent
+        for c in self.content_times:
+            if c > t:
+                return c - before
+            before = c
+        return None
+
+
+def longest_wait(start: float, times: Sequence[float]) -> float:
+    """The longest of the gaps from `start` to the first of `times` and between the next ones."""
+    return max((b - a for a, b in zip([start, *times], times)), default=0.0)

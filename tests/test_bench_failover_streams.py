@@ -1,0 +1,44 @@
+"""`understudy bench failover --streams`: what each stream saw across the kills, from the requests'
+timelines (harness/load's RequestResult -> Gaps -> summarize), without a node."""
+from __future__ import annotations
+
+import argparse
+
+from harness.bench.failover_streams import add_args, summarize
+from harness.load.jobs import Gaps, ProcessReport
+from harness.load.result import RequestResult
+from harness.stats import bench_summary
+
+
+def stream(sent: float, tokens: list[float], error: str | None = None) -> RequestResult:
+    return RequestResult(path="/v1/completions", stream=True, sent=sent, end=tokens[-1] if tokens else sent + 1,
+                         content_times=tokens, error=error)
+
+
+def test_the_gap_across_a_kill_runs_from_the_last_tokens_before_it_to_the_first_after():
+    r = stream(10.0, [10.1, 10.2, 10.9, 11.0])
+    assert abs(r.gap_across(10.5) - 0.7) < 1e-9
+    assert abs(r.gap_across(10.05) - 0.1) < 1e-9  # before its first tokens: from the send
+    assert r.gap_across(9.0) is None and r.gap_across(12.0) is None  # not in flight then
+    g = Gaps.of(r, [9.0, 10.5])
+    assert g.across[0] is None and abs(g.across[1] - 0.7) < 1e-9 and abs(g.longest - 0.7) < 1e-9
+
+
+def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_apart():
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--streams", "3", "--window", "1"])
+    args.runs = 1
+    kills = [20.0]
+    results = [stream(19.5, [19.6, 20.3, 20.4]),  # in flight: 0.7 s across the kill
+               stream(19.8, [19.9, 20.1]),  # in flight: 0.2 s
+               stream(30.0, [30.5, 30.6]),  # far from the kill: its longest gap is an "other" stream's
+               stream(31.0, [], error="HTTP 503: no primary")]
+    report = ProcessReport(start=19.0, end=32.0, cpu_s=1.3, gaps=[Gaps.of(r, kills) for r in results])
+    out = summarize(args, True, [report], kills, [0.012], [1.5], [0, 3])
+    assert out["streams_in_flight_per_kill"] == {"min": 2, "max": 2}
+    assert out["gap_across_kill_ms"] == bench_summary([700.0, 200.0], 2)
+    assert out["longest_gap_other_streams_ms"]["n"] == 1 and out["longest_gap_other_streams_ms"]["max"] == 500.0
+    assert out["failover_seconds_ms"]["p50"] == 12.0 and out["recomputed_tokens_per_continuation"]["max"] == 3
+    assert out["requests"] == 4 and out["failed"] == 1 and out["failures"][0]["error"] == "HTTP 503: no primary"
+    assert out["client_cpu_share_max"] == 0.1 and out["client_procs"] == 1
