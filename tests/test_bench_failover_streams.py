@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.bench.failover_streams import add_args, summarize
+from harness.bench.failover_streams import add_args, quiet_moments, summarize
 from harness.load.jobs import Gaps, ProcessReport
 from harness.load.result import RequestResult
 from harness.stats import bench_summary
@@ -15,13 +15,16 @@ def stream(sent: float, tokens: list[float], error: str | None = None) -> Reques
                          content_times=tokens, error=error)
 
 
-def test_the_gap_across_a_kill_runs_from_the_last_tokens_before_it_to_the_first_after():
-    r = stream(10.0, [10.1, 10.2, 10.9, 11.0])
+def test_the_gap_across_a_kill_is_the_longest_wait_for_tokens_in_the_window_after_it():
+    r = stream(10.0, [10.1, 10.2, 10.9, 11.0, 11.05, 11.5, 13.0])
     assert abs(r.gap_across(10.5) - 0.7) < 1e-9
-    assert abs(r.gap_across(10.05) - 0.1) < 1e-9  # before its first tokens: from the send
-    assert r.gap_across(9.0) is None and r.gap_across(12.0) is None  # not in flight then
+    assert abs(r.gap_across(10.15) - 0.7) < 1e-9  # tokens on their way at the kill: the stall came after them
+    assert abs(r.gap_across(10.05) - 0.7) < 1e-9  # before its first tokens: the wait from the send counts
+    assert abs(r.gap_across(10.05, within=0.1) - 0.1) < 1e-9  # a shorter window: up to the first gap begun in it
+    assert abs(r.gap_across(11.02) - 1.5) < 1e-9  # the gap begun in the window counts whole
+    assert r.gap_across(9.0) is None and r.gap_across(14.0) is None  # not in flight then
     g = Gaps.of(r, [9.0, 10.5])
-    assert g.across[0] is None and abs(g.across[1] - 0.7) < 1e-9 and abs(g.longest - 0.7) < 1e-9
+    assert g.across[0] is None and abs(g.across[1] - 0.7) < 1e-9 and abs(g.longest - 1.5) < 1e-9
 
 
 def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_apart():
@@ -30,7 +33,7 @@ def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_ap
     args = p.parse_args(["--streams", "3", "--window", "1"])
     args.runs = 1
     kills = [20.0]
-    results = [stream(19.5, [19.6, 20.3, 20.4]),  # in flight: 0.7 s across the kill
+    results = [stream(19.5, [19.6, 20.05, 20.75, 20.8]),  # in flight: 0.7 s after a token on its way at the kill
                stream(19.8, [19.9, 20.1]),  # in flight: 0.2 s
                stream(30.0, [30.5, 30.6]),  # far from the kill: its longest gap is an "other" stream's
                stream(31.0, [], error="HTTP 503: no primary")]
@@ -42,3 +45,8 @@ def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_ap
     assert out["failover_seconds_ms"]["p50"] == 12.0 and out["recomputed_tokens_per_continuation"]["max"] == 3
     assert out["requests"] == 4 and out["failed"] == 1 and out["failures"][0]["error"] == "HTTP 503: no primary"
     assert out["client_cpu_share_max"] == 0.1 and out["client_procs"] == 1
+
+
+def test_quiet_moments_end_their_window_just_before_each_next_kill():
+    assert [round(t, 2) for t in quiet_moments([10.0, 13.0, 14.5], 1.0)] == [11.99, 13.49]
+    assert quiet_moments([10.0, 10.5], 1.0) == []  # kills closer than the window: no quiet moment between them

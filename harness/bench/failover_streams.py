@@ -42,7 +42,7 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             kills, failover_s, recovery_s, promotion_s = kill_primaries(args, h)
             time.sleep(args.settle)
             load.stop()
-            reports = load.collect(marks=kills)
+            reports = load.collect(marks=kills + quiet_moments(kills, args.gap_window), within=args.gap_window)
         recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
         return {**summarize(args, shared_kv, reports, kills, failover_s, recovery_s, recomputed),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in promotion_s], 2)}
@@ -50,6 +50,12 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
         h.stop()
         if args.out:  # the supervisor's and every engine's log, for what the figures do not say
             keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
+
+
+def quiet_moments(kills: list[float], within: float) -> list[float]:
+    """A moment before each kill after the first whose window (`within` s) ends just before it: the
+    node whole again and serving, no failover in the window (the baseline a kill's gap is read against)."""
+    return [t - within - 0.01 for prev, t in zip(kills, kills[1:]) if t - within - 0.01 > prev]
 
 
 def kill_primaries(args: argparse.Namespace, h: Harness) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -97,10 +103,12 @@ def stream_jobs(args: argparse.Namespace, url: str, model: str, vocab: int) -> l
 
 def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessReport], kills: list[float],
               failover_s: list[float], recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
-    """Per kill, the gap every stream in flight saw across it; the other streams' longest gaps (those
-    not within `--window` of a kill); the failures; the client processes' CPU."""
+    """Per kill, the gap every stream in flight saw across it; the same gap at quiet moments (no kill in
+    its window); the other streams' longest gaps (those not within `--window` of a kill); the failures;
+    the client processes' CPU."""
     gaps: list[Gaps] = [g for r in reports for g in r.gaps]
     across_kill = [[a for g in gaps if (a := g.across[k]) is not None] for k in range(len(kills))]
+    at_quiet = [a for g in gaps for a in g.across[len(kills):] if a is not None]
     calm = [g.longest for g in gaps if g.error is None and
             not any(g.sent - args.window < t < g.end + args.window for t in kills)]
     failed = [{"sent": g.sent, "end": g.end, "error": g.error} for g in gaps if g.error]
@@ -110,7 +118,9 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessRe
         "input_len": args.input_len, "output_len": args.output_len,
         "streams_in_flight_per_kill": {"min": min(map(len, across_kill), default=0),
                                        "max": max(map(len, across_kill), default=0)},
+        "gap_window_s": args.gap_window,
         "gap_across_kill_ms": ms([a for per_kill in across_kill for a in per_kill]),
+        "gap_at_quiet_moments_ms": ms(at_quiet),
         "longest_gap_other_streams_ms": ms(calm),
         "failover_seconds_ms": ms(failover_s), "standby_back_s": bench_summary(recovery_s),
         "recomputed_tokens_per_continuation": bench_summary(recomputed, 1),
@@ -132,6 +142,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="100:1024", help="tokens generated per stream (N or LO:HI)")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the first kill")
     p.add_argument("--window", type=float, default=2.0, help="seconds around a kill that make a stream not 'other'")
+    p.add_argument("--gap-window", type=float, default=1.0,
+                   help="seconds after a kill (or a quiet moment) whose longest wait for tokens is a stream's gap")
     p.add_argument("--compare", action="store_true", help="also run with engines.shared_kv: false, beside it")
     p.add_argument("--out", help="keep each node's supervisor and engine logs here (a .tgz per node)")
 
@@ -142,12 +154,13 @@ def run_streams(args: argparse.Namespace) -> int:
         print(json.dumps(results, indent=2))
     else:
         for r in results:
-            g, o, f, rc = (r["gap_across_kill_ms"], r["longest_gap_other_streams_ms"], r["failover_seconds_ms"],
-                           r["recomputed_tokens_per_continuation"])
-            print(f"shared_kv={r['shared_kv']}: gap across a kill median {g.get('p50')} ms, {tail_text(g)}; other "
-                  f"streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; failover_seconds median "
-                  f"{f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max {rc.get('max')} "
-                  f"(n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
+            g, q, o, f, rc = (r["gap_across_kill_ms"], r["gap_at_quiet_moments_ms"], r["longest_gap_other_streams_ms"],
+                              r["failover_seconds_ms"], r["recomputed_tokens_per_continuation"])
+            print(f"shared_kv={r['shared_kv']}: gap across a kill (longest wait within {r['gap_window_s']:g} s) median "
+                  f"{g.get('p50')} ms, {tail_text(g)}; the same at quiet moments median {q.get('p50')} ms, "
+                  f"{tail_text(q)}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
+                  f"failover_seconds median {f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max "
+                  f"{rc.get('max')} (n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
                   f"CPU max {r['client_cpu_share_max']:.0%}")
     return 0 if all(r["failed"] == 0 for r in results) else 1

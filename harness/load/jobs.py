@@ -56,14 +56,15 @@ class Job(BaseModel):
 
 class Collect(BaseModel):
     """What the process sends back once stopped: every result whole, or, with `marks` (times on
-    the shared clock), each request reduced to its gaps across them."""
+    the shared clock), each request reduced to its gaps across them (`within` seconds after each)."""
 
     marks: list[float] | None = None
+    within: float = 1.0
 
 
 class Gaps(BaseModel):
     """A request reduced to what a failover bench needs: the gap it saw across each mark (None: not
-    in flight then) and its longest wait for tokens."""
+    in flight then; `RequestResult.gap_across`) and its longest wait for tokens."""
 
     sent: float
     end: float
@@ -72,9 +73,9 @@ class Gaps(BaseModel):
     longest: float
 
     @classmethod
-    def of(cls, r: RequestResult, marks: list[float]) -> "Gaps":
-        return cls(sent=r.sent, end=r.end or r.sent, error=r.error, across=[r.gap_across(t) for t in marks],
-                   longest=r.longest_gap())
+    def of(cls, r: RequestResult, marks: list[float], within: float = 1.0) -> "Gaps":
+        return cls(sent=r.sent, end=r.end or r.sent, error=r.error,
+                   across=[r.gap_across(t, within) for t in marks], longest=r.longest_gap())
 
 
 class ProcessReport(BaseModel):

@@ -52,15 +52,15 @@ class ClientProcesses:
         for p in self.procs:
             self._tell(p, "stop")
 
-    def collect(self, marks: list[float] | None = None) -> list[ProcessReport]:
+    def collect(self, marks: list[float] | None = None, within: float = 1.0) -> list[ProcessReport]:
         """Each process's report once it has stopped: its results whole, or with `marks` each
-        request's gaps across them."""
+        request's gaps across them (within `within` seconds after each)."""
         for p in self.procs:
             if p.stdout.readline().strip() != "stopped":
                 raise RuntimeError(f"client process {p.pid} failed (exit {p.wait()})")
         reports = []
         for p in self.procs:
-            self._tell(p, Collect(marks=marks).model_dump_json())
+            self._tell(p, Collect(marks=marks, within=within).model_dump_json())
             line = p.stdout.readline()
             if p.wait(60) != 0 or not line:
                 raise RuntimeError(f"client process {p.pid} failed (exit {p.returncode})")

@@ -80,17 +80,16 @@ class RequestResult(BaseModel):
         """The longest wait for tokens (from the send for the first)."""
         return longest_wait(self.sent, self.content_times)
 
-    def gap_across(self, t: float) -> float | None:
-        """For a request in flight at `t`: the gap between the last tokens before `t` (or the send) and
-        the first after it; None if it was not in flight (or got no tokens after `t`)."""
+    def gap_across(self, t: float, within: float = 1.0) -> float | None:
+        """For a request in flight at `t` (a kill): its longest wait for tokens among the gaps that end
+        after `t` and begin before `t + within`. (Tokens already on their way at `t` arrive after it:
+        the gap that ends at the first of them is not the stall, which comes after them.) None if it
+        was not in flight then, or got no tokens after `t`."""
         if not self.sent < t < (self.end or self.sent):
             return None
-        before = self.sent
-        for c in self.content_times:
-            if c > t:
-                return c - before
-            before = c
-        return None
+        times = [self.sent, *self.content_times]
+        waits = [b - a for a, b in zip(times, times[1:]) if b > t and a < t + within]
+        return max(waits) if waits else None
 
 
 def longest_wait(start: float, times: Sequence[float]) -> float:
