@@ -13,7 +13,9 @@ import httpx
 
 @dataclass
 class Load:
-    """Steady load: ``threads`` clients sending completions back to back through the router."""
+    """Steady load: ``threads`` clients sending completions back to back through the router.
+    With ``bodies``, client i sends bodies i, i + threads, ... in turn (each with ``stream`` and
+    the model set) and every 200's text lands in ``replies`` as (body index, text)."""
 
     url: str
     model: str
@@ -21,11 +23,13 @@ class Load:
     max_tokens: int = 4
     stream: bool = False
     results: list[tuple[float, float, int | str, str | None]] = field(default_factory=list)
+    bodies: list[dict] | None = None
+    replies: list[tuple[int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._watch: tuple[str, float, threading.Event, list[float]] | None = None
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.threads)]
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.threads)]
 
     def __enter__(self) -> "Load":
         for t in self._threads:
@@ -40,18 +44,22 @@ class Load:
         for t in self._threads:
             t.join(timeout=120)
 
-    def _run(self) -> None:
+    def _run(self, client: int = 0) -> None:
         body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": self.max_tokens,
                 "temperature": 0.0, "stream": self.stream}
+        turn = client
         with httpx.Client(timeout=60) as c:
             while not self._stop.is_set():
+                if self.bodies:
+                    index = turn % len(self.bodies)
+                    body = {**self.bodies[index], "model": self.model, "stream": self.stream}
+                    turn += self.threads
                 t0 = time.monotonic()
                 try:
-                    r = c.post(self.url + "/v1/completions", json=body)
-                    ok = r.status_code
-                    if self.stream and r.status_code == 200 and "[DONE]" not in r.text:
-                        ok = "stream cut"
-                    end, engine = time.monotonic(), r.headers.get("x-understudy-engine")
+                    ok, engine, text = self.send(c, body)
+                    if self.bodies and ok == 200:
+                        self.replies.append((index, text))
+                    end = time.monotonic()
                     self.results.append((t0, end, ok, engine))
                     w = self._watch
                     if w is not None and ok == 200 and engine == w[0] and end >= w[1] and not w[2].is_set():
@@ -59,6 +67,23 @@ class Load:
                         w[2].set()
                 except httpx.HTTPError as e:
                     self.results.append((t0, time.monotonic(), f"{type(e).__name__}: {e}", None))
+
+    def send(self, c: httpx.Client, body: dict) -> tuple[int | str, str | None, str]:
+        """One completion: (status, or "stream cut" for a stream without [DONE]; the engine that
+        answered; the generated text, "" unless 200)."""
+        r = c.post(self.url + "/v1/completions", json=body)
+        ok: int | str = r.status_code
+        if self.stream and r.status_code == 200 and "[DONE]" not in r.text:
+            ok = "stream cut"
+        return ok, r.headers.get("x-understudy-engine"), reply_text(r.text, self.stream) if ok == 200 else ""
+
+    def one(self, body: dict) -> str:
+        """The text of one completion of `body` (model and stream set), sent alone; raises unless 200."""
+        with httpx.Client(timeout=60) as c:
+            ok, _, text = self.send(c, {**body, "model": self.model, "stream": self.stream})
+        if ok != 200:
+            raise RuntimeError(f"a completion failed: {ok}")
+        return text
 
     @property
     def failures(self) -> list:
@@ -74,6 +99,18 @@ class Load:
         """Completion time of the first success served by ``engine`` that started after ``after``."""
         times = [end for start, end, code, eng in self.results if code == 200 and eng == engine and end >= after]
         return min(times) if times else None
+
+
+def reply_text(body: str, stream: bool) -> str:
+    """The generated text of a completion's reply (its SSE chunks joined when streamed)."""
+    if not stream:
+        return json.loads(body)["choices"][0]["text"]
+    text = []
+    for line in body.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            text += [c.get("text") or "" for c in chunk.get("choices") or []]
+    return "".join(text)
 
 
 class OpenLoad:

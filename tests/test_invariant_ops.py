@@ -145,3 +145,32 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch_or_the_split_path(dtyp
     want = w.float() @ a + (kw["bias"].float() if "bias" in kw else 0) + (res_row.float() if variant != "plain"
                                                                           and "residual" in kw else 0)
     torch.testing.assert_close(alone.float(), want, rtol=0, atol=0.02 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float16])
+def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(dtype: torch.dtype) -> None:
+    """The Triton kernel as deterministic engines run it (one query tile, no split of the keys):
+    a position's output as a decode row (alone, and beside a long decode row and a chunk) is the
+    bit pattern of its row in a whole prefill and in chunks."""
+    from engines.kernels.paged_attention import NO_SPLIT, paged_attention, query_block
+    from engines.models.paged import query_blocks
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, d, length = 4, 2, 16, 300  # longer than a default split (256 keys)
+    cache, tables = paged(g, dtype, [length, 280, 120], heads, kv_heads, d, bs=16)
+    cache, tables = cache.to(DEV), tables.to(DEV)
+    q = torch.randn(length, heads, d, generator=g).to(DEV, dtype)
+    t = lambda v: torch.tensor(v, device=DEV)  # noqa: E731
+
+    def run(rows: torch.Tensor, q_lens: list[int], seq_lens: list[int], order: list[int]) -> torch.Tensor:
+        bq = query_block(heads, kv_heads, max(q_lens) == 1, deterministic=True)
+        cu_qb = query_blocks(q_lens, bq)
+        return paged_attention(rows, cache[0], cache[1], t([0, *torch.tensor(q_lens).cumsum(0).tolist()]),
+                               t(seq_lens), tables[order], t(cu_qb), cu_qb[-1], bq, min_split_keys=NO_SPLIT)
+    whole = run(q, [length], [length], [0])
+    chunked = torch.cat([run(q[s:s + 100], [100], [s + 100], [0]) for s in range(0, length, 100)])
+    assert torch.equal(chunked, whole)
+    other = torch.randn(2, heads, d, generator=g).to(DEV, dtype)
+    for p in (0, 127, 128, 299):
+        assert torch.equal(run(q[p:p + 1], [1], [p + 1], [0])[0], whole[p]), p
+        mixed = run(torch.cat([other[:1], q[p:p + 1], other[1:]]), [1, 1, 1], [280, p + 1, 120], [1, 0, 2])
+        assert torch.equal(mixed[1], whole[p]), p

@@ -102,8 +102,8 @@ def chunked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             continue
         keys_len = -(-length // KEY_CHUNK) * KEY_CHUNK
         blocks = block_tables[b, :-(-length // block_size)]
-        keys = _padded(k_cache[blocks].flatten(0, 1)[:length].float(), keys_len).permute(1, 0, 2)
-        values = _padded(v_cache[blocks].flatten(0, 1)[:length].float(), keys_len).permute(1, 0, 2)
+        keys = _padded(k_cache[blocks].flatten(0, 1)[:length].float(), keys_len).permute(1, 0, 2).contiguous()
+        values = _padded(v_cache[blocks].flatten(0, 1)[:length].float(), keys_len).permute(1, 0, 2).contiguous()
         rows = q[start:start + n].float().view(n, kv_heads, group, d)
         pos = torch.arange(length - n, length)
         for i in range(0, n, QUERY_TILE):
@@ -123,22 +123,24 @@ def _padded(x: torch.Tensor, rows: int, value: float = 0.0) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last: int) -> torch.Tensor:
     """One query tile `[QT, kv_heads, group, d]` (positions `pos`, -1 for padding) over keys
-    `[kv_heads, L, d]` from 0 up to `last`, KEY_CHUNK at a time, with an online softmax."""
+    `[kv_heads, L, d]` from 0 up to `last`, KEY_CHUNK at a time, with an online softmax. Every
+    product has the same shape whatever the tile holds ([kv_heads, QT * group, d] x [d, KEY_CHUNK]
+    and [.., KEY_CHUNK] x [KEY_CHUNK, d]), so the library sums each row the same way."""
     qt, kvh, group, d = q.shape
-    scale = d ** -0.5
-    m = torch.full((qt, kvh, group), -1.0e30)
-    l = torch.zeros(qt, kvh, group)
-    acc = torch.zeros(qt, kvh, group, d)
+    rows = q.permute(1, 0, 2, 3).reshape(kvh, qt * group, d) * d ** -0.5
+    row_pos = pos.repeat_interleave(group)  # [QT * group]
+    m = torch.full((kvh, qt * group), -1.0e30)
+    l = torch.zeros(kvh, qt * group)
+    acc = torch.zeros(kvh, qt * group, d)
     for c in range(0, last, KEY_CHUNK):
-        k = keys[:, c:c + KEY_CHUNK]
-        v = values[:, c:c + KEY_CHUNK]
-        s = (q.unsqueeze(3) * k[None, :, None]).sum(-1) * scale  # [QT, kvh, group, KEY_CHUNK]
-        visible = torch.arange(c, c + KEY_CHUNK)[None, :] <= pos[:, None]
-        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+        s = torch.bmm(rows, keys[:, c:c + KEY_CHUNK].transpose(1, 2).contiguous())  # [kvh, QT * group, KEY_CHUNK]
+        visible = torch.arange(c, c + KEY_CHUNK)[None, :] <= row_pos[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new.unsqueeze(-1))
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha.unsqueeze(-1) + (p.unsqueeze(-1) * v[None, :, None]).sum(-2)
+        acc = acc * alpha.unsqueeze(-1) + torch.bmm(p, values[:, c:c + KEY_CHUNK].contiguous())
         m = m_new
-    return acc / torch.where(l == 0, 1.0, l).unsqueeze(-1)
+    out = acc / torch.where(l == 0, 1.0, l).unsqueeze(-1)
+    return out.view(kvh, qt, group, d).permute(1, 0, 2, 3)
