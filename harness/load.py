@@ -81,8 +81,8 @@ class Load:
         """The text of one completion of `body` (model and stream set), sent alone; raises unless 200."""
         with httpx.Client(timeout=60) as c:
             ok, _, text = self.send(c, {**body, "model": self.model, "stream": self.stream})
-        if ok != 200:
-            raise RuntimeError(f"a completion failed: {ok}")
+            if ok != 200:
+                raise RuntimeError(f"a completion failed: {ok}")
         return text
 
     @property

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.models import AttnMeta, build_model, read_model_args
-from engines.models.paged import query_blocks
+from engines.models import build_model, read_model_args
+from engines.models.paged import packed_meta
 from daemon.loader import load_checkpoint_into
 
 BS, NUM_BLOCKS, MAX_BLOCKS = 8, 96, 12
@@ -37,27 +37,14 @@ class Seq:
 
 def step(model, work: list[tuple[Seq, int, int]]) -> torch.Tensor:
     """Run positions start..start+n-1 of each (seq, start, n) as one packed step; logits of every row."""
+    from engines.kernels.paged_attention import query_block
     dev = model.kv_cache.device
     attn = model.model.layers[0].self_attn
-    from engines.kernels.paged_attention import query_block
-    q_lens = [n for _, _, n in work]
-    block_q = query_block(attn.heads, attn.kv_heads, max(q_lens) == 1, deterministic=True)
-    ids, pos, slots = [], [], []
-    for seq, start, n in work:
-        for p in range(start, start + n):
-            ids.append(seq.tokens[p])
-            pos.append(p)
-            slots.append(seq.blocks[p // BS] * BS + p % BS)
-    tables = torch.zeros(len(work), MAX_BLOCKS, dtype=torch.long)
-    for i, (seq, _, _) in enumerate(work):
-        tables[i, :len(seq.blocks)] = torch.tensor(seq.blocks)
-    cu_qb = query_blocks(q_lens, block_q)
-    seq_lens = [start + n for _, start, n in work]
-    t = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
-    meta = AttnMeta(slot_mapping=t(slots), cu_q=t([0] + torch.tensor(q_lens).cumsum(0).tolist()), seq_lens=t(seq_lens),
-                    block_tables=tables.to(dev), max_q_len=max(q_lens), cu_qblocks=t(cu_qb), num_programs=cu_qb[-1],
-                    block_q=block_q, search_steps=len(work).bit_length(), q_lens_host=q_lens, seq_lens_host=seq_lens)
-    return model(t(ids), t(pos), meta)
+    block_q = query_block(attn.heads, attn.kv_heads, max(n for _, _, n in work) == 1, deterministic=True)
+    meta = packed_meta([(seq.blocks, start, n) for seq, start, n in work], BS, MAX_BLOCKS, block_q, dev)
+    ids = [seq.tokens[p] for seq, start, n in work for p in range(start, start + n)]
+    pos = [p for _, start, n in work for p in range(start, start + n)]
+    return model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
 
 
 def kv_of(model, seq: Seq, length: int) -> torch.Tensor:

@@ -17,6 +17,8 @@ columns, in fixed BLOCK_K chunks, and applied before rounding to the product's d
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -84,7 +86,7 @@ def _epilogue(total, rm, rn, M, N, bias_ptr, res_ptr, y_ptr, stride_rm, stride_y
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size (M = 1 included)
 def _matmul_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, part_ptr, M, N, K,
                    stride_xm, stride_wn, stride_rm, stride_ym, eps,
                    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -110,7 +112,7 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, part_ptr, M
         _epilogue(total, rm, rn, M, N, bias_ptr, res_ptr, y_ptr, stride_rm, stride_ym, BIAS, RESIDUAL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _combine_kernel(part_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, stride_ym,
                     BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -135,6 +137,7 @@ def num_splits(n: int, k: int, sm_count: int) -> tuple[int, int]:
     return triton.cdiv(k, per_split), per_split
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

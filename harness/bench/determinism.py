@@ -30,13 +30,14 @@ WORDS = ("the river ran past old stone walls while a quiet wind carried news of 
 PREAMBLE = "You are a careful assistant. Answer briefly and never repeat yourself. "  # a shared prefix (cache hits)
 
 
-def request_bodies(n: int, max_tokens: int, seed: int = 0) -> list[dict]:
-    """`n` prompts of varied length (half behind a shared preamble), each greedy and seeded at
-    temperature 0.8: 2n bodies."""
+def request_bodies(n: int, max_tokens: int, max_words: int = 120, seed: int = 0) -> list[dict]:
+    """`n` prompts of varied length, up to `max_words` words (half behind a shared preamble), each
+    greedy and seeded at temperature 0.8: 2n bodies."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 12, 40, 120])))
+        words = rng.choice([3, max_words // 10, max_words // 3, max_words])
+        text = " ".join(rng.choice(WORDS) for _ in range(max(1, words)))
         prompt = (PREAMBLE if i % 2 else "") + text
         base = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
         out += [{**base, "temperature": 0}, {**base, "temperature": 0.8, "seed": 1000 + i}]
@@ -89,6 +90,8 @@ def phase(h, model: str, bodies: list[dict], ref: list[str], args: argparse.Name
 def node_config(args: argparse.Namespace, workdir: Path) -> str:
     cfg = yaml.safe_load(bench_config(args.config, workdir, argparse.Namespace(**{**vars(args), "runs": args.kills})))
     cfg["engines"]["deterministic"] = not args.default_mode
+    if args.dtype:
+        cfg["model"]["dtype"] = args.dtype
     return yaml.safe_dump(cfg)
 
 
@@ -101,13 +104,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         st = h.wait_all_ready(args.boot_timeout)
         model = st["model"]["name"]
         modes = {e["name"]: e["heartbeat"].get("deterministic") for e in st["engines"]}
-        bodies = request_bodies(args.prompts, args.max_tokens)
+        bodies = request_bodies(args.prompts, args.max_tokens, args.max_words)
         say(args, f"ready: {st['model']['path']} on {st['model']['device']} ({st['model']['dtype']}), "
                   f"deterministic engines: {modes}; {len(bodies)} requests, alone first")
         ref = reference(h.router_url, model, bodies, not args.no_stream)
         out: dict[str, Any] = {"bench": "determinism", "device": st["model"]["device"], "model": st["model"]["path"],
                                "dtype": st["model"]["dtype"], "deterministic": not args.default_mode,
-                               "engines_say": modes, "requests": len(bodies), "clients": args.clients,
+                               "engines_say": modes, "node_says": st["model"].get("deterministic"),
+                               "requests": len(bodies), "clients": args.clients,
                                "duration_s": args.duration, "max_tokens": args.max_tokens,
                                "stream": not args.no_stream, "phases": {}}
         for name, kills in (("no faults", 0), ("kills", args.kills)):
@@ -135,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     add_target_args(p)
     p.add_argument("--prompts", type=int, default=32, help="prompts, each sent greedy and seeded")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-words", type=int, default=120, help="the longest prompt, in words")
     p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per phase")
     p.add_argument("--kills", type=int, default=0, help="SIGKILLs of the primary in the second phase (0: no such phase)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="overrides model.dtype")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests")
     p.add_argument("--default-mode", action="store_true", help="engines.deterministic false (to see the difference)")
     p.add_argument("--boot-timeout", type=float, default=900.0)
