@@ -115,7 +115,7 @@ class LLMEngine:
                 "kv_blocks_used": b.used, "kv_blocks_total": b.usable_blocks,
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                 "preemptions": self.scheduler.preemptions, "generated_tokens": self.generated_tokens,
-                "kv_mode": b.mode, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
+                "kv_mode": b.mode, "deterministic": self.runner.deterministic, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
                 "continuation_reused_tokens": self.continuation_reused,
                 "continuation_recomputed_tokens": self.continuation_recomputed,
                 "gpu_reserved_bytes": torch.cuda.memory_reserved(self._device) if self._device.type == "cuda" else 0}

@@ -40,7 +40,8 @@ async def _serve(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
                  vocab_size: int, to_core: str, to_frontend: str) -> int:
     client = EngineClient(to_core, to_frontend)
     startup: dict = {}
-    srv = OpenAIServer(client, tokenizer, model_names, max_model_len, vocab_size, lambda: startup, cfg.limits)
+    srv = OpenAIServer(client, tokenizer, model_names, max_model_len, vocab_size, lambda: startup, cfg.limits,
+                       cfg.deterministic)
     app = stamp_arrival(BodyLimit(build_app(srv), cfg.limits.max_body_bytes))
     server = QuietServer(guarded_config(app, cfg.listener, f"engine {cfg.name}", host=cfg.host, port=cfg.port,
                                         log_level="warning", lifespan="off", access_log=False))

@@ -133,7 +133,7 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     weights = load_rank_weights(cfg, args, rank, device)
     log.info("rank %d weights: %s", rank, weights.source)
     gather_sources(weights.source, group, cfg.tp_size)  # rank 0 reports every rank's source
-    runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group, cfg.fused_kernels)
+    runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group, cfg.fused_kernels, cfg.deterministic)
     allocate_kv_cache(runner, cfg, max_model_len(cfg, args.max_position_embeddings), weights, rank, group)
     if cfg.cuda_graphs and device.type == "cuda":
         runner.capture_graphs()
@@ -207,7 +207,7 @@ def run_engine(cfg: EngineConfig) -> int:
             if len(set(sources)) > 1:
                 log.warning("weights by rank: %s", ", ".join(f"rank {r} {s}" for r, s in enumerate(sources)))
         control.state("WARMING")
-        runner = ModelRunner(weights.model, device, 0, cfg.tp_size, group, cfg.fused_kernels)
+        runner = ModelRunner(weights.model, device, 0, cfg.tp_size, group, cfg.fused_kernels, cfg.deterministic)
         use_graphs = cfg.cuda_graphs and device.type == "cuda"
         with timer.phase("kv_cache"):
             pool, timer.kv_source = allocate_kv_cache(runner, cfg, mml, weights, 0, group)
@@ -215,8 +215,9 @@ def run_engine(cfg: EngineConfig) -> int:
             if use_graphs:
                 runner.capture_graphs()
         log.info("KV cache: %d blocks of %d tokens (%s; max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
-                 "fused decode kernels: %s", runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml,
-                 runner.max_rows, runner.graph_sizes if use_graphs else "off", runner.fused_decode_status)
+                 "fused decode kernels: %s; deterministic: %s", runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml,
+                 runner.max_rows, runner.graph_sizes if use_graphs else "off", runner.fused_decode_status,
+                 runner.deterministic)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching, SharedPool(pool, cfg.kv_slot) if pool else None)
         link = CoreLink(engine, *link_eps)

@@ -216,6 +216,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "understudy"
     max_model_len: int
+    deterministic: bool = False  # batch-invariant engine: the same request gives the same text under any load
 
 
 class ModelList(BaseModel):

@@ -112,10 +112,12 @@ class ModelRunner:
     """Owns the model on one rank, its paged KV cache, the step buffers and the CUDA graphs."""
 
     def __init__(self, model: CausalLM, device: torch.device, rank: int = 0, tp_size: int = 1,
-                 ctrl_group: dist.ProcessGroup | None = None, fused_kernels: bool = True):
+                 ctrl_group: dist.ProcessGroup | None = None, fused_kernels: bool = True,
+                 deterministic: bool = False):
         self.model, self.device, self.rank, self.tp_size = model, device, rank, tp_size
         self.ctrl_group = ctrl_group
-        self.fused_kernels = fused_kernels
+        self.fused_kernels = fused_kernels and not deterministic  # batch-1 kernels sum in another order
+        self.deterministic = model.deterministic = deterministic  # batch-invariant ops (engines/models/invariant.py)
         self.fused_decode_status = "off (no KV cache yet)"
         self.num_blocks = 0
         self.block_size = 0
@@ -124,7 +126,8 @@ class ModelRunner:
         self._sizes_by_kind: dict[int, list[int]] = {DECODE: [], MIXED: []}  # captured sizes per kind, ascending
         attn = model.model.layers[0].self_attn
         group = triton_pow2(attn.heads // attn.kv_heads)
-        self.block_q = {True: max(1, 16 // group), False: max(1, 64 // group)}  # decode-only step or not
+        # query rows per attention program, decode-only step or not (one tile for both when deterministic)
+        self.block_q = {True: max(1, (64 if deterministic else 16) // group), False: max(1, 64 // group)}
 
     @property
     def graph_sizes(self) -> dict[str, list[int]]:
@@ -167,7 +170,8 @@ class ModelRunner:
         self._tables_written: list[list[tuple[list[int], int]]] = [[], []]  # per buffer, see _write_tables
         self._arange = np.arange(self.max_rows + 1)
         self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
-        reason = fused_decode_unavailable(self.model) if self.fused_kernels else "fused_kernels is false"
+        reason = ("deterministic" if self.deterministic else "fused_kernels is false") if not self.fused_kernels \
+            else fused_decode_unavailable(self.model)
         self.model.use_fused_decode = reason is None
         self.fused_decode_status = f"off ({reason})" if reason else f"on (batches up to {FUSED_MAX_BATCH})"
         return blocks

@@ -75,6 +75,8 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     vocab = logits.shape[-1]
     if all(p.top_p >= 1.0 and not 0 < p.top_k < vocab for p in params):
         return logits
+    if logits.shape[0] == 1:  # CUDA scans a lone row with another algorithm (cub): keep one row's sums
+        return filter_logits(logits.repeat(2, 1), params * 2)[:1]  # batch-invariant
     ks = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], logits.device)
     ps = to_device([p.top_p for p in params], logits.device, logits.dtype)
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)

@@ -89,8 +89,10 @@ class OpenAIServer:
     """Binds the HTTP routes to one engine, its tokenizer and the served model name(s)."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
-                 vocab_size: int, startup_summary: Callable[[], dict], limits: RequestLimits | None = None):
+                 vocab_size: int, startup_summary: Callable[[], dict], limits: RequestLimits | None = None,
+                 deterministic: bool = False):
         self.engine, self.tokenizer, self.max_model_len = engine, tokenizer, max_model_len
+        self.deterministic = deterministic  # said in /v1/models: the same request gives the same text
         self.limits = limits or RequestLimits()
         self.vocab_size = vocab_size  # the model's (embedding rows): every id fed to it must be below
         self.model_names = model_names
@@ -282,7 +284,7 @@ class OpenAIServer:
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_names[0], created=self.created,
-                                         max_model_len=self.max_model_len)])
+                                         max_model_len=self.max_model_len, deterministic=self.deterministic)])
 
 
 def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitable[None]]:

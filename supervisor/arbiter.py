@@ -114,7 +114,8 @@ class Supervisor:
         self.fixed = {"router_url": self.router_url, "admin_url": self.admin_url, "runtime_dir": str(self.rd),
                       "events": self.bus.endpoint, "token_file": str(self.token_file),
                       "model": {"path": str(self.model_path), "name": self.model_name, "device": self.device,
-                                "dtype": cfg.model.dtype, "tp_size": cfg.model.tp_size, "fingerprint": self.fingerprint}}
+                                "dtype": cfg.model.dtype, "tp_size": cfg.model.tp_size, "fingerprint": self.fingerprint,
+                                "deterministic": cfg.engines.deterministic}}
 
     def _listening_sockets(self) -> tuple[socket.socket, socket.socket]:
         """The data and admin sockets: handed over (systemd socket activation), else bound here."""

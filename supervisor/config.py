@@ -78,6 +78,8 @@ class EnginesSection(_Section):
     prefix_caching: bool = True
     cuda_graphs: bool = True
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
+    deterministic: bool = Field(default=False, description="batch-invariant engines: the same request gives the "
+                                "same text under any load and across a failover's continuation, bit for bit")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     external: ExternalEngine | None = None
 

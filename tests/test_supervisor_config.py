@@ -161,3 +161,11 @@ def test_systemd_unit_matches_the_design_and_the_default_timeouts():
     assert int(svc["TimeoutStopSec"]) > f.drain_timeout_s + f.stop_timeout_s  # the drain is never cut short
     assert int(svc["WatchdogSec"]) >= 2
     assert svc["RuntimeDirectoryMode"] == "0700"
+
+
+def test_deterministic_flows_from_the_config_to_every_engine(tmp_path):
+    from supervisor.effects.child_configs import ChildConfigs
+    cfg = parse_config("engines:\n  deterministic: true\n", "config.yaml")
+    assert load_config(None).engines.deterministic is False
+    child = ChildConfigs(cfg, tmp_path, "cpu", tmp_path).engine("a", 0, 0)
+    assert child.deterministic is True and child.fused_kernels is True  # the runner turns fused decode off

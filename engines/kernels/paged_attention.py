@@ -36,6 +36,7 @@ BLOCK_KEYS = 128
 NUM_WARPS, NUM_STAGES = 4, 2
 MIN_SPLIT_KEYS = 256  # keys per split of a decode row (more when max_model_len needs over MAX_SPLITS)
 MAX_SPLITS = 16
+NO_SPLIT = 1 << 30  # min_split_keys of deterministic engines: a decode row's keys in one program, as prefill's
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -136,9 +137,11 @@ def _combine_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, cu_q_p
     tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def query_block(heads: int, kv_heads: int, decode_only: bool) -> int:
-    """Query tokens per program: enough rows (tokens x padded GQA group) for a tensor-core tile."""
-    rows = MIN_ROWS if decode_only else PREFILL_ROWS
+def query_block(heads: int, kv_heads: int, decode_only: bool, deterministic: bool = False) -> int:
+    """Query tokens per program: enough rows (tokens x padded GQA group) for a tensor-core tile.
+    Deterministic engines take prefill's tile for decode too: the same tl.dot shapes, so a row's
+    scores and weighted sums come out of the same instructions in both."""
+    rows = MIN_ROWS if decode_only and not deterministic else PREFILL_ROWS
     return max(1, rows // triton.next_power_of_2(heads // kv_heads))
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .fused_decode import FUSED_MAX_BATCH, fused_decode
+from .invariant_forward import invariant_forward
 from .paged import AttnMeta, paged_attention, write_kv
 from .parallel import ShardedLinear, VocabShardedEmbedding, all_gather_last_dim
 from .rope import apply_rope, cos_sin_table, rope_factors
@@ -74,16 +75,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
                 kv: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+        out = self.attend(self.qkv_proj(x), cos, sin, meta, kv)
+        return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta, kv: torch.Tensor,
+               deterministic: bool = False) -> torch.Tensor:
+        """Rotary on q and k, k and v into the cache, attention: `qkv [T, (heads + 2 kv) d]` -> `[T, heads, d]`."""
+        qkv = qkv.view(qkv.shape[0], self.heads + 2 * self.kv_heads, self.head_dim)
         if qkv.is_cuda:
             from engines.kernels.rope_cache import rope_and_cache
             q = rope_and_cache(qkv, cos, sin, kv, meta.slot_mapping, self.heads, self.kv_heads)
         else:
             q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)
             write_kv(kv, meta.slot_mapping, k, qkv[:, self.heads + self.kv_heads:])
-        out = paged_attention(q, kv, meta)
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return paged_attention(q, kv, meta, deterministic)
 
 
 class MLP(nn.Module):
@@ -140,6 +145,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_cache: torch.Tensor | None = None
         self.use_fused_decode = False  # decode batches up to FUSED_MAX_BATCH through engines/kernels (CUDA)
+        self.deterministic = False  # batch-invariant ops (engines/models/invariant_forward.py)
 
     # ---- weights -------------------------------------------------------------------------
     def checkpoint_targets(self) -> dict[str, ShardSpec]:
@@ -209,6 +215,8 @@ class CausalLM(nn.Module):
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        if self.deterministic:
+            return invariant_forward(self, input_ids, positions, meta)
         if meta.decode_only and self.use_fused_decode and input_ids.shape[0] <= FUSED_MAX_BATCH:
             return fused_decode(self, input_ids, positions, meta)
         stack = self.model

@@ -46,12 +46,20 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v
     cache[1].view(rows, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """`q [T, heads, d]` against the cache (after `write_kv` of this step); returns `[T, heads, d]`."""
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, deterministic: bool = False) -> torch.Tensor:
+    """`q [T, heads, d]` against the cache (after `write_kv` of this step); returns `[T, heads, d]`.
+    `deterministic`: batch-invariant (engines/models/invariant.py): on CUDA no split of a decode
+    row's keys (the caller gives decode and prefill the same `block_q`), on CPU `chunked_attention`."""
     if q.is_cuda:
-        from engines.kernels.paged_attention import paged_attention as kernel
+        from engines.kernels.paged_attention import NO_SPLIT, MIN_SPLIT_KEYS, paged_attention as kernel
         return kernel(q, cache[0], cache[1], meta.cu_q, meta.seq_lens, meta.block_tables, meta.cu_qblocks,
-                      meta.num_programs, meta.block_q, meta.search_steps)
+                      meta.num_programs, meta.block_q, meta.search_steps,
+                      min_split_keys=NO_SPLIT if deterministic else MIN_SPLIT_KEYS)
+    if deterministic:
+        from .invariant import chunked_attention
+        q_lens = meta.q_lens_host if meta.q_lens_host is not None else (meta.cu_q[1:] - meta.cu_q[:-1]).tolist()
+        seq_lens = meta.seq_lens_host if meta.seq_lens_host is not None else meta.seq_lens.tolist()
+        return chunked_attention(q, cache[0], cache[1], q_lens, seq_lens, meta.block_tables)
     return reference_paged_attention(q, cache[0], cache[1], meta)
 
 
@@ -99,3 +107,21 @@ def sequence_meta(block_table: list[int], start: int, n: int, block_size: int,
                     max_q_len=n, cu_qblocks=torch.tensor([0, -(-n // 16)], device=device),
                     num_programs=-(-n // 16), block_q=16,
                     q_lens_host=[n], seq_lens_host=[start + n])
+
+
+def packed_meta(work: list[tuple[list[int], int, int]], block_size: int, max_blocks: int, block_q: int,
+                device: torch.device | str) -> AttnMeta:
+    """Metadata for one packed step of several sequences (tests, probes): each `(block table,
+    start, n)` computes positions start..start+n-1 of its sequence; every row's logits are returned."""
+    q_lens = [n for _, _, n in work]
+    slots, tables = [], torch.zeros(len(work), max_blocks, dtype=torch.long)
+    for i, (table, start, n) in enumerate(work):
+        tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+    seq_lens = [start + n for _, start, n in work]
+    cu_qb = query_blocks(q_lens, block_q)
+    t = lambda v: torch.tensor(v, dtype=torch.long).to(device)  # noqa: E731
+    return AttnMeta(slot_mapping=t(slots), cu_q=t(query_blocks(q_lens, 1)), seq_lens=t(seq_lens),
+                    block_tables=tables.to(device), max_q_len=max(q_lens), cu_qblocks=t(cu_qb),
+                    num_programs=cu_qb[-1], block_q=block_q, search_steps=max(1, len(work).bit_length()),
+                    q_lens_host=q_lens, seq_lens_host=seq_lens)

@@ -86,12 +86,17 @@ class Load(ThreadedLoad):
     """Steady load: `threads` clients sending completions back to back through the router, each on
     its own kept-alive connection. ``results``: (start, end, outcome, engine) with outcome 200, the
     HTTP status of another answer, or the error in words (a stream is cut unless it ends with a
-    finish_reason and [DONE]); engine from the router's x-understudy-engine header."""
+    finish_reason and [DONE]); engine from the router's x-understudy-engine header. With `bodies`,
+    the clients send them in turn (each with the model and `stream` set) and every success's text
+    lands in ``replies`` as (body index, text)."""
 
-    def __init__(self, url: str, model: str, threads: int = 2, max_tokens: int = 4, stream: bool = False) -> None:
+    def __init__(self, url: str, model: str, threads: int = 2, max_tokens: int = 4, stream: bool = False,
+                 bodies: list[dict] | None = None) -> None:
         super().__init__()
         self.url, self.model, self.threads, self.max_tokens, self.stream = url, model, threads, max_tokens, stream
+        self.bodies = bodies
         self.results: list[tuple[float, float, int | str, str | None]] = []
+        self.replies: list[tuple[int, str]] = []
         self._watch: tuple[str, float, threading.Event, list[float]] | None = None
 
     def __enter__(self) -> "Load":
@@ -101,11 +106,47 @@ class Load(ThreadedLoad):
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _request(self, body: dict) -> Request:
+        return Request.of({**body, "model": self.model, "stream": self.stream})
+
     async def _run(self) -> None:
-        client = Client(self.url, 60.0, connect_timeout_s=60.0, on_result=self._record)
-        req = Request.of({"model": self.model, "prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0.0,
-                          "stream": self.stream})
-        await closed_loop(client, itertools.repeat(req), self.threads, self._stop)
+        client = Client(self.url, 60.0, connect_timeout_s=60.0, keep_text=self.bodies is not None,
+                        on_result=self._record)
+        if self.bodies is None:
+            req = self._request({"prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0.0})
+            await closed_loop(client, itertools.repeat(req), self.threads, self._stop)
+            return
+        reqs = [self._request(b) for b in self.bodies]
+        turns = itertools.cycle(range(len(reqs)))
+
+        async def worker() -> None:  # (closed_loop's, keeping which body each answer is of)
+            conn = client.connection()
+            try:
+                while not self._stop.is_set():
+                    i = next(turns)
+                    if (r := await client.send(conn, reqs[i])).ok:
+                        self.replies.append((i, r.text or ""))
+            finally:
+                conn.close()
+
+        await asyncio.gather(*(worker() for _ in range(self.threads)))
+
+    def one(self, body: dict) -> str:
+        """The text of one completion of `body` (model and stream set), sent alone on a loop of its
+        own (not while the load runs); raises unless it succeeded."""
+
+        async def send() -> RequestResult:
+            client = Client(self.url, 60.0, connect_timeout_s=60.0, keep_text=True)
+            conn = client.connection()
+            try:
+                return await client.send(conn, self._request(body))
+            finally:
+                conn.close()
+
+        r = asyncio.run(send())
+        if not r.ok:
+            raise RuntimeError(f"a completion failed: {r.error}")
+        return r.text or ""
 
     def _record(self, r: RequestResult) -> None:
         outcome = 200 if r.ok else r.status if r.failure == "http" else r.error

@@ -100,7 +100,8 @@ def format_status(st: dict[str, Any]) -> str:
     """Human table for `understudy status`."""
     lines = [f"epoch {st['epoch']}  primary {st['primary'] or '-'}  {'DRAINED  ' if st['drained'] else ''}"
              f"router {st['router_url']}  admin {st['admin_url']}",
-             f"model {st['model']['name']} ({st['model']['device']}, {st['model']['dtype']}, tp {st['model']['tp_size']})",
+             f"model {st['model']['name']} ({st['model']['device']}, {st['model']['dtype']}, tp {st['model']['tp_size']}"
+             f"{', deterministic' if st['model'].get('deterministic') else ''})",
              "", f"{'ENGINE':8} {'ROLE':8} {'STATE':10} {'PID':>8} {'INC':>4}  {'WEIGHTS':18} REASON"]
     for e in st["engines"]:
         lines.append(f"{e['name']:8} {e['role']:8} {e['state']:10} {e['pid'] or '-':>8} {e['incarnation']:>4}  "

@@ -47,6 +47,7 @@ def engine_view(s: Engine, now: float) -> dict[str, Any]:
             "incarnation": s.incarnation, "url": s.url or None,
             "weights_source": s.weights_source, "startup_phases": s.phases,
             "kv_source": s.kv_source, "kv_mode": s.heartbeat.get("kv_mode"), "kv_writer": s.kv_writer,
+            "deterministic": s.heartbeat.get("deterministic"),
             "state_for_s": round(now - s.state_since, 3),
             "heartbeat_age_s": round(now - s.last_heartbeat, 3) if s.last_heartbeat else None,
             "heartbeat": dict(s.heartbeat), "reason": s.reason,

@@ -48,7 +48,7 @@ class ChildConfigs:
             max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
             kv_block_size=e.kv_block_size, prefix_caching=e.prefix_caching, shared_kv=self.cfg.shares_kv(),
             kv_slot=e.slot_names().index(name), cuda_graphs=e.cuda_graphs,
-            fused_kernels=e.fused_kernels, heartbeat_interval_s=e.heartbeat_interval_s,
+            fused_kernels=e.fused_kernels, deterministic=e.deterministic, heartbeat_interval_s=e.heartbeat_interval_s,
             dist_port=free_port() if m.tp_size > 1 else 0, served_model_name=self.model_name,
             limits=self.cfg.limits.request_limits(),
             listener=ListenerLimits(max_connections=self.cfg.router.max_connections + ENGINE_SLACK,
