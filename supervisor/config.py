@@ -57,6 +57,10 @@ class ExternalEngine(_Section):
         return v
 
 
+ENGINE_NAME = r"^[A-Za-z0-9_.-]{1,32}$"
+"""What an engine slot may be called (EngineConfig.name's pattern: it names files and log lines)."""
+
+
 class EnginesSection(_Section):
     """The engine slots: one primary, the others standby."""
 
@@ -74,12 +78,29 @@ class EnginesSection(_Section):
     max_num_seqs: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=512, ge=16)
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
-    kv_block_size: int = Field(default=16, ge=1, le=1024)
+    kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block (a power of two)")
     prefix_caching: bool = True
     cuda_graphs: bool = True
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     external: ExternalEngine | None = None
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"expected a power of two (1, 2, 4, ... 1024), got {v}")
+        return v
+
+    @field_validator("names")
+    @classmethod
+    def _slot_names(cls, v: list[str] | None) -> list[str] | None:
+        import re
+        for name in v or []:
+            if not re.match(ENGINE_NAME, name):
+                raise ValueError("expected names of 1-32 letters, digits, '_', '.' or '-' (a name is part of the "
+                                 f"engine's file names and log lines), got {name[:40]!r}" + ("..." * (len(name) > 40)))
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "EnginesSection":
