@@ -56,6 +56,16 @@ def test_bad_values_name_path_expectation_and_value(text, expected):
     assert err(text) == expected
 
 
+def test_heartbeat_timeout_defaults_by_device_and_an_explicit_value_wins():
+    f = load_config(None).failover
+    assert f.heartbeat_timeout_s is None
+    assert f.heartbeat_timeout_for("cuda") == 1.0 and f.heartbeat_timeout_for("cpu") == 5.0
+    assert f.heartbeat_timeout_for("external") == 5.0
+    assert f.for_device("cuda").heartbeat_timeout_s == 1.0
+    set_ = parse_config("failover: {heartbeat_timeout_s: 2.5}", "x.yaml").failover
+    assert set_.heartbeat_timeout_for("cuda") == set_.for_device("cpu").heartbeat_timeout_s == 2.5
+
+
 def test_slot_names_follow_the_engines_own_rule():
     from engines.config import EngineConfig
     from supervisor.config import ENGINE_NAME
