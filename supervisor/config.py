@@ -148,6 +148,9 @@ class FailoverSection(_Section):
     backoff_max_s: float = Field(default=30.0, gt=0)
     flap_window_s: float = Field(default=120.0, gt=0)
     flap_max: int = Field(default=5, ge=1)
+    fatal_retry_s: float | None = Field(default=300.0, gt=0, description="a FATAL engine slot (flapping or a boot "
+                                        "error while another engine serves) is tried once again this often; "
+                                        "null = only `understudy restart NAME`")
     stuck_after_s: float | None = Field(default=None, gt=0, description="no READY primary and no progress "
                                         "for this long = stuck: the systemd watchdog is no longer fed; "
                                         "null = startup_timeout_s + 4 x backoff_max_s")

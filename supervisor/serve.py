@@ -15,8 +15,8 @@ log = logging.getLogger("understudy")
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s understudy %(levelname)s %(message)s")
-    from engines.lograte import install
-    install()  # a flood of one message (EMFILE, a broken peer) becomes a few lines and a count
+    from supervisor.lograte import install
+    install()  # a flood of one message (EMFILE, a broken peer) becomes a few lines and a count; transitions all pass
     for noisy in ("httpx", "httpcore", "uvicorn.error"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from supervisor.core.actions import (Action, Answer, Attach, AwaitGone, CheckAdoptable, Drain, Fence, Finish, Hold,
                                      Measure, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start, Stop, Survey,
-                                     Tell)
+                                     SweepLinks, Tell)
 from supervisor.core.events import (AdoptionChecked, DaemonAnswered, Event, ExitRead, GroupsGone, HealthChecked,
                                     LaunchFailed, Pinged, ReadyChecked, Surveyed)
 from supervisor.core.model import Node
@@ -50,7 +50,7 @@ class Effects:
             Fence: lambda a: kill_group(a.pid), Stop: lambda a: kill_group(a.pid, a.sig),
             Promote: self._promote, Hold: self._hold, RouterFlags: self._flags, Tell: self._tell,
             Publish: self.publisher.publish, Measure: self.publisher.measure, Notify: self.publisher.notify,
-            Answer: self.answer, Attach: self.launcher.attach}
+            Answer: self.answer, Attach: self.launcher.attach, SweepLinks: self.reaper.sweep_links}
         self._slow: dict[type, Callable[[Any], Coroutine[Any, Any, Event | None]]] = {  # tasks: results as events
             Start: self.launcher.start, Probe: self.checks.probe, Reap: self.reaper.reap, Drain: self._drain,
             Survey: self.surveyor.survey, CheckAdoptable: self.surveyor.check, AwaitGone: self.surveyor.await_gone,
