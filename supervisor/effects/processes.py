@@ -67,10 +67,15 @@ class PopenHandle:
             if rc is not None:
                 return rc
             await asyncio.sleep(0.01)
-        return None
+        return no_status(self.pid)
 
 
 EXIT_STATUS_WAIT_S = 10.0  # the exit may be seen early (PF_EXITING), before the kernel tore the process down
+
+
+def no_status(pid: int) -> None:
+    """The exit status did not come within EXIT_STATUS_WAIT_S: said (it held up whatever waited)."""
+    log.warning("pid %d: no exit status %gs after its exit was seen: exit status unknown", pid, EXIT_STATUS_WAIT_S)
 
 
 def python_argv(module: str, *args: str) -> list[str]:
@@ -149,7 +154,7 @@ class SpawnedHandle:
                 if exited:
                     return rc
             await asyncio.sleep(0.02)
-        return None
+        return no_status(self.pid)
 
 
 class AdoptedHandle:
@@ -168,7 +173,7 @@ class AdoptedHandle:
             if exited:
                 return rc
             await asyncio.sleep(0.01)
-        return None
+        return no_status(self.pid)
 
 
 def kill_group(pid: int, sig: int = signal.SIGKILL) -> bool:
