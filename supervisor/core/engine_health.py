@@ -153,6 +153,10 @@ def health_checked(node: Node, e: Engine, ev: HealthChecked) -> None:
     if ev.problem is None:
         e.check_failures = 0
         return
+    if ev.local:  # the supervisor could not make the probe (out of descriptors): never the engine's failure
+        log.warning("%s: probe not made (%s): the supervisor is out of file descriptors; not counted", e.name,
+                    ev.problem)
+        return
     e.check_failures += 1
     limit = node.settings.failover.probe_failures
     log.warning("%s: probe failed (%d/%d): %s", e.name, e.check_failures, limit, ev.problem)

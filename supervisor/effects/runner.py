@@ -17,7 +17,7 @@ from supervisor.core.actions import (Action, Answer, Attach, AwaitGone, CheckAdo
 from supervisor.core.events import (AdoptionChecked, DaemonAnswered, Event, ExitRead, GroupsGone, HealthChecked,
                                     LaunchFailed, Pinged, ReadyChecked, Surveyed)
 from supervisor.core.model import Node
-from supervisor.effects.checks import Checks
+from supervisor.effects.checks import Checks, out_of_descriptors
 from supervisor.effects.control import ControlChannel
 from supervisor.effects.launcher import Launcher
 from supervisor.effects.processes import kill_group
@@ -140,10 +140,11 @@ def failed(a: Action, error: str) -> Event | None:
     if isinstance(a, Reap):
         return ExitRead(a.name, a.incarnation, a.pid, None)
     if isinstance(a, Probe):
+        local = out_of_descriptors()  # (e.g. EMFILE reading the golden answer: not the child's failure)
         return {"ready": ReadyChecked(a.name, a.incarnation, listening=False),
-                "health": HealthChecked(a.name, a.incarnation, error),
+                "health": HealthChecked(a.name, a.incarnation, error, local),
                 "status": DaemonAnswered(a.name, a.incarnation, None, error)}.get(
-            a.what, Pinged(a.name, a.incarnation, False, error))
+            a.what, Pinged(a.name, a.incarnation, False, error, local))
     if isinstance(a, Survey):
         return Surveyed({}, error=error)
     if isinstance(a, CheckAdoptable):
