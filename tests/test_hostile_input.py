@@ -203,6 +203,31 @@ def test_slowloris_head_is_cut_at_the_header_timeout(sup):
     normal_request(sup)
 
 
+def test_a_request_head_over_64_kib_is_431_on_every_listener_of_a_running_node(sup):
+    """The 431 of the guarded listener, on the node's own listeners: the router, the admin API and
+    the primary engine (max_head_bytes, 64 KiB); each closes that connection and serves the next."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (100 << 10) +
+            b"\r\ncontent-length: 2\r\n\r\n{}")
+    before = incarnations(sup)
+    for url in (sup.router_url, sup.admin_url, sup.primary()["url"]):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            try:
+                s.sendall(head)
+            except OSError:  # closed while the rest of the head was still being sent
+                pass
+            out = b""
+            try:
+                while data := s.recv(65536):
+                    out += data
+            except OSError:
+                pass
+        assert out.startswith(b"HTTP/1.1 431 "), (url, out[:200])
+    normal_request(sup)
+    assert sup.admin("GET", "/status").status_code == 200
+    assert incarnations(sup) == before
+
+
 def _sent(s: socket.socket, data: bytes) -> bool:
     try:
         s.sendall(data)
