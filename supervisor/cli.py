@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=port_number, metavar="N", help="data-plane port, over router.port (0: any free port)")
     s.add_argument("--admin-port", type=port_number, metavar="M",
                    help="admin API and status page port, over admin.port (0: any free port)")
-    s.add_argument("--check", action="store_true", help="run every check serve makes before starting anything (config, ports given, model folder, device, KV budget, runtime dir) and exit: 0 if serve would start, 2 naming the key if not")
+    s.add_argument("--check", action="store_true",
+                   help="run every check serve makes before starting anything (config, ports given, model folder, "
+                        "device, KV budget, runtime dir) and exit: 0 if serve would start, 2 naming the key if not")
     for name, help_ in ADMIN_COMMANDS.items():
         a = sub.add_parser(name, help=help_, description=help_)
         a.add_argument("-c", "--config", help="the config the supervisor runs with (admin URL, token)")

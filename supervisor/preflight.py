@@ -116,11 +116,11 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
         usable = e.kv_cache_bytes // model.kv_bytes_per_block(e.kv_block_size) - 1  # (block 0: padding rows)
         what = "each engine's cache"
     if usable < need:
+        capped = "" if length == e.max_model_len else ", capped at the model context"
         problems.append(f"engines.kv_cache_bytes: {e.kv_cache_bytes} bytes give {what} {max(usable, 0)} blocks of "
-                        f"{e.kv_block_size} tokens; one sequence of {length} tokens (engines.max_model_len={e.max_model_len}"
-                        f"{'' if length == e.max_model_len else f', capped at the model context'}) needs {need} "
-                        f"({need * model.kv_bytes_per_block(e.kv_block_size)} bytes per rank for {model_path.name}): "
-                        "raise kv_cache_bytes or lower max_model_len")
+                        f"{e.kv_block_size} tokens; one sequence of {length} tokens (engines.max_model_len="
+                        f"{e.max_model_len}{capped}) needs {need} ({need * model.kv_bytes_per_block(e.kv_block_size)} "
+                        f"bytes per rank for {model_path.name}): raise kv_cache_bytes or lower max_model_len")
 
 
 def _runtime_dir(path: Path, problems: list[str]) -> None:

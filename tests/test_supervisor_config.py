@@ -150,7 +150,8 @@ def test_serve_check_fails_where_serve_would_with_exit_2_and_the_key(tmp_path, t
 
 def test_serve_check_says_what_serve_would_run(tmp_path, tiny_model):
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {tiny_model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {tiny_model}}}\n"
+                   "router: {port: 0}\nadmin: {port: 0}\n")
     r = _cli("serve", "--check", "-c", str(cfg))
     assert r.returncode == 0, r.stderr
     assert f"2 engines of {tiny_model} on cpu" in r.stdout

@@ -367,7 +367,8 @@ def test_a_stream_ends_when_its_client_goes_away(upstreams):
             nonlocal requested
             if not requested:
                 requested = True
-                return {"type": "http.request", "body": json.dumps({"stream": True, "n": 10**6, "delay": 0.05}).encode()}
+                body = {"stream": True, "n": 10**6, "delay": 0.05}  # a stream that never ends by itself
+                return {"type": "http.request", "body": json.dumps(body).encode()}
             await gone.wait()
             return {"type": "http.disconnect"}
 

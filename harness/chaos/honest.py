@@ -64,8 +64,8 @@ def honest_metrics(before: MetricsSnapshot | None, after: MetricsSnapshot | None
             f"event; mean detection {'unknown' if gap is None else f'{gap * 1000:.1f} ms'}")
     if hung:
         note += f"; {len(hung)} SIGSTOP fault(s) are detected by heartbeat timeout, so the spans differ"
-    out += _histogram("recovery_seconds", before, after, [o.recovery_s for o in engine], tol, floor_s,  # type: ignore[misc]
-                      note, comparable=not hung)
+    out += _histogram("recovery_seconds", before, after, [o.recovery_s for o in engine],  # type: ignore[misc]
+                      tol, floor_s, note, comparable=not hung)
     out.append(compare("weight cache hits", delta(f"{P}weight_cache_requests_total", result="hit"),
                        float(report.cache.hits), tol, "client: engine starts seen in /status polls with cache_hit"))
     out.append(compare("weight cache misses", delta(f"{P}weight_cache_requests_total", result="miss"),
