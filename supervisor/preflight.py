@@ -68,19 +68,9 @@ def _device(cfg: UnderstudyConfig, problems: list[str]) -> str:
 
 def _model(cfg: UnderstudyConfig, make_model: bool, problems: list[str]) -> Path | None:
     """The checkpoint folder, checked (ModelError messages name model.path)."""
-    from supervisor.model_prep import ModelError, check_model_dir, resolve_model
+    from supervisor.model_prep import ModelError, existing_model, resolve_model
     try:
-        if make_model:
-            return resolve_model(cfg)
-        if cfg.model.path:
-            path = Path(cfg.model.path).expanduser().resolve()
-            check_model_dir(path)
-            return path
-        preset = cfg.resolved_cache_dir() / "models" / cfg.model.preset
-        if (preset / "config.json").is_file():
-            check_model_dir(preset)
-            return preset
-        return None  # made by serve on first run
+        return resolve_model(cfg) if make_model else existing_model(cfg)  # (None: serve makes it on first run)
     except ModelError as e:
         problems.append(str(e) if str(e).startswith("model.") else f"model.preset: {e}")
         return None

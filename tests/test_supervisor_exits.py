@@ -1,9 +1,8 @@
 """Engine exits observed and recorded as what they were (issue 23, item 6), with real processes (CPU,
 tiny model): link sockets of dead engines removed (after each reap, and at boot), a crash racing an
-admin promote recorded as a crash, a FATAL slot tried again on its slow schedule, and a rollout right
-after a re-adoption that never waits for the exit status of an engine that is no longer anybody's
-child. Tests run in file order on one supervisor (engines started directly: the exits are ours to
-reap) and each leaves the node healthy."""
+admin promote recorded as a crash, and a FATAL slot tried again on its slow schedule (the rollout
+after a re-adoption is in test_supervisor_readopt.py). Tests run in file order on one supervisor
+(engines started directly: the exits are ours to reap) and each leaves the node healthy."""
 from __future__ import annotations
 
 import os
@@ -16,7 +15,6 @@ import psutil
 import pytest
 
 from engines.core_link import socket_paths
-from harness.handover import listening
 from harness.node import Harness
 
 CONFIG = """
@@ -144,53 +142,3 @@ def test_a_fatal_slot_is_tried_again_on_its_slow_schedule_and_says_so(sup):
     sup.wait_all_ready(120)
     assert engine(sup, "b")["fatal_retries"] == 0
     assert 'understudy_fatal_retries_total{engine="b"} 1.0' in sup.metrics()
-
-
-READOPT = """
-runtime_dir: {rt}
-model: {{path: {model}}}
-engines: {{heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 8, max_model_len: 128}}
-failover: {{heartbeat_timeout_s: 3, probe_interval_s: 1, probe_timeout_s: 5, hold_timeout_s: 20,
-           backoff_base_s: 0.1, backoff_max_s: 1, drain_timeout_s: 10, stop_timeout_s: 5}}
-router: {{port: 0}}
-admin: {{port: 0}}
-"""
-
-
-def test_the_first_rollout_after_a_readoption_never_waits_for_an_exit_status(tmp_path, tiny_model):
-    """The rollout replaces the adopted spawn server first, so the adopted engines it forked are nobody's
-    child when they drain: their statuses are read from /proc while init has not reaped them, else
-    unknown, at once (it waited stop_timeout_s-like 10 s per engine: 27 s instead of 7 s)."""
-    router, admin = listening(), listening()
-    held = {"router": router, "admin": admin}
-    cfg = READOPT.format(rt=tmp_path / "rt", model=tiny_model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = Harness(tmp_path / "a", cfg, notify=False, held=held)
-    second = None
-    try:
-        first.wait_booted()
-        before = {e["name"]: e["pid"] for e in first.wait_all_ready(120)["engines"]}
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait(10)
-        second = Harness(tmp_path / "b", cfg, notify=False, held=held)
-        second.wait_booted(60)
-        st = second.wait_all_ready(60)
-        assert {e["name"]: e["pid"] for e in st["engines"]} == before  # re-adopted, not restarted
-        r = second.admin("POST", "/admin/rollout", timeout=300)
-        assert r.status_code == 200, r.text
-        assert sorted(r.json()["restarted"]) == ["a", "b"]
-        text = second.log.read_text()
-        assert "no exit status" not in text, text[-3000:]
-        for name, pid in before.items():  # each adopted engine's drain was read (or said unknown) at once
-            line = next(ln for ln in text.splitlines() if f"{name}: pid {pid} (incarnation" in ln)
-            assert "exit code 0" in line or "exit status unknown" in line, line
-    finally:
-        if second is not None:
-            second.stop()
-        first.stop()
-        if second is None:
-            from supervisor.effects.stale import check_and_clean
-            check_and_clean(tmp_path / "rt")
-        router.close()
-        admin.close()

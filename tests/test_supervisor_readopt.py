@@ -32,15 +32,41 @@ admin: {{port: 0}}
 RATE = 20.0  # requests per second, each on a new connection
 
 
+class Restarted:
+    """A supervisor on listening sockets the test holds (as systemd's understudy.socket would), and
+    the one that replaces it after a SIGKILL (``restart``); ``close`` stops whatever is left."""
+
+    def __init__(self, tmp_path, tiny_model) -> None:  # noqa: ANN001
+        self.router, self.admin = listening(), listening()
+        self.held = {"router": self.router, "admin": self.admin}
+        self.rt = tmp_path / "rt"
+        self.cfg = CONFIG.format(rt=self.rt, model=tiny_model)
+        self.work = tmp_path
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        self.first = Harness(tmp_path / "a", self.cfg, notify=False, held=self.held)
+        self.second: Harness | None = None
+
+    def restart(self) -> Harness:
+        """The second supervisor, as systemd starts it again."""
+        self.second = Harness(self.work / "b", self.cfg, notify=False, held=self.held)
+        return self.second
+
+    def close(self) -> None:
+        if self.second is not None:
+            self.second.stop()
+        self.first.stop()
+        if self.first.proc.returncode == -signal.SIGKILL and self.second is None:
+            from supervisor.effects.stale import check_and_clean
+            check_and_clean(self.rt)
+        self.router.close()
+        self.admin.close()
+
+
 def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(tmp_path, tiny_model):
-    router, admin = listening(), listening()
-    held = {"router": router, "admin": admin}
-    url = "http://127.0.0.1:%d" % router.getsockname()[1]
-    cfg = CONFIG.format(rt=tmp_path / "rt", model=tiny_model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = Harness(tmp_path / "a", cfg, notify=False, held=held)
-    second = None
+    pair = Restarted(tmp_path, tiny_model)
+    url = "http://127.0.0.1:%d" % pair.router.getsockname()[1]
+    first = pair.first
     try:
         first.wait_booted()
         assert first.router_url == url  # the handed-over socket, not a new one
@@ -55,7 +81,7 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         t_kill, wall_kill = time.monotonic(), time.time()
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
-        second = Harness(tmp_path / "b", cfg, notify=False, held=held)  # as systemd restarts it
+        second = pair.restart()  # as systemd restarts it
         time.sleep(4.0)
         load.stop()
         long.join(60)
@@ -103,20 +129,12 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         pids = [p for p, _, _ in ident(after)[0].values()] + list(ident(after)[1].values()) \
             + [after["spawn_server"]["pid"]]
         assert second.stop() == 0
-        second = None
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.1)
         assert not [p for p in pids if _alive(p)]
     finally:
-        if second is not None:
-            second.stop()
-        first.stop()
-        if first.proc.returncode == -signal.SIGKILL and second is None:
-            from supervisor.effects.stale import check_and_clean
-            check_and_clean(tmp_path / "rt")
-        router.close()
-        admin.close()
+        pair.close()
 
 
 def _alive(pid: int) -> bool:
@@ -243,3 +261,30 @@ def test_an_engine_whose_spawn_was_in_flight_is_stopped_not_orphaned(tmp_path, t
         if second is None:
             from supervisor.effects.stale import check_and_clean
             check_and_clean(rt)
+
+
+def test_the_first_rollout_after_a_readoption_never_waits_for_an_exit_status(tmp_path, tiny_model):
+    """The rollout replaces the adopted spawn server first, so the adopted engines it forked are nobody's
+    child when they drain: their statuses are read from /proc while init has not reaped them, else
+    unknown, at once (it waited stop_timeout_s-like 10 s per engine: 27 s instead of 7 s)."""
+    pair = Restarted(tmp_path, tiny_model)
+    first = pair.first
+    try:
+        first.wait_booted()
+        before = {e["name"]: e["pid"] for e in first.wait_all_ready(120)["engines"]}
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        second = pair.restart()
+        second.wait_booted(60)
+        st = second.wait_all_ready(60)
+        assert {e["name"]: e["pid"] for e in st["engines"]} == before  # re-adopted, not restarted
+        r = second.admin("POST", "/admin/rollout", timeout=300)
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["restarted"]) == ["a", "b"]
+        text = second.log.read_text()
+        assert "no exit status" not in text, text[-3000:]
+        for name, pid in before.items():  # each adopted engine's drain was read (or said unknown) at once
+            line = next(ln for ln in text.splitlines() if f"{name}: pid {pid} (incarnation" in ln)
+            assert "exit code 0" in line or "exit status unknown" in line, line
+    finally:
+        pair.close()
