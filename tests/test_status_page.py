@@ -1,6 +1,6 @@
 """The status page (/ui) in a real headless Chromium, driven by Playwright, against one real supervisor
 (CPU, tiny model): login with the token, both engines shown, a SIGKILLed primary's failover shown live
-(event stream, no reload) within 1 s, recovery, actions that ask first. Chromium comes from the system's
+(event stream, no reload), recovery, actions that ask first. Chromium comes from the system's
 packages (scripts/install); without it these tests FAIL with the reason, they never skip."""
 from __future__ import annotations
 
