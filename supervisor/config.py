@@ -6,6 +6,7 @@ Every section forbids unknown keys, so a typo is an error with its path, not a s
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -95,7 +96,6 @@ class EnginesSection(_Section):
     @field_validator("names")
     @classmethod
     def _slot_names(cls, v: list[str] | None) -> list[str] | None:
-        import re
         for name in v or []:
             if not re.match(ENGINE_NAME, name):
                 raise ValueError("expected names of 1-32 letters, digits, '_', '.' or '-' (a name is part of the "

@@ -30,9 +30,8 @@ def check(cfg: UnderstudyConfig, source: str, make_model: bool) -> Plan:
     problems: list[str] = []
     external = cfg.engines.kind == "external"
     device = (cfg.device if cfg.device != "auto" else "external") if external else _device(cfg, problems)
-    model_path = None
-    if external:
-        model_path = Path(cfg.model.path or cfg.model.name or "external")
+    if external:  # an external engine resolves its own model (a folder or a hub id), passed as {model}
+        model_path: Path | None = Path(cfg.model.path or cfg.model.name or "external")
     else:
         model_path = _model(cfg, make_model, problems)
         if model_path is not None and not problems:
@@ -146,12 +145,13 @@ def _token_file(cfg: UnderstudyConfig, problems: list[str]) -> None:
 
 
 def _child_configs(cfg: UnderstudyConfig, model_path: Path, device: str, problems: list[str]) -> None:
-    """Each engine's EngineConfig and each daemon's command line as serve will build them."""
+    """Each engine's EngineConfig (or an external engine's command and URL) as serve will build it."""
     from supervisor.effects.child_configs import ChildConfigs
     configs = ChildConfigs(cfg, model_path, device, cfg.resolved_runtime_dir(), "ipc://check")
+    external = cfg.engines.kind == "external"
     for name in cfg.engines.slot_names():
         try:
-            if cfg.engines.kind == "external":
+            if external:
                 configs.external_engine(name, 1)
             else:
                 configs.engine(name, 0, 0)
@@ -159,5 +159,5 @@ def _child_configs(cfg: UnderstudyConfig, model_path: Path, device: str, problem
             for err in e.errors():
                 field = ".".join(str(p) for p in err["loc"])
                 problems.append(f"engines: engine {name!r} cannot be configured: {field}: {err['msg']}")
-        except (KeyError, ValueError, IndexError) as e:
-            problems.append(f"engines.external: engine {name!r}: {e}")
+        except (KeyError, ValueError, IndexError) as e:  # (a template field external.command names)
+            problems.append(f"engines{'.external' if external else ''}: engine {name!r}: {e}")

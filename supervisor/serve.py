@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import logging
 import sys
+
 from pydantic import ValidationError
 
-from supervisor.config import UnderstudyConfig
 from supervisor import preflight
+from supervisor.config import UnderstudyConfig
 from supervisor.config_load import ConfigError, format_errors, load_config
 
 log = logging.getLogger("understudy")

@@ -33,7 +33,7 @@ class Child:
     stop_requested: bool = False       # an exit now is expected (drain, stop, restart)
     restart_after_stop: bool = False   # ... and is followed by a fresh start
     exit_expected: bool = False        # the exit being read was asked for
-    retry_at: float | None = None      # a BACKOFF restart is due then
+    retry_at: float | None = None      # a BACKOFF restart (or a FATAL engine slot's slow retry) is due then
     crash_loop: bool = False           # flapping, yet retried: the last engine standing
     ever_ready: bool = False
     spawned: bool = False              # forked by the spawn server (it reports the exit status)
