@@ -26,29 +26,9 @@ for n in new base; do
   wait_ready "http://127.0.0.1:$([ $n = new ] && echo 8000 || echo 8100)" && all_ready /tmp/$n.yaml \
     || { tail -30 "$OUT/serve_$n.log"; kill -9 $pid_new $pid_base; exit 1; }
 done
-B="python3 -m supervisor.cli bench serve --client-procs 8 --no-static --duration ${DURATION:-15}"
-for point in ${POINTS:-shared-prefix:32}; do
-  w=${point%:*}; c=${point#*:}
-  for i in $(seq "$RUNS"); do
-    order="base new"; [ $((i % 2)) = 0 ] && order="new base"
-    for n in $order; do
-      row=$(timeout 120 $B --workload $w -c /tmp/$n.yaml --concurrency $c 2>>"$OUT/bench.err" | grep -E "^ +$c ")
-      echo "$n $w $i $row" | tee -a "$OUT/ab_rows.txt"
-    done
-  done
-done
+POINTS=${POINTS:-shared-prefix:32} load_in_turn base new
 for n in new base; do  # GPU memory per process, and each node's pids (same kv_cache_bytes in both)
   echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml
 done > "$OUT/memory.txt" 2>&1
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
 kill -TERM $pid_new $pid_base; wait $pid_new $pid_base
-python3 - "$OUT/ab_rows.txt" <<'PY'
-import statistics, sys
-rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11]
-print("workload       clients tree  runs  TTFT p50 ms  TTFT p99 ms  out tok/s  ITL p50 ms   (medians of bench serve's rows)")
-for w in dict.fromkeys(x[1] for x in rows):
-    for tree in ("base", "new"):
-        r = [x for x in rows if x[0] == tree and x[1] == w]
-        med = lambda col: statistics.median(float(x[col]) for x in r)
-        print(f"{w:14} {r[0][3]:>7} {tree:5} {len(r):4}  {med(8):10.2f}  {med(9):11.2f}  {med(6):9.1f}  {med(10):10.2f}")
-PY

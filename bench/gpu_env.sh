@@ -35,3 +35,29 @@ start_serve() {  # start_serve CONFIG LOG: `understudy serve` in the background 
   sup=$!
   wait_ready http://127.0.0.1:8000 && all_ready "$1" || { tail -40 "$2"; kill -9 $sup; exit 1; }
 }
+
+load_in_turn() {  # load_in_turn A B: bench serve on /tmp/A.yaml and /tmp/B.yaml in turn (A first on odd runs,
+  # B first on even ones: ABBA), for each workload:clients of $POINTS, $RUNS times; rows in $OUT/ab_rows.txt,
+  # then the medians per workload and node
+  local B="python3 -m supervisor.cli bench serve --client-procs 8 --no-static --duration ${DURATION:-15}"
+  for point in $POINTS; do
+    local w=${point%:*} c=${point#*:}
+    for i in $(seq "$RUNS"); do
+      local order="$1 $2"; [ $((i % 2)) = 0 ] && order="$2 $1"
+      for n in $order; do
+        row=$(timeout 150 $B --workload $w -c /tmp/$n.yaml --concurrency $c 2>>"$OUT/bench.err" | grep -E "^ +$c ")
+        echo "$n $w $i $row" | tee -a "$OUT/ab_rows.txt"
+      done
+    done
+  done
+  python3 - "$OUT/ab_rows.txt" "$1" "$2" <<'PY'
+import statistics, sys
+rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11]
+print("workload       clients node    runs  TTFT p50 ms  TTFT p99 ms  out tok/s  ITL p50 ms   (medians of bench serve's rows)")
+for w in dict.fromkeys(x[1] for x in rows):
+    for node in sys.argv[2:]:
+        r = [x for x in rows if x[0] == node and x[1] == w]
+        med = lambda col: statistics.median(float(x[col]) for x in r)
+        print(f"{w:14} {r[0][3]:>7} {node:7} {len(r):4}  {med(8):10.2f}  {med(9):11.2f}  {med(6):9.1f}  {med(10):10.2f}")
+PY
+}

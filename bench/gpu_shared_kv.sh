@@ -27,29 +27,9 @@ ab() {
   done
   for n in shared own; do echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml; done > "$OUT/memory.txt" 2>&1
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
-  B="python3 -m supervisor.cli bench serve --client-procs 8 --no-static --duration ${DURATION:-15}"
-  for point in ${POINTS:-chat:32 nano:256}; do
-    w=${point%:*}; c=${point#*:}
-    for i in $(seq "${RUNS:-2}"); do
-      order="own shared"; [ $((i % 2)) = 0 ] && order="shared own"
-      for n in $order; do
-        row=$(timeout 150 $B --workload $w -c /tmp/$n.yaml --concurrency $c 2>>"$OUT/bench.err" | grep -E "^ +$c ")
-        echo "$n $w $i $row" | tee -a "$OUT/ab_rows.txt"
-      done
-    done
-  done
+  POINTS=${POINTS:-chat:32 nano:256} RUNS=${RUNS:-2} load_in_turn own shared
   kill -TERM $pid_shared $pid_own; wait $pid_shared $pid_own
   cat "$OUT/memory.txt"
-  python3 - "$OUT/ab_rows.txt" <<'PY'
-import statistics, sys
-rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11]
-print("workload clients mode    runs  TTFT p50 ms  out tok/s  ITL p50 ms   (medians of bench serve's rows)")
-for w in dict.fromkeys(x[1] for x in rows):
-    for mode in ("own", "shared"):
-        r = [x for x in rows if x[0] == mode and x[1] == w]
-        med = lambda col: statistics.median(float(x[col]) for x in r)
-        print(f"{w:8} {r[0][3]:>7} {mode:7} {len(r):4}  {med(8):10.2f}  {med(6):9.1f}  {med(10):10.2f}")
-PY
 }
 failover() {
   config streams 8000 true 34359738368

@@ -28,21 +28,24 @@ BS = 16
 
 
 class Node:
-    """A daemon with a KV pool, engines started on it in turn, and the control endpoint."""
+    """A daemon with a KV pool per rank, engines started on them in turn, and the control endpoint."""
 
-    def __init__(self, model, tmp) -> None:
-        self.model, self.tmp = model, tmp
+    def __init__(self, model, tmp, tp: int = 1) -> None:
+        self.model, self.tmp, self.tp = model, tmp, tp
         self.rt = ensure_private_dir(tmp / "rt")
         self.control = f"ipc://{tmp}/control.sock"
         self.router = Router(self.control)
-        log = tmp / "daemon.log"
-        self.daemon = start_daemon(model, 0, 1, self.rt, log, ["--kv-pool-bytes", str(POOL_BYTES), "--kv-slots", "3"])
-        wait_daemon_ready(self.daemon, self.rt, 0, log)
+        self.daemons = []
+        for rank in range(tp):
+            log = tmp / f"daemon-{rank}.log"
+            self.daemons.append(start_daemon(model, rank, tp, self.rt, log,
+                                             ["--kv-pool-bytes", str(POOL_BYTES), "--kv-slots", "3"]))
+            wait_daemon_ready(self.daemons[-1], self.rt, rank, log)
         self.engines: list[EngineProcess] = []
 
     def engine(self, name: str, slot: int, model=None, incarnation: int = 1) -> EngineProcess:
         cfg = EngineConfig(name=name, model_path=str(model or self.model), port=0, runtime_dir=str(self.rt),
-                           weight_cache_mode="client", shared_kv=True, kv_slot=slot, kv_block_size=BS,
+                           tp_size=self.tp, weight_cache_mode="client", shared_kv=True, kv_slot=slot, kv_block_size=BS,
                            kv_cache_bytes=2 << 30,  # what an engine of its own would take: never allocated here
                            control_endpoint=self.control, incarnation=incarnation, heartbeat_interval_s=0.1,
                            max_model_len=1024, max_num_seqs=4)
@@ -70,8 +73,9 @@ class Node:
             except ProcessLookupError:
                 pass
             p.stop(10)
-        self.daemon.send_signal(signal.SIGTERM)
-        self.daemon.wait(10)
+        for d in self.daemons:
+            d.send_signal(signal.SIGTERM)
+            d.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +207,23 @@ def test_a_corrupt_index_is_rejected_and_the_pool_starts_empty(node: Node) -> No
 def _fingerprint(node: Node) -> str:
     from daemon.fingerprint import make_cache_config
     return make_cache_config(str(node.model)).model_dump_json()
+
+
+def test_tensor_parallel_engines_share_one_pool_per_rank(tiny_model, tmp_path) -> None:
+    """TP=2: each rank maps its own daemon's pool, rank 0 writes the index for both; a continuation
+    after a SIGKILL of the writer reuses the blocks on every rank and is the uninterrupted answer."""
+    node = Node(tiny_model, tmp_path, tp=2)
+    try:
+        a, b = node.engine("a", 0), node.engine("b", 1)
+        assert a.ready["kv_source"] == b.ready["kv_source"] == "shared"
+        node.command(a, "promote", "promoted")
+        body = {**LONG, "max_tokens": 120}
+        first = complete(a, body).json()["choices"][0]
+        kill(a)
+        assert node.command(b, "promote", "promoted")["adopted_blocks"] > 0
+        cont = complete(b, {**body, "continuation": {"prompt_token_ids": first["prompt_token_ids"],
+                                                     "output_token_ids": first["token_ids"][:50]}})
+        assert first["token_ids"][:50] + cont.json()["choices"][0]["token_ids"] == first["token_ids"]
+        assert node.heartbeat(b, lambda m: m["continuations"] >= 1)["continuation_recomputed_tokens"] <= BS
+    finally:
+        node.close()

@@ -111,8 +111,11 @@ def test_wrong_token_is_refused_and_the_right_one_shows_both_engines(node, page)
         expect(row.locator(".pid")).to_have_text(str(e["pid"]))
         expect(row.locator(".incarnation")).to_have_text(str(e["incarnation"]))
         expect(row.locator(".weights")).to_have_text("cache_hit")
+        # shared KV: the primary writes the daemon's pool, the standby is parked on its scratch blocks
+        expect(row.locator(".kv")).to_contain_text("writer" if e["role"] == "primary" else "parked", timeout=10_000)
     expect(page.locator(f'#engines tr[data-engine="{st["primary"]}"] .epoch')).to_have_text(str(st["epoch"]))
     expect(page.locator('#daemons tr[data-daemon="daemon-rank0"] .state')).to_have_text("READY")
+    expect(page.locator('#daemons tr[data-daemon="daemon-rank0"] .kv-pool')).to_contain_text("blocks of 16 tokens")
     # boot is in the timeline (the stream's history), and the token stays in the tab, not in a URL
     expect(page.locator('#timeline li[data-event="promoted"]')).to_have_count(1)
     assert node.token not in page.url

@@ -40,6 +40,20 @@ def test_a_writer_reaped_before_the_promotion_ends_is_fenced_with_it() -> None:
     assert "promote b epoch 2" in got and "tell b fenced" in got
 
 
+def test_a_hung_writer_being_fenced_is_not_taken_for_gone() -> None:
+    """SIGSTOP of the primary: fenced (SIGKILL) and failed over at once, while its process may
+    still exist: b hears `fenced` only once a's exit is read."""
+    p = serving(shared_kv=True)  # (heartbeat_timeout_s 1.5)
+    got = []
+    for beat in range(2, 6):  # b beats, a has gone silent: a hang
+        got += p.play(("wait", 0.5), ("heartbeat", "b", beat))
+    assert in_order(got, ["fence a", "tell b promote"])
+    got = p.play(PROMOTED)
+    assert "promote b epoch 2" in got and "tell b fenced" not in got
+    p.play(("exit", "a"))
+    assert "tell b fenced" in p.play(("exit read", "a", -9))
+
+
 def test_a_promotion_that_fails_or_times_out_fails_the_engine_and_holds() -> None:
     p = serving(**KV)
     p.play(("exit", "a"))
@@ -64,10 +78,15 @@ def test_a_planned_switchover_demotes_the_writer_first() -> None:
 
 
 def test_a_primary_that_does_not_answer_demote_is_fenced_and_the_switchover_goes_on() -> None:
+    """Fenced, not demoted: it may still be writing the pool, so b hears `fenced` only once a's exit
+    (its whole group) has been read."""
     p = serving(**KV)
     p.play(("ask", "promote"))
     got = p.play(("wait", 6.0))
     assert in_order(got, ["fence a", "tell b promote"])
+    got = p.play(PROMOTED, ("exit", "a"))
+    assert "promote b epoch 2" in got and "tell b fenced" not in got and p.node.unfenced == {"a:1"}
+    assert "tell b fenced" in p.play(("exit read", "a", -9))
 
 
 def test_a_second_switchover_while_one_is_under_way_is_refused() -> None:

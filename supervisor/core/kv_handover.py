@@ -18,6 +18,7 @@ from supervisor.core import engines
 from supervisor.core.actions import Fence, Measure, Tell
 from supervisor.core.events import Said
 from supervisor.core.failover import PROMOTE_TIMEOUT_S, promote
+from supervisor.core.kv_writers import others_gone
 from supervisor.core.model import Demotion, Engine, Failover, Node
 from supervisor.core.states import State
 
@@ -33,6 +34,7 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     if ev.type == "demoted":
         if d is not None and (d.name, d.incarnation) == (e.name, e.incarnation):
             log.info("%s demoted: %s requests handed off", e.name, ev.fields.get("handed_off"))
+            e.kv_writer = False  # it gave the pool up (fenced or dead, it stays a writer until reaped)
             handed_over(node, e)
         return
     if p is None or (p.name, p.incarnation) != (e.name, e.incarnation):
@@ -50,7 +52,7 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     promote(node, e, p.reason, p.detected_at, p.lost, {**p.detail,  # what the pool gave it, and how fast
         "adopted_blocks": ev.fields.get("adopted_blocks"), "quarantined_blocks": ev.fields.get("quarantined_blocks"),
         "promotion_s": ev.fields.get("seconds")})
-    if not node.unfenced:
+    if others_gone(node, e):
         node.emit(Tell(e.name, e.incarnation, "fenced"))
 
 
@@ -69,7 +71,6 @@ def handed_over(node: Node, old: Engine, crashed: bool = False) -> None:
     exited unasked before it answered (a crash just before or during the switchover): that is a
     failover for its exit, from when it was seen exiting, and its exit path restarts it."""
     d, node.demoting = node.demoting, None
-    old.kv_writer = False
     node.lost_epoch = node.epoch
     reason, since = ("exit", old.down_since or node.now) if crashed else ("promote", node.now)
     successor = node.engines[d.successor]
@@ -90,7 +91,7 @@ def check(node: Node) -> None:
     if p is not None:
         e = node.engines[p.name]
         if e.incarnation != p.incarnation or e.pid is None or e.state != State.READY:
-            lost(node, p.name, f"{p.name} was lost while taking the KV pool over")
+            lost(node, f"{p.name} was lost while taking the KV pool over")
         elif node.now > p.deadline:
             failed(node, e, f"promotion failed: no answer to `promote` within {PROMOTE_TIMEOUT_S:g}s")
     if d is not None:
@@ -104,11 +105,11 @@ def check(node: Node) -> None:
 
 
 def failed(node: Node, e: Engine, why: str) -> None:
-    lost(node, e.name, why)
+    lost(node, why)
     engines.fail(node, e, why)
 
 
-def lost(node: Node, name: str, why: str) -> None:
+def lost(node: Node, why: str) -> None:
     """The promotion ends without a primary: the failover it answered waits for the next READY one."""
     p, node.promoting = node.promoting, None
     log.error("%s; promoting the next READY standby", why)

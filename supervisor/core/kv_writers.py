@@ -23,5 +23,11 @@ def writer_reaped(node: Node, name: str, incarnation: int) -> None:
         return
     node.unfenced.discard(key)
     p = node.primary_engine()
-    if not node.unfenced and p is not None and p.kv_writer:
+    if p is not None and p.kv_writer and others_gone(node, p):
         node.emit(Tell(p.name, p.incarnation, "fenced"))
+
+
+def others_gone(node: Node, writer: Engine) -> bool:
+    """No engine but ``writer`` may still write the pool: none holds the role (one being fenced still
+    does until its exit), and every one that exited was reaped."""
+    return not node.unfenced and not any(e.kv_writer for e in node.engines.values() if e is not writer)
