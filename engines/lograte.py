@@ -1,7 +1,7 @@
 """A log handler filter that keeps a flood from drowning the log (issue 12: 49k lines in a second).
 
 At most ``burst`` records of the same (logger, level, message template) pass per ``window_s``;
-the first one after a window that dropped some says how many were dropped.
+the first one after a window that dropped some says how many were dropped, and when.
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ class RateLimitFilter(logging.Filter):
                 self._seen.clear()
             state = self._seen[key] = [now, 0, 0]
         if now - state[0] >= self.window_s:
-            dropped = state[2]
+            dropped, began = state[2], time.localtime(time.time() - (now - state[0]))
             state[:] = [now, 0, 0]
-            if dropped:  # the appended text holds no "%": safe with or without args
-                record.msg = f"{record.msg} [{dropped} more like this dropped in {self.window_s:g}s]"
+            if dropped:  # when they were (this line may come much later); no "%": safe with or without args
+                record.msg = (f"{record.msg} [{dropped} more like this dropped in the {self.window_s:g}s from "
+                              f"{time.strftime('%H:%M:%S', began)}]")
         state[1] += 1
         if state[1] > self.burst:
             state[2] += 1

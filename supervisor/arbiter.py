@@ -103,8 +103,8 @@ class Supervisor:
         ranks = cfg.model.tp_size if not self.external and cfg.daemons.enabled \
             and cfg.engines.weight_cache_mode == "client" else 0
         engines = cfg.engines.slot_names()
-        settings = Settings(cfg.failover, cfg.daemons.load_timeout_s, self.fingerprint, cfg.model.tp_size,
-                            self.external, spawn_server, shared_kv=cfg.shares_kv())
+        settings = Settings(cfg.failover.for_device(self.device), cfg.daemons.load_timeout_s, self.fingerprint,
+                            cfg.model.tp_size, self.external, spawn_server, shared_kv=cfg.shares_kv())
         self.node: Node = new_node(settings, engines, [str(daemon_socket_path(self.rd, r)) for r in range(ranks)],
                                    self.configs.wanted(engines, ranks, spawn_server, self.fingerprint), records,
                                    now=time.monotonic())

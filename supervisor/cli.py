@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=port_number, metavar="N", help="data-plane port, over router.port (0: any free port)")
     s.add_argument("--admin-port", type=port_number, metavar="M",
                    help="admin API and status page port, over admin.port (0: any free port)")
-    s.add_argument("--check", action="store_true", help="validate the config (and the ports given) and exit")
+    s.add_argument("--check", action="store_true",
+                   help="run every check serve makes before starting anything (config, ports given, model folder, "
+                        "device, KV budget, runtime dir) and exit: 0 if serve would start, 2 naming the key if not")
     for name, help_ in ADMIN_COMMANDS.items():
         a = sub.add_parser(name, help=help_, description=help_)
         a.add_argument("-c", "--config", help="the config the supervisor runs with (admin URL, token)")
@@ -135,17 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate(BENCH[argv[1]], argv[1:] if BENCH[argv[1]] in WHOLE_ARGV else argv[2:])
     ns = build_parser().parse_args(argv)
     if ns.cmd == "serve":
-        from supervisor.serve import load_serve_config, serve
-        if ns.check:
-            from supervisor.config_load import ConfigError
-            try:
-                cfg = load_serve_config(ns.config, ns.port, ns.admin_port)
-            except ConfigError as e:
-                print(f"understudy: invalid config: {e}", file=sys.stderr)
-                return 2
-            print(f"config OK: data plane {cfg.router.host}:{cfg.router.port}, admin {cfg.admin.host}:{cfg.admin.port}")
-            return 0
-        return serve(ns.config, ns.port, ns.admin_port)
+        from supervisor.serve import check_only, serve
+        return (check_only if ns.check else serve)(ns.config, ns.port, ns.admin_port)
     return printing(lambda: _admin_command(ns))
 
 

@@ -45,6 +45,8 @@ class Metrics:
         self.engine_state = Gauge("understudy_engine_state", "1 for the current state of each engine slot",
                                   ["engine", "state"], registry=r)
         self.epoch = Gauge("understudy_epoch", "Primary epoch", registry=r)
+        self.fatal_retries = Counter("understudy_fatal_retries", "Slow retries of FATAL engine slots "
+                                     "(failover.fatal_retry_s)", ["engine"], registry=r)
         serving = "engine's serving figures, from its heartbeats"
         self.engine_figures = {
             key: Gauge(f"understudy_engine_{key}", f"{help_} ({serving})", ["engine"], registry=r)

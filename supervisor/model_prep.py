@@ -32,16 +32,29 @@ def check_model_dir(path: Path) -> None:
         raise ModelError(f"model.path: {path}: expected *.safetensors files, found none")
 
 
-def resolve_model(cfg: UnderstudyConfig) -> Path:
-    """The folder to serve; makes the preset model under cache_dir/models/<preset> if needed."""
+def existing_model(cfg: UnderstudyConfig) -> Path | None:
+    """The configured folder, or the preset's once made (checked: ModelError); None: not made yet."""
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser().resolve()
         check_model_dir(path)
         return path
-    path = cfg.resolved_cache_dir() / "models" / cfg.model.preset
+    path = preset_dir(cfg)
     if (path / "config.json").is_file():
         check_model_dir(path)
         return path
+    return None
+
+
+def preset_dir(cfg: UnderstudyConfig) -> Path:
+    return cfg.resolved_cache_dir() / "models" / cfg.model.preset
+
+
+def resolve_model(cfg: UnderstudyConfig) -> Path:
+    """The folder to serve; makes the preset model under cache_dir/models/<preset> if needed."""
+    existing = existing_model(cfg)
+    if existing is not None:
+        return existing
+    path = preset_dir(cfg)
     from engines.make_model import main as make_model  # lazy: imports torch
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

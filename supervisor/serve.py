@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 from pydantic import ValidationError
 
+from supervisor import preflight
 from supervisor.config import UnderstudyConfig
 from supervisor.config_load import ConfigError, format_errors, load_config
 
@@ -16,8 +16,8 @@ log = logging.getLogger("understudy")
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s understudy %(levelname)s %(message)s")
-    from engines.lograte import install
-    install()  # a flood of one message (EMFILE, a broken peer) becomes a few lines and a count
+    from supervisor.lograte import install
+    install()  # a flood of one message (EMFILE, a broken peer) becomes a few lines and a count; transitions all pass
     for noisy in ("httpx", "httpcore", "uvicorn.error"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -41,12 +41,27 @@ def load_serve_config(config_path: str | None, port: int | None = None,
         raise ConfigError("\n".join(f"{source}: {line}" for line in format_errors(e))) from None
 
 
+def check_only(config_path: str | None, port: int | None, admin_port: int | None) -> int:
+    """``serve --check``: everything serve checks before starting a child, and nothing started."""
+    try:
+        cfg = load_serve_config(config_path, port, admin_port)
+        plan = preflight.check(cfg, config_path or "<embedded default>", make_model=False)
+    except ConfigError as e:
+        print(f"understudy: invalid config: {e}", file=sys.stderr)
+        return 2
+    model = plan.model_path or f"the built-in {cfg.model.preset} model (made on first run)"
+    print(f"config OK: data plane {cfg.router.host}:{cfg.router.port}, admin {cfg.admin.host}:{cfg.admin.port}, "
+          f"{cfg.engines.count} engines of {model} on {plan.device}")
+    return 0
+
+
 def serve(config_path: str | None, port: int | None = None, admin_port: int | None = None) -> int:
-    """Run the supervisor in the foreground (``port``, ``admin_port``: over the config's); the exit code."""
+    """Run the supervisor in the foreground (``port``, ``admin_port``: over the config's); the exit code:
+    2 for anything in the config or around it (the message names the key), which a restart will not fix."""
     from supervisor.arbiter import Supervisor
     from supervisor.errors import BootError
     from supervisor.effects.servers import BindError
-    from supervisor.model_prep import ModelError, resolve_model
+    from supervisor.model_prep import ModelError
     from supervisor.admin.token import TokenError
     try:
         cfg = load_serve_config(config_path, port, admin_port)
@@ -55,13 +70,15 @@ def serve(config_path: str | None, port: int | None = None, admin_port: int | No
         return 2
     setup_logging(cfg.log_level)
     try:
-        if cfg.engines.kind == "builtin":
-            model_path, device = resolve_model(cfg), cfg.resolved_device()
-        else:  # an external engine resolves its own model (a folder or a hub id), passed as {model}
-            model_path = Path(cfg.model.path or cfg.model.name or "external")
-            device = cfg.device if cfg.device != "auto" else "external"
-        sup = Supervisor(cfg, model_path, device)
+        plan = preflight.check(cfg, config_path or "<embedded default>", make_model=True)
+        sup = Supervisor(cfg, plan.model_path, plan.device)
         sup.prepare()
+    except ConfigError as e:
+        print(f"understudy: invalid config: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:  # a child's config built from ours (preflight builds them too: a bug)
+        print("understudy: invalid config: " + "; ".join(format_errors(e)), file=sys.stderr)
+        return 2
     except (ModelError, BindError, BootError, TokenError) as e:
         print(f"understudy: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ Event tuples (``name`` is a child: "a", "b", "daemon-rank0", "spawn-server"):
     ("ready", name)              readiness: HTTP up and canary matched ("not listening", name)
     ("unanswered", name)         canary not answered yet              ("mismatch", name, reason)
     ("broken", name, why)        the engine says it cannot serve       ("health", name, problem | None)
+    ("health not made", name, problem), ("ping not made", name): the supervisor was out of descriptors
     ("heartbeat", name, served)  ("said", name, type, fields): e.g. a shared-KV answer "promoted"
     ("daemon ready", name)       ("daemon loading", name)             ("ping", name, ok)
     ("ask", intent[, engine[, force]])                                ("stop", why)
@@ -86,6 +87,7 @@ class Play:
             "mismatch": lambda: ev.ReadyChecked(name, inc, listening=True, answered=True, mismatch=args[1]),
             "broken": lambda: ev.ReadyChecked(name, inc, listening=True, broken=True, error=args[1]),
             "health": lambda: ev.HealthChecked(name, inc, args[1]),
+            "health not made": lambda: ev.HealthChecked(name, inc, args[1], local=True),
             "heartbeat": lambda: ev.Said(name, inc, "heartbeat", {"served": args[1], "steps": args[1]}),
             "said": lambda: ev.Said(name, inc, args[1], args[2]),
             "daemon ready": lambda: ev.DaemonAnswered(name, inc, {"type": "ok", "daemon": {
@@ -93,6 +95,7 @@ class Play:
                 "fingerprint": {"content_digest": "d"}}}),
             "daemon loading": lambda: ev.DaemonAnswered(name, inc, None, "ConnectionRefusedError"),
             "ping": lambda: ev.Pinged(name, inc, args[1], "" if args[1] else "timed out"),
+            "ping not made": lambda: ev.Pinged(name, inc, False, "[Errno 24] Too many open files", local=True),
         }
         return [simple[kind]()]
 

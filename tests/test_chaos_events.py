@@ -46,7 +46,10 @@ def test_malformed_frames_raise_one_line(frame: bytes, message: str) -> None:
 
 def test_monotonic_timestamps_become_wall_clock() -> None:
     assert to_wall_clock(1.7e9) == 1.7e9
-    assert abs(to_wall_clock(time.monotonic()) - time.time()) < 0.05
+    before = time.time()
+    m = time.monotonic()
+    after = time.time()  # the wall clock at m lies between: however long this process was preempted
+    assert before - 1e-3 <= to_wall_clock(m) <= after + 1e-3
 
 
 def test_listener_receives_from_the_supervisor_event_bus(tmp_path: Path) -> None:
@@ -66,15 +69,18 @@ def test_listener_receives_from_the_supervisor_event_bus(tmp_path: Path) -> None
         bus.publish({"type": "recovered", "engine": "b", "seconds": 0.7, "weights_source": "disk:mismatch"})
         await asyncio.sleep(0.3)
         stop.set()
-        await asyncio.wait_for(task, 2.0)
+        await asyncio.wait_for(task, 30.0)
         return listener
 
+    started = time.time()
     try:
         listener = asyncio.run(scenario())
     finally:
         bus.close()
         ctx.term()
+    ended = time.time()
     assert listener.events and isinstance(listener.events[0], TransitionEvent)
     assert any(isinstance(e, RecoveredEvent) and e.weights_source == "disk:mismatch" for e in listener.events)
     assert listener.errors and "not JSON" in listener.errors[0]
-    assert all(abs(e.ts - e.t_recv) < 1.0 for e in listener.events)
+    # both stamps are wall-clock, in order: published (the bus's ts) before received, during the run
+    assert all(started <= e.ts <= e.t_recv <= ended for e in listener.events)

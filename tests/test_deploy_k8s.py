@@ -118,7 +118,7 @@ def test_probe_budgets_fit_the_config():
     assert ready["failureThreshold"] >= 2
     assert ready["periodSeconds"] * (ready["failureThreshold"] - 1) > 1.0
     # the kubelet never restarts a supervisor that is merely busy for a heartbeat or two
-    assert live["periodSeconds"] * live["failureThreshold"] >= 3 * cfg.failover.heartbeat_timeout_s
+    assert live["periodSeconds"] * live["failureThreshold"] >= 3 * cfg.failover.heartbeat_timeout_for(cfg.device)
 
 
 def test_prestop_drains_then_waits_boundedly_and_the_grace_period_covers_it_all():

@@ -83,3 +83,51 @@ def test_engine_on_cuda_serves_with_graphs_and_spawns_after_fork(tiny_model, tmp
                 pass
         server.terminate()
         server.wait(10)
+
+
+def test_engine_in_client_mode_serves_from_the_daemons_read_only_cuda_arena_through_graphs(tiny_model,
+                                                                                          tmp_path) -> None:
+    """The supervisor's way on a GPU: a daemon holds the weights in a CUDA VMM arena, an engine in
+    `client` mode maps it (read-only: harness/gpu_check.py shows a write through such a mapping is
+    refused), captures its CUDA graphs over it and serves the same tokens as an engine that loaded
+    the same checkpoint from disk."""
+    from daemon import framing
+    from daemon.cli import daemon_argv
+    from daemon.runtime_dir import daemon_socket_path
+    rt = tmp_path / "rt"
+    sock = daemon_socket_path(rt, 0)
+    daemon = subprocess.Popen(daemon_argv(tiny_model, 0, 1, "cuda", "float32", rt, 0), cwd=ROOT,
+                              stdout=open(tmp_path / "daemon.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        info: dict = {}
+        while info.get("state") != "ready":
+            assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()[-2000:]
+            try:
+                info = framing.request(sock, {"op": "status"}, 5.0)["daemon"]
+            except OSError:
+                time.sleep(0.1)
+        assert info["weights_finite"] is True and info["resident_bytes"] > 0
+        base = dict(model_path=str(tiny_model), port=0, runtime_dir=str(rt), device="cuda", gpu_ids=[0],
+                    kv_cache_bytes=64 << 20, max_num_seqs=8, max_model_len=256, cuda_graphs=True)
+        kw = dict(model=tiny_model.name, prompt="Hello", max_tokens=16, temperature=0, ignore_eos=True)
+        client = EngineProcess(EngineConfig(name="client", weight_cache_mode="client", **base), tmp_path / "client.log")
+        try:
+            ready = client.wait_ready(120)
+            assert ready["weights_source"] == "cache_hit", ready
+            assert "CUDA graphs: {'decode': [1, 2, 4, 8], 'mixed': [64, " in (tmp_path / "client.log").read_text()
+            text = complete(client.url, **kw)
+            assert complete(client.url, stream=True, **kw) == text and text
+            assert framing.request(sock, {"op": "status"}, 5.0)["daemon"]["attaches"] >= 1
+        finally:
+            assert client.stop() == 0
+        disk = EngineProcess(EngineConfig(name="disk", weight_cache_mode="off", **base), tmp_path / "disk.log")
+        try:
+            assert disk.wait_ready(120)["weights_source"] == "disk:off"
+            assert complete(disk.url, **kw) == text  # the arena holds exactly what a disk load gives
+        finally:
+            assert disk.stop() == 0
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+

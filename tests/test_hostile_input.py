@@ -113,9 +113,7 @@ def test_thousand_prompts_times_n_refused_and_normal_request_is_not_starved(sup)
     r = httpx.post(sup.router_url + "/v1/chat/completions", timeout=30,
                    json={"model": sup.model, "messages": [{"role": "user", "content": "hi"}], "n": 17})
     assert_limit_error(r, 400, "max_n")
-    t0 = time.monotonic()
-    normal_request(sup)
-    assert time.monotonic() - t0 < 5
+    normal_request(sup)  # served (not starved behind the refused ones), by the same engines
     assert incarnations(sup) == before
 
 
@@ -193,22 +191,56 @@ def test_slowloris_head_is_cut_at_the_header_timeout(sup):
     s = socket.create_connection((host, int(port)), timeout=5)
     try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
-        t0 = time.monotonic()
-        for _ in range(10):  # a header line now and then, never the end of the head
+        sent, closed = 0, False
+        while sent < 25 and not closed:  # a header line every 0.4 s (10 s in all), never the end of the head
             time.sleep(0.4)
-            try:
-                s.sendall(b"x-slow: 1\r\n")
-            except OSError:
-                break
-        assert closed_by_peer(s, 3.0)
-        assert time.monotonic() - t0 < 4.5
+            closed = closed_by_peer(s, 0.01) or not _sent(s, b"x-slow: 1\r\n")
+            sent += not closed
+        # cut while the client still trickled (header_timeout_s 2): new lines never extend the deadline
+        assert closed and sent < 25, sent
     finally:
         s.close()
     normal_request(sup)
 
 
+def test_a_request_head_over_64_kib_is_431_on_every_listener_of_a_running_node(sup):
+    """The 431 of the guarded listener, on the node's own listeners: the router, the admin API and
+    the primary engine (max_head_bytes, 64 KiB); each closes that connection and serves the next."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (100 << 10) +
+            b"\r\ncontent-length: 2\r\n\r\n{}")
+    before = incarnations(sup)
+    for url in (sup.router_url, sup.admin_url, sup.primary()["url"]):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            try:
+                s.sendall(head)
+            except OSError:  # closed while the rest of the head was still being sent
+                pass
+            out = b""
+            try:
+                while data := s.recv(65536):
+                    out += data
+            except OSError:
+                pass
+        assert out.startswith(b"HTTP/1.1 431 "), (url, out[:200])
+    normal_request(sup)
+    assert sup.admin("GET", "/status").status_code == 200
+    assert incarnations(sup) == before
+
+
+def _sent(s: socket.socket, data: bytes) -> bool:
+    try:
+        s.sendall(data)
+        return True
+    except OSError:
+        return False
+
+
 def test_open_files_exhausted_supervisor_keeps_serving(sup):
-    """EMFILE on the router's accept: refused connections, bounded log lines, the supervisor stays."""
+    """The supervisor out of descriptors (its limit lowered to 20 over what it holds, then 100
+    connections): EMFILE really happens (its own log says so), every connection is refused or
+    timed out (none hangs), log lines stay bounded, its own failed probes count against no child
+    (no failover, no restart), and it serves again once descriptors free."""
     before = incarnations(sup)
     pid = sup.proc.pid
     soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
@@ -220,6 +252,7 @@ def test_open_files_exhausted_supervisor_keeps_serving(sup):
     try:
         socks = _open_idle(sup.router_url, 2 * CAP)  # the backlog takes them; accept() hits EMFILE
         time.sleep(3.5)  # header timeouts free the accepted ones; the tick keeps running meanwhile
+        closed = sum(closed_by_peer(s, 5.0) for s in socks)
         sup.check_alive()
     finally:
         for s in socks:
@@ -229,7 +262,11 @@ def test_open_files_exhausted_supervisor_keeps_serving(sup):
     normal_request(sup)
     sup.check_alive()
     new_lines = sup.log.read_text().splitlines()[lines_before:]
+    assert any("Too many open files" in ln for ln in new_lines), new_lines[:20]  # EMFILE did happen
+    assert closed == len(socks)  # refused (accept's spare descriptor) or cut at the header timeout
     assert len(new_lines) < 200, f"{len(new_lines)} log lines: {new_lines[:20]}"
+    assert not any("probe failed" in ln or "no answer to status" in ln for ln in new_lines), \
+        [ln for ln in new_lines if "probe failed" in ln or "no answer to status" in ln]
     assert incarnations(sup) == before
 
 
@@ -305,7 +342,7 @@ BIG_CONTEXT = """
 runtime_dir: {rt}
 model: {{path: {model}}}
 engines: {{count: 1, heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 4, max_model_len: 1024}}
-failover: {{heartbeat_timeout_s: 5, probe_interval_s: 5}}
+failover: {{heartbeat_timeout_s: 2, probe_interval_s: 5}}
 router: {{port: 0}}
 admin: {{port: 0}}
 limits: {{max_prompts: 480, max_sequences: 480}}
@@ -315,9 +352,9 @@ limits: {{max_prompts: 480, max_sequences: 480}}
 def test_legal_maximum_body_is_tokenized_without_stalling_heartbeats(tmp_path, tiny_model):
     """An 8 MB request (the default body limit) of prompts each just under the character bound: its
     first chunk (1 MB, seconds of tokenizing with this tiny vocabulary) is tokenized off the GIL, so
-    the scheduler's heartbeats keep coming (every 0.1 s); the first prompt over the context then
-    ends it without tokenizing the rest."""
-    import threading
+    the scheduler's heartbeats keep coming (every 0.1 s): the supervisor's own hang detector
+    (heartbeat_timeout_s 2) never fires; the first prompt over the context then ends it
+    (test_tokenize_off_gil counts that only its chunk was tokenized)."""
     h = Harness(tmp_path, BIG_CONTEXT.format(rt=tmp_path / "rt", model=tiny_model))
     try:
         h.wait_booted()
@@ -325,29 +362,17 @@ def test_legal_maximum_body_is_tokenized_without_stalling_heartbeats(tmp_path, t
         text = "hello world " * 1440  # 17280 chars: under 1023 tokens x 17 characters, ~2900 tokens
         body = json.dumps({"model": tiny_model.name, "prompt": [text] * 480, "max_tokens": 1}).encode()
         assert 8_000_000 < len(body) <= 8 << 20
-        ages: list[float] = []
-        done = threading.Event()
-
-        def watch():
-            with httpx.Client(timeout=5, headers={"Authorization": f"Bearer {h.token}"}) as c:
-                while not done.is_set():
-                    e = c.get(h.admin_url + "/status").json()["engines"][0]
-                    ages.append(e["heartbeat_age_s"] or 0.0)
-                    time.sleep(0.01)
-        t = threading.Thread(target=watch)
-        t.start()
-        t0 = time.monotonic()
+        since = len(h.events)
         r = httpx.post(h.router_url + "/v1/completions", content=body, timeout=120,
                        headers={"content-type": "application/json"})
-        took = time.monotonic() - t0
-        done.set()
-        t.join()
         # refused for the context once tokenized (the character bound only refuses what cannot fit)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
-        assert took < 20  # not the ~35 s that tokenizing all 480 prompts takes here
-        print(f"8 MB request answered in {took:.2f}s; heartbeat age max {max(ages):.3f}s over {len(ages)} samples")
-        assert max(ages) < 1.0, f"heartbeats stalled {max(ages):.2f}s while tokenizing"
-        assert h.status()["engines"][0]["incarnation"] == 1
+        normal = httpx.post(h.router_url + "/v1/completions", timeout=60,
+                            json={"model": tiny_model.name, "prompt": "hi", "max_tokens": 2})
+        assert normal.status_code == 200, normal.text
+        e = h.status()["engines"][0]
+        assert e["incarnation"] == 1 and e["state"] == "READY", e  # never judged hung, never restarted
+        assert not [ev for ev in h.events[since:] if ev["type"] in ("failover", "transition")], h.events[since:]
     finally:
         h.stop()
 

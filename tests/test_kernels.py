@@ -21,6 +21,9 @@ from engines.models.fused_decode import fused_decode  # noqa: E402
 from engines.models.paged import query_blocks, reference_paged_attention, sequence_meta  # noqa: E402
 from engines.models.rope import apply_rope, rope_factors  # noqa: E402
 
+# `pytest -m gpu` runs them on a GPU (natively, bfloat16 too); without one they still run, in Triton's
+# interpreter: marked gpu, never skipped.
+pytestmark = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter has no bfloat16 tensor-core product; the attention kernel uses one.
 DOT_DTYPES = [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float16]

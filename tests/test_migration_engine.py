@@ -120,8 +120,15 @@ def test_non_streaming_token_ids_and_continuation(engine):
     ch = r["choices"][0]
     assert len(ch["token_ids"]) == 12 == r["usage"]["completion_tokens"]
     cont = httpx.post(engine.url + "/v1/completions", timeout=60, json={
-        **body, "continuation": {"prompt_token_ids": ch["prompt_token_ids"], "output_token_ids": ch["token_ids"][:5]}})
+        **body, "return_token_ids": True,
+        "continuation": {"prompt_token_ids": ch["prompt_token_ids"], "output_token_ids": ch["token_ids"][:5]}})
     assert cont.status_code == 200
+    # what it continued with is what the uninterrupted request went on with: the ids after the 5th,
+    # and the text after the first five tokens' (a 5-token run of the same greedy request)
+    head = httpx.post(engine.url + "/v1/completions", json={**body, "max_tokens": 5}, timeout=60).json()
+    rest = cont.json()["choices"][0]
+    assert rest["token_ids"] == ch["token_ids"][5:]
+    assert head["choices"][0]["text"] + rest["text"] == ch["text"] and rest["text"], (head, rest, ch["text"])
     plain = httpx.post(engine.url + "/v1/completions", json=body, timeout=60).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
     assert plain["choices"][0]["text"] == ch["text"]

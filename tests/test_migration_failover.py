@@ -187,11 +187,14 @@ def test_non_streaming_request_continues_instead_of_restarting(sup):
     ref = httpx.post(sup.router_url + "/v1/completions", json=body, timeout=60).json()
     mark = len(sup.events)
     victim = sup.primary()
+    generated = victim["heartbeat"].get("generated_tokens") or 0
     out: list = []
     t = threading.Thread(target=lambda: out.append(
         httpx.post(sup.router_url + "/v1/completions", json=body, timeout=60)), daemon=True)
     t.start()
-    time.sleep(DELAY_S * 8)  # the engine is some chunks in
+    sup.wait_for(lambda st: any(e["name"] == victim["name"] and (e["heartbeat"].get("generated_tokens") or 0)
+                                >= generated + 2 for e in st["engines"]), 30, "the engine some tokens in")
+    assert t.is_alive(), "the request ended before the kill: too short for this test"
     kill_primary(sup, victim=victim)
     t.join(60)
     r = out[0]

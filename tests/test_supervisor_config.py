@@ -47,9 +47,30 @@ def test_empty_file_means_defaults():
      "gpu_ids; write {{ and }} for literal braces)"),
     ("router:\n  port: 9000\nadmin:\n  port: 9000\n",
      "config.yaml: admin.port: expected a port other than router.port, got 9000"),
+    ("engines:\n  kv_block_size: 3\n", "config.yaml: engines.kv_block_size: expected a power of two (1, 2, 4, ... "
+     "1024), got 3"),
+    ("engines:\n  names: [a/b, c]\n", "config.yaml: engines.names: expected names of 1-32 letters, digits, '_', '.' "
+     "or '-' (a name is part of the engine's file names and log lines), got 'a/b'"),
 ])
 def test_bad_values_name_path_expectation_and_value(text, expected):
     assert err(text) == expected
+
+
+def test_heartbeat_timeout_defaults_by_device_and_an_explicit_value_wins():
+    f = load_config(None).failover
+    assert f.heartbeat_timeout_s is None
+    assert f.heartbeat_timeout_for("cuda") == 1.0 and f.heartbeat_timeout_for("cpu") == 5.0
+    assert f.heartbeat_timeout_for("external") == 5.0
+    assert f.for_device("cuda").heartbeat_timeout_s == 1.0
+    set_ = parse_config("failover: {heartbeat_timeout_s: 2.5}", "x.yaml").failover
+    assert set_.heartbeat_timeout_for("cuda") == set_.for_device("cpu").heartbeat_timeout_s == 2.5
+
+
+def test_slot_names_follow_the_engines_own_rule():
+    from engines.config import EngineConfig
+    from supervisor.config import ENGINE_NAME
+    meta = EngineConfig.model_fields["name"].metadata
+    assert [m.pattern for m in meta if getattr(m, "pattern", None)] == [ENGINE_NAME]
 
 
 def test_unknown_key_lists_the_known_ones():
@@ -91,6 +112,50 @@ def test_serve_rejects_a_bad_config_before_starting_anything(tmp_path):
     good.write_text("engines:\n  count: 3\n")
     r = _cli("serve", "--check", "-c", str(good))
     assert r.returncode == 0 and "config OK" in r.stdout
+
+
+BROKEN = {  # what serve died on (issue 23, item 5) -> the line both serve and serve --check print
+    "kv_block_size": ("engines: {{kv_block_size: 3}}", "engines.kv_block_size: expected a power of two"),
+    "slash": ("engines: {{names: [a/b, c]}}", "engines.names: expected names of 1-32 letters"),
+    "no model": ("model: {{path: {tmp}/no-model}}", "model.path: {tmp}/no-model: no such folder"),
+    "kv budget": ("model: {{path: {model}}}\nengines: {{kv_cache_bytes: 65536, shared_kv: false}}",
+                  "engines.kv_cache_bytes: 65536 bytes give each engine's cache 7 blocks of 16 tokens"),
+    "kv pool": ("model: {{path: {model}}}\nengines: {{kv_cache_bytes: 65536}}",
+                "engines.kv_cache_bytes: a KV pool of 65536 bytes holds 8 blocks"),
+    "no gpu": ("device: cuda\nmodel: {{path: {model}}}", "device: 'cuda', but torch sees no GPU here"),
+    "runtime dir": ("runtime_dir: {tmp}/open\nmodel: {{path: {model}}}", "runtime_dir: {tmp}/open has mode 0755"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_serve_check_fails_where_serve_would_with_exit_2_and_the_key(tmp_path, tiny_model, case):
+    """Exit 2 (systemd's RestartPreventExitStatus) from both, one line naming the key, no traceback,
+    and no child started by serve."""
+    import torch
+    if case == "no gpu" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    (tmp_path / "open").mkdir(mode=0o755)
+    (tmp_path / "open").chmod(0o755)
+    body, line = (t.format(tmp=tmp_path, model=tiny_model) for t in BROKEN[case])
+    rt = "" if "runtime_dir" in body else f"runtime_dir: {tmp_path}/rt\n"
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"{rt}{body}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
+    for args in (("serve", "--check", "-c", str(cfg)), ("serve", "-c", str(cfg))):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert f"understudy: invalid config: {cfg}: {line}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "config OK" not in r.stdout
+    assert not (tmp_path / "rt" / "logs").exists(), "serve started something"
+
+
+def test_serve_check_says_what_serve_would_run(tmp_path, tiny_model):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {tiny_model}}}\n"
+                   "router: {port: 0}\nadmin: {port: 0}\n")
+    r = _cli("serve", "--check", "-c", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert f"2 engines of {tiny_model} on cpu" in r.stdout
+    assert not (tmp_path / "rt").exists(), "--check creates nothing"
 
 
 def test_serve_reports_a_missing_model_folder(tmp_path):

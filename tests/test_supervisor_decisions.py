@@ -51,6 +51,16 @@ ROWS = [
         [("wait", 0.6), ("health", "a", "HTTP 500: boom"), ("wait", 0.6), ("health", "a", "HTTP 500: boom")],
         ["probe a health", "probe a health", "publish a FAILED", "fence a", "publish failover"],
         {"b": "READY primary"}),
+    Row("probes the supervisor could not make (out of descriptors: EMFILE) never fail the primary over",
+        [("wait", 0.6), ("health not made", "a", "OSError: [Errno 24]"), ("wait", 0.6),
+         ("health not made", "a", "OSError: [Errno 24]"), ("wait", 0.6), ("health not made", "a", "ConnectError")],
+        ["probe a health", "probe a health", "probe a health"], {"a": "READY primary", "b": "READY standby"},
+        absent=["publish a FAILED", "fence a", "publish failover"], options={"heartbeat_timeout_s": 1e6}),
+    Row("nor do a daemon's status requests the supervisor could not make",
+        [("wait", 2.0), ("ping not made", "daemon-rank0"), ("wait", 2.0), ("ping not made", "daemon-rank0"),
+         ("wait", 2.0), ("ping not made", "daemon-rank0"), ("wait", 2.0), ("ping not made", "daemon-rank0")],
+        ["probe daemon-rank0 ping"], {"daemon-rank0": "READY"},
+        absent=["publish daemon-rank0 FAILED", "fence daemon-rank0"], options={"heartbeat_timeout_s": 1e6}),
     Row("a primary that served since its last probe is not probed (progress under load = healthy)",
         [("heartbeat", "a", 5), ("wait", 0.6), ("health", "a", None), ("heartbeat", "a", 9), ("wait", 0.6),
          ("heartbeat", "a", 12), ("wait", 0.6)], ["probe a health"],
@@ -98,6 +108,23 @@ ROWS = [
         [("exit", "b"), ("exit read", "b", 1), ("wait", 0.2), ("launched", "b"), ("exit", "b"), ("exit read", "b", 1)],
         ["publish b BACKOFF", "start b via spawn", "publish b FATAL", "publish fatal"],
         {"b": "FATAL standby", "a": "READY primary"}, options={"flap_max": 2}),
+    Row("a FATAL extra slot is tried once again after fatal_retry_s, and serves as standby again",
+        [("exit", "b"), ("exit read", "b", 1), ("wait", 0.2), ("launched", "b"), ("exit", "b"), ("exit read", "b", 1),
+         ("wait", 299), ("wait", 2), ("launched", "b"), ("ready", "b")],
+        ["publish b FATAL", "publish fatal", "publish fatal_retry", "publish b STARTING", "start b via spawn",
+         "publish b READY"],
+        {"b": "READY standby", "a": "READY primary"}, counts={"publish fatal_retry": 1},
+        options={"flap_max": 2, "fatal_retry_s": 300.0, "heartbeat_timeout_s": 1e6}),
+    Row("a slow retry that fails is FATAL again at once: one try per fatal_retry_s",
+        [("exit", "b"), ("exit read", "b", 1), ("wait", 0.2), ("launched", "b"), ("exit", "b"), ("exit read", "b", 1),
+         ("wait", 301), ("launched", "b"), ("exit", "b"), ("exit read", "b", 1), ("wait", 200)],
+        ["publish b FATAL", "publish fatal_retry", "start b via spawn", "publish b FATAL"],
+        {"b": "FATAL standby"}, counts={"publish fatal_retry": 1, "publish b BACKOFF": 1},
+        options={"flap_max": 2, "fatal_retry_s": 300.0, "heartbeat_timeout_s": 1e6}),
+    Row("fatal_retry_s null: a FATAL slot waits for an admin restart",
+        [("exit", "b"), ("exit read", "b", 1), ("wait", 0.2), ("launched", "b"), ("exit", "b"), ("exit read", "b", 1),
+         ("wait", 3600)], ["publish b FATAL"], {"b": "FATAL standby"}, absent=["publish fatal_retry"],
+        options={"flap_max": 2, "fatal_retry_s": None, "heartbeat_timeout_s": 1e6}),
     Row("the last engine standing is retried with capped backoff forever (a crash loop, never FATAL)",
         [("exit", "a"), ("exit read", "a", 1), ("wait", 0.2), ("launched", "a"), ("exit", "a"),
          ("exit read", "a", 1), ("wait", 0.3), ("launched", "a"), ("exit", "a"), ("exit read", "a", 1)],
@@ -114,6 +141,13 @@ ROWS = [
         ["publish failover", "drain a", "answer 200", "promote b epoch 2", "answer 409", "publish a STOPPED",
          "start a via spawn", "publish a READY"],
         {"a": "READY standby", "b": "READY primary"}),
+    Row("a primary that dies before the drain of an admin promote reaches it: a crash, counted as a failure",
+        [("ask", "promote"), ("exit", "a"), ("exit read", "a", 1), ("launched", "a")],
+        ["publish failover", "drain a", "promote b epoch 2", "publish a STOPPED", "start a via spawn"],
+        {"a": "STARTING standby", "b": "READY primary"}),
+    Row("an engine SIGKILLed by us after drain_timeout_s is not a crash",
+        [("ask", "restart", "b"), ("wait", 11), ("exit", "b"), ("exit read", "b", -9), ("launched", "b")],
+        ["drain b", "fence b", "publish b STOPPED", "start b via spawn"], {"b": "STARTING standby"}),
     Row("admin restart of the standby: drained and started again",
         [("ask", "restart", "b"), ("exit", "b"), ("exit read", "b", 0), ("launched", "b"), ("ready", "b")],
         ["drain b", "answer 200", "publish b STOPPED", "start b via spawn", "publish b READY"],
@@ -159,7 +193,7 @@ def test_decisions(row: Row) -> None:
 def test_boot_order_daemons_and_spawn_server_first_then_the_engines_and_the_first_ready_serves() -> None:
     p = Play()
     got = p.play(*boot_steps())
-    assert in_order(got, ["start daemon-rank0", "start spawn-server", "probe daemon-rank0 status",
+    assert in_order(got, ["sweep links", "start daemon-rank0", "start spawn-server", "probe daemon-rank0 status",
                           "probe spawn-server ping", "start a via spawn", "start b via spawn", "probe a ready",
                           "publish a READY", "publish promoted", "notify ready", "promote a epoch 1",
                           "publish b READY"]), got
@@ -253,3 +287,30 @@ def test_a_spawn_server_that_never_answers_is_a_boot_error() -> None:
            ("wait", 121), ("exit", "spawn-server"), ("exit read", "spawn-server", -9))
     halt = next(a.text for a in p.actions if a.brief() == "notify boot failed")
     assert halt.startswith("spawn server did not answer within 120s (killed by SIGKILL)"), halt
+
+
+def test_a_crash_racing_an_admin_promote_is_recorded_as_a_crash_of_the_old_primary() -> None:
+    """Without shared KV the switch is at once; the old primary's exit, asked to drain, says it had
+    crashed: its slot counts the failure and says why (not 'stopped on request')."""
+    p = serving()
+    p.play(("ask", "promote"), ("exit", "a"), ("exit read", "a", -11))
+    a = p.node.engines["a"]
+    assert len(a.policy.failures) == 1 and "killed by SIGSEGV while asked to drain: a crash" in a.last_exit
+    q = serving()
+    q.play(("ask", "promote"), ("exit", "a"), ("exit read", "a", 0))  # the drain itself
+    assert len(q.node.engines["a"].policy.failures) == 0
+
+
+def test_a_fatal_slot_says_when_it_is_tried_again_in_status_and_why() -> None:
+    from supervisor.admin.status_view import engine_view
+    from supervisor.core.why import engine_why
+    p = serving(flap_max=1, fatal_retry_s=300.0, heartbeat_timeout_s=1e6)
+    p.play(("exit", "b"), ("exit read", "b", 1), ("wait", 100))
+    b = p.node.engines["b"]
+    view = engine_view(b, p.now)
+    assert view["state"] == "FATAL" and 199 < view["next_try_in_s"] < 201 and view["fatal_retries"] == 0
+    assert engine_why(b, p.now).startswith("engine b: FATAL (next try in 200 s): flapping: 1 failures")
+    p.play(("wait", 201), ("launched", "b"))
+    assert engine_view(b, p.now)["fatal_retries"] == 1 and p.published("fatal_retry")[-1]["attempt"] == 1
+    p.play(("ready", "b"))
+    assert engine_view(b, p.now)["fatal_retries"] == 0  # READY again: counted afresh

@@ -110,3 +110,26 @@ def test_the_rollout_waits_for_the_switchover_round_trip() -> None:
     assert "tell a demote" in got and p.node.rollout.running
     got = p.play(("said", "a", "demoted", {"handed_off": 0}), PROMOTED)
     assert in_order(got, ["tell b promote", "promote b epoch 2"])
+
+
+def test_a_primary_that_crashes_before_it_answers_demote_is_a_failover_for_its_exit() -> None:
+    """Issue 23: a crash 22 ms before an admin promote was recorded as a planned promote. The crash
+    decides: reason exit (during a promote), its exit restarts it with backoff (a failure counted)."""
+    p = serving(**KV)
+    p.play(("ask", "promote"))
+    got = p.play(("exit", "a"))
+    assert in_order(got, ["fence a", "publish a EXITED", "reap a", "tell b promote"]) and "drain a" not in got
+    got = p.play(PROMOTED)
+    ev = p.published("failover")[-1]
+    assert (ev["reason"], ev["during"], ev["from"], ev["to"]) == ("exit", "promote", "a", "b"), ev
+    assert "promote b epoch 2" in got
+    got = p.play(("exit read", "a", -9))
+    assert "publish a BACKOFF" in got and len(p.node.engines["a"].policy.failures) == 1
+    assert p.answers()[0][0] == 200  # the switchover asked for did happen
+
+
+def test_an_answered_demote_is_still_a_planned_promote() -> None:
+    p = serving(**KV)
+    p.play(("ask", "promote"), ("said", "a", "demoted", {"handed_off": 0}), PROMOTED)
+    ev = p.published("failover")[-1]
+    assert ev["reason"] == "promote" and "during" not in ev

@@ -32,15 +32,41 @@ admin: {{port: 0}}
 RATE = 20.0  # requests per second, each on a new connection
 
 
+class Restarted:
+    """A supervisor on listening sockets the test holds (as systemd's understudy.socket would), and
+    the one that replaces it after a SIGKILL (``restart``); ``close`` stops whatever is left."""
+
+    def __init__(self, tmp_path, tiny_model) -> None:  # noqa: ANN001
+        self.router, self.admin = listening(), listening()
+        self.held = {"router": self.router, "admin": self.admin}
+        self.rt = tmp_path / "rt"
+        self.cfg = CONFIG.format(rt=self.rt, model=tiny_model)
+        self.work = tmp_path
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        self.first = Harness(tmp_path / "a", self.cfg, notify=False, held=self.held)
+        self.second: Harness | None = None
+
+    def restart(self) -> Harness:
+        """The second supervisor, as systemd starts it again."""
+        self.second = Harness(self.work / "b", self.cfg, notify=False, held=self.held)
+        return self.second
+
+    def close(self) -> None:
+        if self.second is not None:
+            self.second.stop()
+        self.first.stop()
+        if self.first.proc.returncode == -signal.SIGKILL and self.second is None:
+            from supervisor.effects.stale import check_and_clean
+            check_and_clean(self.rt)
+        self.router.close()
+        self.admin.close()
+
+
 def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(tmp_path, tiny_model):
-    router, admin = listening(), listening()
-    held = {"router": router, "admin": admin}
-    url = "http://127.0.0.1:%d" % router.getsockname()[1]
-    cfg = CONFIG.format(rt=tmp_path / "rt", model=tiny_model)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = Harness(tmp_path / "a", cfg, notify=False, held=held)
-    second = None
+    pair = Restarted(tmp_path, tiny_model)
+    url = "http://127.0.0.1:%d" % pair.router.getsockname()[1]
+    first = pair.first
     try:
         first.wait_booted()
         assert first.router_url == url  # the handed-over socket, not a new one
@@ -55,7 +81,7 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         t_kill, wall_kill = time.monotonic(), time.time()
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
-        second = Harness(tmp_path / "b", cfg, notify=False, held=held)  # as systemd restarts it
+        second = pair.restart()  # as systemd restarts it
         time.sleep(4.0)
         load.stop()
         long.join(60)
@@ -92,7 +118,10 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         print(f"\nreadopt: {len(res)} requests at {RATE:g}/s, {len(failed)} lost (in flight in the killed "
               f"supervisor), 0 refused, serving again {gap:.2f} s after SIGKILL (children "
               f"re-adopted at +{adopted - wall_kill:.2f} s)")
-        assert sum(out == "ok" for _, _, out in res) >= len(res) - len(failed)
+        # ... in flight at the kill: each began before it and ended after it (a request that ended
+        # before the kill was served by the first supervisor, whole)
+        assert all(start < t_kill <= end for start, end, _ in failed), (t_kill, failed)
+        assert all(out == "ok" for _, end, out in res if end < t_kill), [r for r in res if r[1] < t_kill][-5:]
         # (the 2 s target is measured by `understudy bench supervisor-restart`, not asserted here: on a
         # shared 2-core box the new interpreter's start alone varies from 1.4 to 7 s)
 
@@ -100,20 +129,12 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         pids = [p for p, _, _ in ident(after)[0].values()] + list(ident(after)[1].values()) \
             + [after["spawn_server"]["pid"]]
         assert second.stop() == 0
-        second = None
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.1)
         assert not [p for p in pids if _alive(p)]
     finally:
-        if second is not None:
-            second.stop()
-        first.stop()
-        if first.proc.returncode == -signal.SIGKILL and second is None:
-            from supervisor.effects.stale import check_and_clean
-            check_and_clean(tmp_path / "rt")
-        router.close()
-        admin.close()
+        pair.close()
 
 
 def _alive(pid: int) -> bool:
@@ -173,7 +194,11 @@ def test_chaos_kill_supervisor_fault_restarts_it_on_its_own_sockets(tmp_path, ti
         assert not [r for r in res if r[2] == "refused"], res
         wall_offset = time.time() - time.monotonic()
         lost = [r for r in res if r[2] != "ok"]
-        assert all(start + wall_offset < t_kill + 0.5 for start, _, _ in lost), lost
+        # in flight at the kill: begun before SIGKILL was sent (what the new supervisor took from the
+        # held socket is never lost) and ended after the kill began
+        killed_at = fault.detail["killed_at"]
+        assert all(start + wall_offset < killed_at and end + wall_offset >= t_kill for start, end, _ in lost), \
+            (t_kill, killed_at, lost)
         print(f"\nchaos kill-supervisor: {len(res)} requests, {len(lost)} lost, down {fault.detail['down_s']} s")
     finally:
         if new_pid is not None:  # the restarted supervisor is chaos's child, not the harness's
@@ -198,7 +223,7 @@ def test_bench_supervisor_restart_reports_the_contract(tmp_path, tiny_model, cap
     assert res["refused"] == 0 and res["children_restarted"] == 0, res
     assert res["failed_requests"] == res["lost"] and rc == 0, res
     (kill,) = res["per_kill"]
-    assert 0 < kill["adopted_s"] < 60 and 0 < kill["serving_again_s"] < 60, kill
+    assert kill["adopted_s"] > 0 and kill["serving_again_s"] > 0, kill  # (how fast: the bench's report)
 
 
 def test_an_engine_whose_spawn_was_in_flight_is_stopped_not_orphaned(tmp_path, tiny_model):
@@ -236,3 +261,30 @@ def test_an_engine_whose_spawn_was_in_flight_is_stopped_not_orphaned(tmp_path, t
         if second is None:
             from supervisor.effects.stale import check_and_clean
             check_and_clean(rt)
+
+
+def test_the_first_rollout_after_a_readoption_never_waits_for_an_exit_status(tmp_path, tiny_model):
+    """The rollout replaces the adopted spawn server first, so the adopted engines it forked are nobody's
+    child when they drain: their statuses are read from /proc while init has not reaped them, else
+    unknown, at once (it waited stop_timeout_s-like 10 s per engine: 27 s instead of 7 s)."""
+    pair = Restarted(tmp_path, tiny_model)
+    first = pair.first
+    try:
+        first.wait_booted()
+        before = {e["name"]: e["pid"] for e in first.wait_all_ready(120)["engines"]}
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        second = pair.restart()
+        second.wait_booted(60)
+        st = second.wait_all_ready(60)
+        assert {e["name"]: e["pid"] for e in st["engines"]} == before  # re-adopted, not restarted
+        r = second.admin("POST", "/admin/rollout", timeout=300)
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["restarted"]) == ["a", "b"]
+        text = second.log.read_text()
+        assert "no exit status" not in text, text[-3000:]
+        for name, pid in before.items():  # each adopted engine's drain was read (or said unknown) at once
+            line = next(ln for ln in text.splitlines() if f"{name}: pid {pid} (incarnation" in ln)
+            assert "exit code 0" in line or "exit status unknown" in line, line
+    finally:
+        pair.close()

@@ -141,12 +141,13 @@ def test_no_primary_holds_then_503_with_retry_after(upstreams):
     async def go():
         table, metrics, c = make(hold_s=0.3)
         table.set_primary(None, "failover in progress")
-        t = time.monotonic()
         r = await c.post("/v1/completions", json={})
-        assert 0.29 <= time.monotonic() - t < 2
         assert r.status_code == 503 and r.headers["retry-after"] == "7"
         assert "failover in progress" in r.json()["error"]["message"]
-        assert "understudy_router_hold_seconds_count 1.0" in metrics.render().decode()
+        text = metrics.render().decode()
+        assert "understudy_router_hold_seconds_count 1.0" in text
+        held = float(text.split("understudy_router_hold_seconds_sum ")[1].split()[0])
+        assert held >= 0.3, text  # it held for the whole hold_timeout_s (its own clock), then answered
     run(go())
 
 
@@ -197,9 +198,7 @@ def test_held_requests_get_503_at_once_when_the_supervisor_stops():
             await asyncio.sleep(0.2)
             table.stop()
         asyncio.create_task(stop())
-        t = time.monotonic()
-        r = await c.post("/v1/completions", json={})
-        assert time.monotonic() - t < 5
+        r = await c.post("/v1/completions", json={})  # (hold_timeout_s 30: only the stop can end it)
         assert r.status_code == 503 and "stopping" in r.json()["error"]["message"]
         assert (await c.get("/readyz")).json()["reason"] == "supervisor is stopping"
     run(go())
@@ -267,9 +266,8 @@ def test_upstream_connections_are_kept_alive_but_dropped_after_a_timeout(upstrea
         table.set_primary(Upstream(upstreams[0], "a", 1))
         ports = {(await c.get("/v1/peer")).json()["port"] for _ in range(3)}
         assert len(ports) == 1  # one keep-alive connection
-        t = time.monotonic()
-        r = await c.post("/v1/completions", json={"sleep": 1, "prompt": "slow"})
-        assert r.status_code == 504 and time.monotonic() - t < 0.9 and r.json()["error"]["type"] == "timeout"
+        r = await c.post("/v1/completions", json={"sleep": 1, "prompt": "slow"})  # 1 s: over the 0.3 s timeout
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         r = await c.post("/v1/completions", json={"prompt": "after"})  # not the slow one's late answer
         assert r.status_code == 200 and r.json()["echo"] == "after"
         await asyncio.sleep(1)
@@ -291,10 +289,9 @@ def test_a_request_to_a_fenced_primary_is_retried_on_the_new_one_at_once(upstrea
             table.mark_lost(1)
             table.set_primary(Upstream(upstreams[1], "b", 2))
         asyncio.create_task(fence())
-        t = time.monotonic()
         r = await c.post("/v1/completions", json={"sleep": 3, "sleep_on": "u1", "prompt": "x"})
+        # answered by u2: retried when u1 was fenced, not after u1's own (3 s) answer, which is u1's
         assert r.status_code == 200 and r.json()["from"] == "u2" and r.headers["x-understudy-epoch"] == "2"
-        assert time.monotonic() - t < 2
         assert "understudy_router_retries_total 1.0" in metrics.render().decode()
     run(go())
 
@@ -370,7 +367,8 @@ def test_a_stream_ends_when_its_client_goes_away(upstreams):
             nonlocal requested
             if not requested:
                 requested = True
-                return {"type": "http.request", "body": json.dumps({"stream": True, "n": 100, "delay": 0.05}).encode()}
+                body = {"stream": True, "n": 10**6, "delay": 0.05}  # a stream that never ends by itself
+                return {"type": "http.request", "body": json.dumps(body).encode()}
             await gone.wait()
             return {"type": "http.disconnect"}
 
@@ -380,26 +378,29 @@ def test_a_stream_ends_when_its_client_goes_away(upstreams):
                 gone.set()  # the client leaves after its first event
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
                  "query_string": b"", "headers": [(b"content-type", b"application/json")]}
-        t = time.monotonic()
-        await asyncio.wait_for(app(scope, receive, send), 3)
-        assert time.monotonic() - t < 1.5  # not the 5 s the whole stream takes
+        await asyncio.wait_for(app(scope, receive, send), 60)  # the upstream's stream never ends by itself
         assert sent[0]["status"] == 200 and len([m for m in sent if m.get("body")]) < 5
     run(go())
 
 
 def test_failover_clock_stops_when_a_stream_first_reaches_the_client_not_when_it_ends(upstreams):
     """A stream that is the new primary's first success ends the failover clock at its first chunk,
-    as clients time it (its end, 0.5 s later here, would inflate understudy_failover_seconds)."""
+    as clients time it (its end would inflate understudy_failover_seconds): the figure observed is
+    never more than the client's own clock start -> first chunk, and less than start -> end."""
     async def go():
         table, metrics, c = make()
         table.set_primary(Upstream(upstreams[0], "a", 2))
-        table.start_failover_clock(2, time.monotonic())
+        start = time.monotonic()
+        table.start_failover_clock(2, start)
+        first = None
         async with c.stream("POST", "/v1/completions", json={"stream": True, "n": 10, "delay": 0.05}) as r:
-            assert len([chunk async for chunk in r.aiter_raw()]) > 0
+            async for chunk in r.aiter_raw():
+                first = first or time.monotonic()
+        end = time.monotonic()
         text = metrics.render().decode()
         count = float(text.split("understudy_failover_seconds_count ")[1].split()[0])
         seconds = float(text.split("understudy_failover_seconds_sum ")[1].split()[0])
-        assert count == 1 and seconds < 0.25, text
+        assert count == 1 and 0 < seconds <= first - start < end - start, (seconds, first - start, end - start)
     run(go())
 
 

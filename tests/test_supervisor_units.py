@@ -96,14 +96,12 @@ def test_sd_notify_on_an_abstract_socket():
 
 
 def test_sd_notify_never_blocks_when_nobody_reads(tmp_path):
-    import time
     path = str(tmp_path / "notify.sock")
     with _dgram(path):
         n = Notifier({"NOTIFY_SOCKET": path})
-        t = time.monotonic()
-        sent = [n.status(f"message {i}") for i in range(2000)]
-        assert time.monotonic() - t < 2.0
+        sent = [n.status(f"message {i}") for i in range(2000)]  # (a blocking send would hang here)
         assert sent[0] is True and sent[-1] is False  # queue full: dropped, not blocked
+        assert 0 < sent.count(True) < 2000
 
 
 def test_sd_notify_outside_systemd_is_a_no_op():

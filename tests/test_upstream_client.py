@@ -54,19 +54,24 @@ def test_chunks_are_taken_whole_and_malformed_ones_refused():
 
 
 def test_a_slow_stream_within_the_timeout_is_relayed_whole_and_pooled():
-    """Chunks 0.2 s apart under a 0.3 s read timeout (and a consumer that itself pauses longer than
-    the timeout between reads) never time out: the timeout bounds each wait for the upstream, not
-    the stream. Chunks that arrived together come back joined; the connection is reused."""
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(HEAD)
-        for i in range(4):
-            await asyncio.sleep(0.2)
-            writer.write(b"1\r\n%d\r\n" % i)
-        writer.write(b"1\r\na\r\n1\r\nb\r\n0\r\n\r\n")  # two chunks and the end in one write
-        await writer.drain()
-
+    """The read timeout bounds each wait for the upstream, not the stream: a consumer that pauses
+    longer than the timeout (0.3 s) between reads, four times, gets the whole stream (each chunk is
+    sent only once the previous one was read: no wait for the upstream is ever long). Chunks that
+    arrived together come back joined; the connection is reused."""
     async def go():
+        read = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(HEAD)
+            for i in range(4):
+                writer.write(b"1\r\n%d\r\n" % i)
+                await writer.drain()
+                await read.wait()  # the next chunk once the consumer has this one
+                read.clear()
+            writer.write(b"1\r\na\r\n1\r\nb\r\n0\r\n\r\n")  # two chunks and the end in one write
+            await writer.drain()
+
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         client = Client(timeout_s=0.3)
@@ -74,9 +79,10 @@ def test_a_slow_stream_within_the_timeout_is_relayed_whole_and_pooled():
         pieces = []
         async for piece in resp.stream():
             pieces.append(piece)
-            if len(pieces) == 2:
-                await asyncio.sleep(0.5)  # the consumer is slow: not the upstream's fault
-        assert b"".join(pieces) == b"0123ab" and pieces[-1].endswith(b"3ab") and len(pieces) < 6  # joined
+            if len(pieces) <= 4:
+                await asyncio.sleep(0.4)  # the consumer is slow (longer than the timeout): not the upstream's fault
+                read.set()
+        assert b"".join(pieces) == b"0123ab" and pieces[-1] == b"ab" and len(pieces) == 5  # the last two joined
         assert any(o.idle for o in client._origins.values())  # read whole: back in the pool
         server.close()
     asyncio.run(go())

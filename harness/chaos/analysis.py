@@ -241,7 +241,8 @@ def build_report(data: RunData) -> ChaosReport:
     if data.metrics_before is not None and data.metrics_after is not None:
         retries = data.metrics_after.increase_since(data.metrics_before, "understudy_router_retries_total")
         report.requests.router_retries = None if retries is None else int(retries)
-    report.honest_metrics = honest_metrics(data.metrics_before, data.metrics_after, report, data.events, tol)
+    report.honest_metrics = honest_metrics(data.metrics_before, data.metrics_after, report, data.events, tol,
+                                           float(data.options.get("tolerance_floor_s", 0.010)))
     report.checks = checks(report, unexpected(active, data.samples, windows), data.options)
     return report
 
@@ -278,7 +279,10 @@ def checks(report: ChaosReport, active_problems: list[str], options: dict[str, A
                              detail="no samples" if p99 is None else f"p99 {p99:.3f} s over {dist.n}"))
     compared = [m for m in report.honest_metrics if m.agree is not None and m.comparable]
     disagree = [m.name for m in compared if not m.agree]
-    detail = ("differ: " + ", ".join(disagree)) if disagree else "all compared figures within tolerance"
+    floor = float(options.get("tolerance_floor_s", 0.010))
+    within = f"relative {float(options.get('tolerance', 0.10)):.0%}, time figures also {floor * 1e3:g} ms absolute"
+    detail = (("differ: " + ", ".join(disagree)) if disagree else "all compared figures within tolerance") + \
+        f" ({within}; each figure's rule in the table)"
     if any(f.kind == "kill-supervisor" and f.error is None for f in report.faults):
         detail += " (kill-supervisor restarted the supervisor: its counters started again at 0, so the " \
                   "supervisor's figures cover only the time since its last restart)"

@@ -35,6 +35,7 @@ NUMERIC_FLAGS: list[tuple[str, str, str, type, str]] = [
     ("run", "--dead-after", "dead_after_s", float, "abort when the admin API fails this long"),
     ("run", "--failover-window", "failover_window_s", float, "seconds after a fault counted as 'around' it"),
     ("run", "--tolerance", "tolerance", float, "honest-metrics agreement, relative"),
+    ("run", "--tolerance-floor", "tolerance_floor_s", float, "honest-metrics agreement of time figures, absolute s"),
     ("run", "--slo-failover-p99", "slo_failover_p99_s", float, "check: failover p99 <= this many seconds"),
     ("run", "--slo-recovery-p99", "slo_recovery_p99_s", float, "check: engine recovery p99 <= this many seconds"),
     ("run", "--max-memory-growth", "max_memory_growth_pct", float, "check: process-tree memory growth, percent"),

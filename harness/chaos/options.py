@@ -47,6 +47,8 @@ class ChaosOptions(BaseModel):
     memory_every_s: float = Field(default=10.0, gt=0)
     dead_after_s: float = Field(default=10.0, gt=0, description="supervisor unreachable this long: abort")
     tolerance: float = Field(default=0.10, ge=0, le=1)
+    tolerance_floor_s: float = Field(default=0.010, ge=0, description="time figures also agree within this, "
+                                     "absolute (tens of ms: a few ms of sampling are a large ratio)")
     idle_connections: int = Field(default=200, ge=1, le=5000, description="idle-connections: how many")
     idle_hold_s: float = Field(default=5.0, gt=0, le=120, description="idle-connections: held this long")
     slo_failover_p99_s: float | None = None

@@ -114,11 +114,12 @@ def render(r: ChaosReport, png_name: str | None) -> str:
     lines.append(f"Growth: RSS {_pct(m.rss_growth_pct)}, PSS {_pct(m.pss_growth_pct)}"
                  + (f", GPU {', '.join(_mb(b) for b in m.gpu_growth_bytes)}" if m.gpu_growth_bytes else "") + ".")
     lines += ["", "## Honest metrics (supervisor /metrics vs client)", "",
-              "| figure | supervisor | client | diff | agree | note |", "|---|---|---|---|---|---|"]
+              "| figure | supervisor | client | diff | agree | by | note |", "|---|---|---|---|---|---|---|"]
     for h in r.honest_metrics:
         agree = "–" if h.agree is None else ("yes" if h.agree else ("NO" if h.comparable else "no (differs by design)"))
         diff = "–" if h.relative_diff is None else f"{100 * h.relative_diff:.1f}%"
-        lines.append(f"| {h.name} | {_num(h.supervisor)} | {_num(h.client)} | {diff} | {agree} | {h.note} |")
+        lines.append(f"| {h.name} | {_num(h.supervisor)} | {_num(h.client)} | {diff} | {agree} | {h.rule or '–'} "
+                     f"| {h.note} |")
     lines += ["", "## Faults", "",
               "| # | t (s) | kind | target | admin call | detection | failover | recovery | weights | failed reqs | error |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -141,6 +141,7 @@ class MetricComparison(BaseModel):
     agree: bool | None = None  # within the tolerance; None if one side is missing
     comparable: bool = True  # False: the two sides time different spans (see note); not a check
     note: str = ""
+    rule: str = ""  # what decided `agree`: the relative tolerance, or the absolute floor of a time figure
 
 
 class Check(BaseModel):

@@ -67,7 +67,7 @@ def _log_target(proc: psutil.Process, fallback: Path) -> Path:
 
 def kill_and_restart(pid: int, admin_url: str, log_fallback: Path) -> dict:
     """SIGKILL `pid` and, unless systemd restarts it, start it again on its own sockets; the detail
-    for the fault record (`restarted_by`, `new_pid`, `down_s`)."""
+    for the fault record (`restarted_by`, `new_pid`, `down_s`, `killed_at`: wall time once SIGKILL was sent)."""
     try:
         proc = psutil.Process(pid)
         argv, cwd, env = proc.cmdline(), proc.cwd(), proc.environ()
@@ -88,6 +88,7 @@ def kill_and_restart(pid: int, admin_url: str, log_fallback: Path) -> dict:
     try:
         t0 = time.time()
         os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()  # nothing it accepts after this: what the new one takes is never lost
         while time.time() - t0 < DEATH_WAIT_S:
             try:
                 if proc.status() == psutil.STATUS_ZOMBIE:
@@ -108,7 +109,7 @@ def kill_and_restart(pid: int, admin_url: str, log_fallback: Path) -> dict:
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                    pass_fds=list(held.values()), start_new_session=True)
         return {"restarted_by": "chaos", "new_pid": new.pid, "down_s": round(time.time() - t0, 3),
-                "log": str(log)}
+                "killed_at": killed_at, "log": str(log)}
     finally:
         for fd in held.values():
             os.close(fd)

@@ -52,5 +52,5 @@ def engine_view(s: Engine, now: float) -> dict[str, Any]:
             "heartbeat_age_s": round(now - s.last_heartbeat, 3) if s.last_heartbeat else None,
             "heartbeat": dict(s.heartbeat), "reason": s.reason,
             "last_exit": s.last_exit, "recent_failures": len(s.policy.failures),
-            "crash_loop": s.crash_loop,
+            "crash_loop": s.crash_loop, "fatal_retries": s.fatal_retries,
             "next_try_in_s": round(max(s.retry_at - now, 0.0), 3) if s.retry_at is not None else None}

@@ -143,7 +143,8 @@ class Probe:
 @dataclass(frozen=True)
 class Reap:
     """Read the exit status of a process that exited (``wait_group``: until its whole group is gone,
-    e.g. the other TP ranks). Reports ExitRead."""
+    e.g. the other TP ranks); an engine's link sockets are removed then, while its pid names no other
+    process. Reports ExitRead."""
 
     kind: str
     name: str
@@ -153,6 +154,18 @@ class Reap:
 
     def brief(self) -> str:
         return f"reap {self.name}"
+
+
+@dataclass(frozen=True)
+class SweepLinks:
+    """Remove every engine link socket (``{runtime_dir}/eng-PID-in|out.sock``) in the runtime dir but
+    those of ``keep`` (live adopted engines): what engines killed before their front end connected
+    left, before any engine of ours starts. (After each engine's exit, Reap removes its own.)"""
+
+    keep: tuple[int, ...] = ()
+
+    def brief(self) -> str:
+        return "sweep links" + (" but " + " ".join(map(str, self.keep)) if self.keep else "")
 
 
 @dataclass(frozen=True)
@@ -247,5 +260,5 @@ class Finish:
         return f"finish {self.exit_code}"
 
 
-Action = Union[Start, Attach, Fence, Stop, Drain, Tell, Promote, Hold, RouterFlags, Probe, Reap, Publish, Measure,
-               Notify, Answer, Survey, CheckAdoptable, AwaitGone, Finish]
+Action = Union[Start, Attach, Fence, Stop, Drain, Tell, Promote, Hold, RouterFlags, Probe, Reap, SweepLinks, Publish,
+               Measure, Notify, Answer, Survey, CheckAdoptable, AwaitGone, Finish]

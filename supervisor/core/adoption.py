@@ -89,7 +89,8 @@ def apply(node: Node, a: Adoption, plan: AdoptionPlan, ev: AdoptionChecked) -> N
     if plan.adopt:
         names = ", ".join(f"{r.name} (pid {r.pid})" for r in plan.adopt)
         log.info("re-adopted from the previous supervisor (pid %d): %s, %.2f s after this process started; "
-                 "exit codes of adopted processes will be unknown (they are not our children)",
+                 "adopted processes are not our children: their exit codes are read while init has not reaped "
+                 "them, else unknown",
                  records.supervisor_pid, names, ev.since_start)
     node.emit(Publish({"type": "adopted", "previous_supervisor": records.supervisor_pid,
                        "adopted": [r.name for r in plan.adopt], "stopped": [r.name for r, _ in plan.stop],
@@ -129,7 +130,8 @@ def adopt_engine(node: Node, e: Engine, rec: ChildRecord, spawned: bool) -> None
     e.ever_ready = True
     e.last_progress = e.last_check = now
     lifecycle.transition(node, e, State.READY, f"adopted: {rec.url}/health answered; exit status will be "
-                         + ("reported by the spawn server" if spawned else "unknown"))
+                         + ("reported by the spawn server" if spawned else "read from /proc if init has not "
+                            "reaped it yet"))
 
 
 def give_up(node: Node, why: str) -> None:

@@ -4,6 +4,7 @@ is a boot error: the node stops and says why instead of looping."""
 from __future__ import annotations
 
 from supervisor.core import daemons, engines, lifecycle, spawn
+from supervisor.core.actions import SweepLinks
 from supervisor.core.model import Child, Node
 from supervisor.core.states import RUNNING, State
 
@@ -12,6 +13,9 @@ def boot(node: Node) -> None:
     """While booting: start what is not running, stop on a boot error, then start the engines."""
     if node.phase != "booting" or node.stopping:
         return
+    if not node.links_swept:  # before any engine of ours starts; adopted ones keep theirs
+        node.links_swept = True
+        node.emit(SweepLinks(tuple(sorted(e.pid for e in node.engines.values() if e.pid))))
     for d in node.daemons:
         if d.state == State.STOPPED:  # (not re-adopted)
             daemons.start(node, d)

@@ -98,6 +98,10 @@ def pinged(node: Node, d: Daemon, ev: Pinged) -> None:
         return
     if d.state != State.READY:
         return
+    if ev.local:
+        log.warning("%s: status not asked (%s): the supervisor is out of file descriptors; not counted", d.name,
+                    ev.error)
+        return
     d.check_failures += 1
     log.warning("%s: no answer to status (%d/%d): %s", d.name, d.check_failures, PING_FAILURES, ev.error)
     if d.check_failures >= PING_FAILURES and d.pid:

@@ -119,7 +119,8 @@ def mismatched(node: Node, e: Engine, reason: str, failure: str) -> None:
 def ready(node: Node, e: Engine) -> None:
     """The canary passed: READY (a recovery if it replaces a failed engine), primary if none serves."""
     e.policy.record_success()
-    e.crash_loop = False
+    e.crash_loop = e.retrying_fatal = False
+    e.fatal_retries = 0
     e.ever_ready = True
     e.last_progress = e.last_check = node.now
     e.probe_served = e.served()
@@ -151,6 +152,10 @@ def health_checked(node: Node, e: Engine, ev: HealthChecked) -> None:
         return
     if ev.problem is None:
         e.check_failures = 0
+        return
+    if ev.local:  # the supervisor could not make the probe (out of descriptors): never the engine's failure
+        log.warning("%s: probe not made (%s): the supervisor is out of file descriptors; not counted", e.name,
+                    ev.problem)
         return
     e.check_failures += 1
     limit = node.settings.failover.probe_failures
@@ -185,4 +190,5 @@ def check_drain(node: Node, e: Engine) -> None:
     if e.state == State.DRAINING and e.pid and node.now - e.state_since > node.settings.failover.drain_timeout_s:
         log.warning("%s: still draining after %.0fs, SIGKILL", e.name, node.now - e.state_since)
         node.emit(Fence(e.name, e.pid))
+        e.drain_fenced = True
         e.state_since = node.now

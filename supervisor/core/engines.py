@@ -18,9 +18,17 @@ log = logging.getLogger("understudy")
 
 
 def start(node: Node, e: Engine) -> None:
-    """A new incarnation, as standby; launched at once or when the spawn server answers."""
+    """A new incarnation, as standby; launched at once or when the spawn server answers. From FATAL:
+    its slow retry (failover.fatal_retry_s), said in the log and as a ``fatal_retry`` event."""
     if node.stopping:
         return
+    e.retrying_fatal = e.state == State.FATAL
+    if e.retrying_fatal:
+        e.fatal_retries += 1
+        log.warning("%s: FATAL for %.0fs (%s); trying it again (slow retry %d)", e.name, node.now - e.state_since,
+                    e.reason, e.fatal_retries)
+        node.emit(Publish({"type": "fatal_retry", "engine": e.name, "attempt": e.fatal_retries, "reason": e.reason}))
+    e.drain_fenced = False
     e.last_heartbeat, e.heartbeat, e.engine_state = None, {}, ""
     e.weights_source, e.phases, e.startup_counted, e.unanswered = None, {}, False, 0
     e.kv_source, e.kv_writer = None, False
@@ -94,26 +102,50 @@ def exit_read(node: Node, e: Engine, ev: ExitRead) -> None:
     if not lifecycle.take_exit_status(node, e, ev, text):
         return
     if expected:
+        if crashed_while_stopping(node, e, ev):  # e.g. it died just before an admin promote drained it
+            e.policy.record_failure(node.now)
+            e.reason = e.last_exit = f"{text} while asked to drain: a crash, not the drain (counted as a failure)"
+            log.warning("%s: %s", e.name, e.reason)
         if e.restart_after_stop and not node.stopping and e.state == State.STOPPED:
             start(node, e)
         return
     if ev.returncode == BOOT_ERROR_EXIT and not node.settings.external \
             and not (node.epoch > 0 and last_standing(node, e)):
-        lifecycle.transition(node, e, State.FATAL, f"boot error ({text}): restarting will not help; {e.log_line}")
+        go_fatal(node, e, f"boot error ({text}): a configuration or checkpoint problem; {e.log_line}")
         check_all_fatal(node)
         return
     restart_later(node, e)
 
 
+def crashed_while_stopping(node: Node, e: Engine, ev: ExitRead) -> bool:
+    """A drain (exit 0) was asked for, and it exited otherwise, not by our SIGKILL after the drain
+    timeout or at shutdown. (External engines' SIGTERM statuses vary: not judged.)"""
+    return ev.returncode not in (0, None) and not e.drain_fenced and not node.stopping \
+        and not node.settings.external
+
+
 def restart_later(node: Node, e: Engine) -> None:
-    """Backoff restart; a slot that flaps goes FATAL, unless it is the last engine standing."""
+    """Backoff restart; a slot that flaps goes FATAL, unless it is the last engine standing; a slow
+    retry of a FATAL slot that fails is FATAL again at once (one try per fatal_retry_s)."""
     if node.stopping:
         return
-    if not lifecycle.schedule_restart(node, e, last_standing=last_standing(node, e)):
+    standing = last_standing(node, e)
+    if e.retrying_fatal and not standing:
+        e.policy.record_failure(node.now)
+        go_fatal(node, e, f"still failing at slow retry {e.fatal_retries} (last: {e.reason})")
+    elif not lifecycle.schedule_restart(node, e, last_standing=standing):
         n, w = len(e.policy.failures), node.settings.failover.flap_window_s
-        lifecycle.transition(node, e, State.FATAL, f"flapping: {n} failures within {w:g}s (last: {e.reason}); "
-                                                   f"`understudy restart {e.name}` resets it")
-        node.emit(Publish({"type": "fatal", "engine": e.name, "reason": e.reason}))
+        go_fatal(node, e, f"flapping: {n} failures within {w:g}s (last: {e.reason})")
+
+
+def go_fatal(node: Node, e: Engine, why: str) -> None:
+    """FATAL, tried once again after failover.fatal_retry_s (null: only an admin restart): a node
+    never runs without a standby silently, nor for good."""
+    wait = node.settings.failover.fatal_retry_s
+    e.retry_at = node.now + wait if wait is not None else None  # (before the transition: state.json shows it)
+    then = f"tried again in {wait:g}s" if wait is not None else "not tried again"
+    lifecycle.transition(node, e, State.FATAL, f"{why}; {then}, `understudy restart {e.name}` resets it now")
+    node.emit(Publish({"type": "fatal", "engine": e.name, "reason": e.reason, "retry_in_s": wait}))
 
 
 def last_standing(node: Node, e: Engine) -> bool:
@@ -145,6 +177,7 @@ def stop(node: Node, e: Engine, restart: bool = False) -> None:
             node.emit(Drain(e.name, e.incarnation, e.pid))
     elif restart and e.state == State.STOPPED:
         e.policy.reset()
+        e.fatal_retries = 0
         start(node, e)
 
 
@@ -153,6 +186,6 @@ def check_all_fatal(node: Node) -> None:
     = halt (a flapping slot stays FATAL in status instead, for an admin to reset)."""
     slots = node.engines.values()
     if node.epoch == 0 and all(s.state == State.FATAL and s.reason.startswith("boot error") for s in slots):
-        reasons = {s.reason.split("; ", 1)[-1] for s in slots}
+        reasons = {s.log_line or s.reason for s in slots}
         lifecycle.halt(node, f"no engine could start ({', '.join(node.engines)}, boot error exit code "
                              f"{BOOT_ERROR_EXIT}): {' | '.join(sorted(reasons))}")

@@ -78,11 +78,13 @@ class ReadyChecked:
 
 @dataclass(frozen=True)
 class HealthChecked:
-    """A health probe of the primary: ``problem`` is None when the canary matched."""
+    """A health probe of the primary: ``problem`` is None when the canary matched. ``local``: it failed
+    while the supervisor itself was out of descriptors (EMFILE): not the engine's failure."""
 
     name: str
     incarnation: int
     problem: str | None
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,12 +99,13 @@ class DaemonAnswered:
 
 @dataclass(frozen=True)
 class Pinged:
-    """A READY daemon's status request, or a starting spawn server's ping."""
+    """A READY daemon's status request, or a starting spawn server's ping (``local``: as HealthChecked)."""
 
     name: str
     incarnation: int
     ok: bool
     error: str = ""
+    local: bool = False
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: st
     """``engine`` serves from now on, under epoch + 1 (a failover unless ``reason`` is "boot"). On
     the shared KV pool it is first asked to take the pool (supervisor/core/kv_handover.py)."""
     if node.settings.shared_kv and not engine.kv_writer:
-        ask_to_promote(node, engine, reason, detected_at, old)
+        ask_to_promote(node, engine, reason, detected_at, old, detail)
         return
     node.epoch += 1
     for other in node.engines.values():
@@ -75,10 +75,11 @@ def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: st
     announce(node)
 
 
-def ask_to_promote(node: Node, engine: Engine, reason: str, detected_at: float, old: str) -> None:
+def ask_to_promote(node: Node, engine: Engine, reason: str, detected_at: float, old: str,
+                   detail: dict | None = None) -> None:
     """The round trip's first half: requests are held until ``engine`` says it took the pool."""
     node.promoting = Promotion(engine.name, engine.incarnation, reason, detected_at, old,
-                               node.now + PROMOTE_TIMEOUT_S)
+                               node.now + PROMOTE_TIMEOUT_S, dict(detail or {}))
     node.primary = None
     node.hold_reason = f"{engine.name} is taking the KV pool over ({reason})"
     node.dirty = True

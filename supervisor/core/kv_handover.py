@@ -49,7 +49,7 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     log.info("%s took the KV pool: %s keyed blocks adopted, %s quarantined (%.1f ms in the engine)", e.name,
              ev.fields.get("adopted_blocks"), ev.fields.get("quarantined_blocks"),
              1e3 * float(ev.fields.get("seconds") or 0))
-    promote(node, e, p.reason, p.detected_at, p.lost, {  # what the pool gave the new primary, and how fast
+    promote(node, e, p.reason, p.detected_at, p.lost, {**p.detail,  # what the pool gave it, and how fast
         "adopted_blocks": ev.fields.get("adopted_blocks"), "quarantined_blocks": ev.fields.get("quarantined_blocks"),
         "promotion_s": ev.fields.get("seconds")})
     if others_gone(node, e):
@@ -65,17 +65,24 @@ def switch_over(node: Node, old: Engine, successor: Engine) -> None:
     node.emit(Tell(old.name, old.incarnation, "demote"))
 
 
-def handed_over(node: Node, old: Engine) -> None:
+def handed_over(node: Node, old: Engine, crashed: bool = False) -> None:
     """The old primary parked (or is gone): what it still had in flight is retried or continued
-    on the successor, which is promoted now; the old one restarts as a standby."""
+    on the successor, which is promoted now; the old one restarts as a standby. ``crashed``: it
+    exited unasked before it answered (a crash just before or during the switchover): that is a
+    failover for its exit, from when it was seen exiting, and its exit path restarts it."""
     d, node.demoting = node.demoting, None
     node.lost_epoch = node.epoch
+    reason, since = ("exit", old.down_since or node.now) if crashed else ("promote", node.now)
     successor = node.engines[d.successor]
     if successor.state == State.READY and successor.pid:
-        promote(node, successor, "promote", node.now, old.name)
+        promote(node, successor, reason, since, old.name, {"during": "promote"} if crashed else None)
     else:
-        node.pending_failover = Failover("promote", node.now, old.name)
-    engines.stop(node, old, restart=True)
+        node.pending_failover = Failover(reason, since, old.name)
+    if crashed:
+        log.warning("%s exited before it answered `demote`: the switchover to %s is a failover (exit)", old.name,
+                    d.successor)
+    else:
+        engines.stop(node, old, restart=True)
 
 
 def check(node: Node) -> None:
@@ -90,7 +97,7 @@ def check(node: Node) -> None:
     if d is not None:
         old = node.engines[d.name]
         if old.incarnation != d.incarnation or old.pid is None:
-            handed_over(node, old)
+            handed_over(node, old, crashed=old.state in (State.EXITED, State.FAILED, State.BACKOFF, State.FATAL))
         elif node.now > d.deadline:
             log.warning("%s did not answer `demote` within %gs: fenced", old.name, DEMOTE_TIMEOUT_S)
             node.emit(Fence(old.name, old.pid))

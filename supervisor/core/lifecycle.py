@@ -12,8 +12,10 @@ from supervisor.core.events import ExitRead, Exited, Launched
 from supervisor.core.exitstatus import describe_returncode
 from supervisor.core.model import Child, Node, Shutdown
 from supervisor.core.states import RUNNING, State, check_transition
+from supervisor.lograte import KEEP
 
 log = logging.getLogger("understudy")
+NEVER_DROPPED = {KEEP: True}  # transitions are never rate-limited
 
 
 def transition(node: Node, child: Child, new: State, reason: str = "") -> None:
@@ -31,9 +33,9 @@ def transition(node: Node, child: Child, new: State, reason: str = "") -> None:
     role = getattr(child, "role", None)
     text = f"{child.name}{f' ({role.value})' if role else ''}: {old.value} -> {new.value}" + (f": {reason}" if reason else "")
     if child.kind == "spawn_server":
-        log.debug("%s", text)
+        log.debug("%s", text, extra=NEVER_DROPPED)
         return
-    log.info("%s", text)
+    log.info("%s", text, extra=NEVER_DROPPED)
     node.emit(Publish({"type": "transition", "engine": child.name, "from": old.value, "to": new.value,
                        "role": role.value if role else None, "epoch": node.epoch, "reason": reason,
                        "kind": child.kind}))
@@ -158,9 +160,9 @@ def schedule_restart(node: Node, child: Child, last_standing: bool = False) -> b
 
 
 def restart_due(node: Node, child: Child) -> bool:
-    """Its backoff is over: start it now."""
-    return child.state == State.BACKOFF and child.retry_at is not None and node.now >= child.retry_at \
-        and not node.stopping
+    """Its backoff is over (or a FATAL engine slot's slow retry is due): start it now."""
+    return child.state in (State.BACKOFF, State.FATAL) and child.retry_at is not None \
+        and node.now >= child.retry_at and not node.stopping
 
 
 def request_stop(node: Node, child: Child, restart: bool, asked: str = "drain requested") -> bool:

@@ -33,7 +33,7 @@ class Child:
     stop_requested: bool = False       # an exit now is expected (drain, stop, restart)
     restart_after_stop: bool = False   # ... and is followed by a fresh start
     exit_expected: bool = False        # the exit being read was asked for
-    retry_at: float | None = None      # a BACKOFF restart is due then
+    retry_at: float | None = None      # a BACKOFF restart (or a FATAL engine slot's slow retry) is due then
     crash_loop: bool = False           # flapping, yet retried: the last engine standing
     ever_ready: bool = False
     spawned: bool = False              # forked by the spawn server (it reports the exit status)
@@ -65,6 +65,9 @@ class Engine(Child):
     unanswered: int = 0                # canaries not answered yet in this start
     kv_source: str | None = None       # shared | own | own:<why no pool> (its startup summary)
     kv_writer: bool = False            # it holds the shared KV pool's writer role (it said `promoted`)
+    fatal_retries: int = 0             # slow retries of this FATAL slot since it was last READY
+    retrying_fatal: bool = False       # this incarnation is such a retry: failing again is FATAL again
+    drain_fenced: bool = False         # SIGKILLed after drain_timeout_s: a signal exit was ours
 
     def served(self) -> int:
         """Requests the engine reports as served (heartbeat), -1 when it reports none."""
@@ -128,6 +131,7 @@ class Promotion:
     detected_at: float
     lost: str                          # the engine it replaces ("" at boot)
     deadline: float
+    detail: dict[str, Any] = field(default_factory=dict)  # more for the failover event (e.g. during: promote)
 
 
 @dataclass
@@ -194,6 +198,7 @@ class Node:
     failovers: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     rollout: Rollout | None = None
     announced: bool = False            # "ready" said and READY=1 sent
+    links_swept: bool = False          # engine link sockets left by dead engines removed (boot)
     boot_started: float = 0.0
     watchdog: WatchdogGate = field(default_factory=lambda: WatchdogGate(float("inf"), 0.0))
     stuck: bool = False                # no READY primary and no progress: systemd's watchdog starves

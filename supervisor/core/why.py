@@ -23,7 +23,8 @@ def engine_why(slot: "Engine", now: float) -> str | None:
         wait = f", next try in {max(slot.retry_at - now, 0):.0f} s" if slot.retry_at is not None else ""
         return f"engine {slot.name}: {what}{wait}, last exit: {_exit_text(slot)}"
     if st == State.FATAL:
-        return f"engine {slot.name}: FATAL: {slot.reason}"
+        wait = f" (next try in {max(slot.retry_at - now, 0):.0f} s)" if slot.retry_at is not None else ""
+        return f"engine {slot.name}: FATAL{wait}: {slot.reason}"
     if st in STARTING_STATES:
         return f"engine {slot.name}: {st.value} for {now - slot.started_at:.0f} s (incarnation {slot.incarnation})"
     return f"engine {slot.name}: {st.value}" + (f": {slot.reason}" if slot.reason else "")

@@ -5,8 +5,10 @@ server's ping."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 from typing import Any
 
 from daemon import framing
@@ -29,6 +31,16 @@ def daemon_status(path: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, A
     return framing.request(path, {"op": "status"}, timeout_s)
 
 
+def out_of_descriptors() -> bool:
+    """Whether this process cannot open a file now (EMFILE/ENFILE): a probe that failed meanwhile
+    says nothing about its target (asked only after a failure)."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        return False
+    except OSError as e:
+        return e.errno in (errno.EMFILE, errno.ENFILE)
+
+
 class Checks:
     def __init__(self, cfg: UnderstudyConfig, model_name: str, http: Client, golden: GoldenStore, fingerprint: str,
                  spawn_client: SpawnClient) -> None:
@@ -40,10 +52,13 @@ class Checks:
         if a.what == "ready":
             return await self.ready(a)
         if a.what == "health":
-            res = await self._canary(a.target)
-            golden = self.golden.get(self.fingerprint)
-            return HealthChecked(a.name, a.incarnation,
-                                 res.error if not res.ok else (compare(golden, res) if golden else None))
+            try:
+                res = await self._canary(a.target)
+                golden = self.golden.get(self.fingerprint)
+            except OSError as e:
+                return HealthChecked(a.name, a.incarnation, f"{type(e).__name__}: {e}", out_of_descriptors())
+            problem = res.error if not res.ok else (compare(golden, res) if golden else None)
+            return HealthChecked(a.name, a.incarnation, problem, problem is not None and out_of_descriptors())
         if a.what == "status":
             try:
                 return DaemonAnswered(a.name, a.incarnation, await asyncio.to_thread(daemon_status, a.target))
@@ -56,7 +71,7 @@ class Checks:
             reply = await self.spawn_ping.call({"op": "ping"})
             return Pinged(a.name, a.incarnation, bool(reply.get("ok")), "" if reply.get("ok") else str(reply))
         except (OSError, ValueError, ImportError) as e:
-            return Pinged(a.name, a.incarnation, False, str(e))
+            return Pinged(a.name, a.incarnation, False, str(e), out_of_descriptors())
 
     async def ready(self, a: Probe) -> ReadyChecked:
         """HTTP up, then the canary must match the golden answer (recorded by the first to pass)."""

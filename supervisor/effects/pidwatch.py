@@ -58,6 +58,34 @@ def is_exiting(pid: int) -> bool:
     return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
 
 
+def foreign_exit(pid: int) -> tuple[bool, int | None]:
+    """(exited, returncode) of a process that is not our child (re-adopted, or forked by a spawn
+    server that was replaced since): its exit status is in /proc/<pid>/stat (field 52, as waitpid
+    reports it) while it is a zombie of its new parent (init, which reaps it soon: best effort);
+    (True, None) once it is reaped, (False, None) while it runs or tears down."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True, None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if fields[0] not in (b"Z", b"X"):
+        return False, None
+    try:
+        return True, os.waitstatus_to_exitcode(int(fields[49]))
+    except (IndexError, ValueError):
+        return True, None
+
+
+def is_our_child(pid: int) -> bool:
+    """Whether ``pid`` is a child of ours (waitpid would work), without reaping it."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        return True
+    except ChildProcessError:
+        return False
+
+
 def become_subreaper() -> bool:
     """Adopt orphaned descendants (engines whose spawn server died), so their exit codes stay ours."""
     try:

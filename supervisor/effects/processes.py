@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from daemon import framing
-from supervisor.effects.pidwatch import is_exiting, try_reap
+from supervisor.effects.pidwatch import foreign_exit, is_our_child, try_reap
 
 log = logging.getLogger("understudy.launch")
 
@@ -59,13 +59,6 @@ class PopenHandle:
         self.pid = self.popen.pid
         self.argv = argv
 
-    def running(self) -> bool:
-        return self.popen.poll() is None
-
-    def exit_status(self) -> int | None:
-        """The exit status if it has exited (negative = signal), else None."""
-        return self.popen.poll()
-
     async def returncode(self) -> int | None:
         """The exit status; waits out a teardown still in progress (a GPU process: ~100 ms+)."""
         deadline = time.monotonic() + EXIT_STATUS_WAIT_S
@@ -74,10 +67,15 @@ class PopenHandle:
             if rc is not None:
                 return rc
             await asyncio.sleep(0.01)
-        return None
+        return no_status(self.pid)
 
 
 EXIT_STATUS_WAIT_S = 10.0  # the exit may be seen early (PF_EXITING), before the kernel tore the process down
+
+
+def no_status(pid: int) -> None:
+    """The exit status did not come within EXIT_STATUS_WAIT_S: said (it held up whatever waited)."""
+    log.warning("pid %d: no exit status %gs after its exit was seen: exit status unknown", pid, EXIT_STATUS_WAIT_S)
 
 
 def python_argv(module: str, *args: str) -> list[str]:
@@ -135,37 +133,47 @@ class SpawnedHandle:
         self.client = client
 
     async def returncode(self) -> int | None:
-        """The exit status, from the spawn server (or our own waitpid once we adopted the orphan)."""
+        """The exit status, from the spawn server (or our own waitpid once we adopted the orphan). An
+        engine of a spawn server replaced since it was re-adopted is nobody's we can ask: read from
+        /proc while it is a zombie, else unknown, at once (a rollout never waits for it)."""
         deadline = time.monotonic() + EXIT_STATUS_WAIT_S
         while time.monotonic() < deadline:
+            claimed = False
             try:
                 reply = await self.client.call({"op": "wait", "pid": self.pid})
                 if reply.get("ok") and reply.get("returncode") is not None:
                     return int(reply["returncode"])
+                claimed = bool(reply.get("ok"))
             except (OSError, ValueError, ImportError):
-                pass  # spawn server gone: we adopted the orphan
+                pass  # spawn server gone: we adopted the orphan (or init did)
             rc = try_reap(self.pid)
             if rc is not None:
                 return rc
+            if not claimed and not is_our_child(self.pid):
+                exited, rc = foreign_exit(self.pid)
+                if exited:
+                    return rc
             await asyncio.sleep(0.02)
-        return None
+        return no_status(self.pid)
 
 
 class AdoptedHandle:
-    """A child re-adopted from a previous supervisor: watched by pidfd, but not our child, so its
-    exit status is unknown (waitpid works only for a parent; it was re-parented to init)."""
+    """A child re-adopted from a previous supervisor: watched by pidfd, but not our child (waitpid
+    works only for a parent; it was re-parented to init): its exit status is read from /proc while
+    it is a zombie, else unknown."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
 
-    def running(self) -> bool:
-        return not is_exiting(self.pid)
-
-    def exit_status(self) -> int | None:
-        return None
-
     async def returncode(self) -> int | None:
-        return None
+        """Once its teardown is over (a GPU process: ~100 ms after it began to exit)."""
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+        while time.monotonic() < deadline:
+            exited, rc = foreign_exit(self.pid)
+            if exited:
+                return rc
+            await asyncio.sleep(0.01)
+        return no_status(self.pid)
 
 
 def kill_group(pid: int, sig: int = signal.SIGKILL) -> bool:

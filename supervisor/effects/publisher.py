@@ -28,6 +28,8 @@ class Publisher:
             self.metrics.set_engine_state(ev["engine"], ev["to"], STATES)
         elif kind == "failover":
             self.metrics.failovers.labels(reason=ev["reason"]).inc()
+        elif kind == "fatal_retry":
+            self.metrics.fatal_retries.labels(engine=ev["engine"]).inc()
         elif kind == "recovered":
             self.metrics.recovery_seconds.observe(ev["seconds"])
         elif kind == "continuation" and isinstance(ev.get("recomputed"), int):

@@ -13,11 +13,11 @@ from typing import Any
 
 from supervisor.core.actions import (Action, Answer, Attach, AwaitGone, CheckAdoptable, Drain, Fence, Finish, Hold,
                                      Measure, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start, Stop, Survey,
-                                     Tell)
+                                     SweepLinks, Tell)
 from supervisor.core.events import (AdoptionChecked, DaemonAnswered, Event, ExitRead, GroupsGone, HealthChecked,
                                     LaunchFailed, Pinged, ReadyChecked, Surveyed)
 from supervisor.core.model import Node
-from supervisor.effects.checks import Checks
+from supervisor.effects.checks import Checks, out_of_descriptors
 from supervisor.effects.control import ControlChannel
 from supervisor.effects.launcher import Launcher
 from supervisor.effects.processes import kill_group
@@ -50,7 +50,7 @@ class Effects:
             Fence: lambda a: kill_group(a.pid), Stop: lambda a: kill_group(a.pid, a.sig),
             Promote: self._promote, Hold: self._hold, RouterFlags: self._flags, Tell: self._tell,
             Publish: self.publisher.publish, Measure: self.publisher.measure, Notify: self.publisher.notify,
-            Answer: self.answer, Attach: self.launcher.attach}
+            Answer: self.answer, Attach: self.launcher.attach, SweepLinks: self.reaper.sweep_links}
         self._slow: dict[type, Callable[[Any], Coroutine[Any, Any, Event | None]]] = {  # tasks: results as events
             Start: self.launcher.start, Probe: self.checks.probe, Reap: self.reaper.reap, Drain: self._drain,
             Survey: self.surveyor.survey, CheckAdoptable: self.surveyor.check, AwaitGone: self.surveyor.await_gone,
@@ -140,10 +140,11 @@ def failed(a: Action, error: str) -> Event | None:
     if isinstance(a, Reap):
         return ExitRead(a.name, a.incarnation, a.pid, None)
     if isinstance(a, Probe):
+        local = out_of_descriptors()  # (e.g. EMFILE reading the golden answer: not the child's failure)
         return {"ready": ReadyChecked(a.name, a.incarnation, listening=False),
-                "health": HealthChecked(a.name, a.incarnation, error),
+                "health": HealthChecked(a.name, a.incarnation, error, local),
                 "status": DaemonAnswered(a.name, a.incarnation, None, error)}.get(
-            a.what, Pinged(a.name, a.incarnation, False, error))
+            a.what, Pinged(a.name, a.incarnation, False, error, local))
     if isinstance(a, Survey):
         return Surveyed({}, error=error)
     if isinstance(a, CheckAdoptable):

@@ -1,0 +1,163 @@
+"""What ``serve`` checks before any child starts, which is all that ``serve --check`` runs: past the
+schema (config_load.py), what only this machine can tell: the device, the model folder and its
+config.json, the KV budget for this model, the runtime dir and token file, and every child's own
+config as it will be built. Each problem is a ConfigError naming its key (both exit 2: systemd
+never restarts a config that will not fix itself)."""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from supervisor.config import UnderstudyConfig
+from supervisor.config_load import ConfigError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What serve runs with: the model folder (None: the built-in preset, not made yet) and device."""
+
+    model_path: Path | None
+    device: str
+
+
+def check(cfg: UnderstudyConfig, source: str, make_model: bool) -> Plan:
+    """Every check; ``make_model``: make the built-in preset if missing (serve), else skip what needs
+    it (--check). Raises ConfigError: ``source: key: what``, one line per problem found."""
+    problems: list[str] = []
+    external = cfg.engines.kind == "external"
+    device = (cfg.device if cfg.device != "auto" else "external") if external else _device(cfg, problems)
+    if external:  # an external engine resolves its own model (a folder or a hub id), passed as {model}
+        model_path: Path | None = Path(cfg.model.path or cfg.model.name or "external")
+    else:
+        model_path = _model(cfg, make_model, problems)
+        if model_path is not None and not problems:
+            _model_fits(cfg, model_path, problems)
+    _runtime_dir(cfg.resolved_runtime_dir(), problems)
+    _token_file(cfg, problems)
+    if not problems:
+        _child_configs(cfg, model_path or Path("unmade-preset"), device, problems)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+    return Plan(model_path, device)
+
+
+def _device(cfg: UnderstudyConfig, problems: list[str]) -> str:
+    """``auto`` resolved; ``cuda`` without a GPU, or gpu_ids past the GPUs there are, is a problem."""
+    device = cfg.resolved_device()
+    if device != "cuda":
+        return device
+    try:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as e:  # noqa: BLE001 (a broken torch or driver: said, not a traceback)
+        problems.append(f"device: 'cuda', but torch cannot use CUDA here ({type(e).__name__}: {e})")
+        return device
+    if count == 0:
+        problems.append("device: 'cuda', but torch sees no GPU here (set device: cpu or auto)")
+        return device
+    bad = [g for g in cfg.resolved_gpu_ids() if not 0 <= g < count]
+    if bad:
+        problems.append(f"gpu_ids: expected ids below {count} (the GPUs torch sees), got {bad}")
+    return device
+
+
+def _model(cfg: UnderstudyConfig, make_model: bool, problems: list[str]) -> Path | None:
+    """The checkpoint folder, checked (ModelError messages name model.path)."""
+    from supervisor.model_prep import ModelError, existing_model, resolve_model
+    try:
+        return resolve_model(cfg) if make_model else existing_model(cfg)  # (None: serve makes it on first run)
+    except ModelError as e:
+        problems.append(str(e) if str(e).startswith("model.") else f"model.preset: {e}")
+        return None
+
+
+def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) -> None:
+    """config.json readable, the model buildable at tp_size, and the KV budget holding one sequence
+    of max_model_len (the engine's and the daemon's own checks, made before anything starts)."""
+    import torch
+    from engines.models import CheckpointError, UnknownArchError, build_model, read_model_args
+    try:
+        args = read_model_args(model_path)
+    except (CheckpointError, UnknownArchError, ValueError) as e:
+        problems.append(f"model.path: {e}")
+        return
+    m, e = cfg.model, cfg.engines
+    try:
+        model = build_model(args, tp_rank=0, tp_size=m.tp_size, dtype=getattr(torch, m.dtype), device="meta")
+    except (ValueError, AssertionError) as err:
+        problems.append(f"model.tp_size: {m.tp_size} does not fit {model_path.name}: {err}")
+        return
+    length = min(e.max_model_len, args.max_position_embeddings)
+    need = -(-length // e.kv_block_size)
+    if cfg.shares_kv():
+        from daemon.kv_pool import layout_for
+        try:
+            usable = len(layout_for(model, e.kv_cache_bytes, e.kv_block_size, m.dtype, e.count).shared_blocks)
+        except ValueError as err:
+            problems.append(f"engines.kv_cache_bytes: {err}")
+            return
+        what = "the shared pool"
+    else:
+        usable = e.kv_cache_bytes // model.kv_bytes_per_block(e.kv_block_size) - 1  # (block 0: padding rows)
+        what = "each engine's cache"
+    if usable < need:
+        capped = "" if length == e.max_model_len else ", capped at the model context"
+        problems.append(f"engines.kv_cache_bytes: {e.kv_cache_bytes} bytes give {what} {max(usable, 0)} blocks of "
+                        f"{e.kv_block_size} tokens; one sequence of {length} tokens (engines.max_model_len="
+                        f"{e.max_model_len}{capped}) needs {need} ({need * model.kv_bytes_per_block(e.kv_block_size)} "
+                        f"bytes per rank for {model_path.name}): raise kv_cache_bytes or lower max_model_len")
+
+
+def _runtime_dir(path: Path, problems: list[str]) -> None:
+    """What ensure_private_dir will refuse, found without creating anything."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = next((p for p in path.parents if p.exists()), Path("/"))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            problems.append(f"runtime_dir: {path} does not exist and {parent} is not writable by this user")
+        return
+    except OSError as e:
+        problems.append(f"runtime_dir: {path}: {e.strerror}")
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        problems.append(f"runtime_dir: {path} is not a directory (a symlink or file is in the way)")
+    elif st.st_uid != os.getuid():
+        problems.append(f"runtime_dir: {path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+    elif st.st_mode & 0o077:
+        problems.append(f"runtime_dir: {path} has mode {stat.S_IMODE(st.st_mode):04o}; expected 0700")
+
+
+def _token_file(cfg: UnderstudyConfig, problems: list[str]) -> None:
+    """An existing token file must be readable, ours alone and non-empty (a missing one is made)."""
+    from supervisor.admin.token import TokenError, read_token
+    path = cfg.resolved_token_file()
+    if not path.exists():
+        return
+    try:
+        read_token(path)
+    except TokenError as e:
+        problems.append(f"admin.token_file: {e}")
+
+
+def _child_configs(cfg: UnderstudyConfig, model_path: Path, device: str, problems: list[str]) -> None:
+    """Each engine's EngineConfig (or an external engine's command and URL) as serve will build it."""
+    from supervisor.effects.child_configs import ChildConfigs
+    configs = ChildConfigs(cfg, model_path, device, cfg.resolved_runtime_dir(), "ipc://check")
+    external = cfg.engines.kind == "external"
+    for name in cfg.engines.slot_names():
+        try:
+            if external:
+                configs.external_engine(name, 1)
+            else:
+                configs.engine(name, 0, 0)
+        except ValidationError as e:
+            for err in e.errors():
+                field = ".".join(str(p) for p in err["loc"])
+                problems.append(f"engines: engine {name!r} cannot be configured: {field}: {err['msg']}")
+        except (KeyError, ValueError, IndexError) as e:  # (a template field external.command names)
+            problems.append(f"engines{'.external' if external else ''}: engine {name!r}: {e}")
