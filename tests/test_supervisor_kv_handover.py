@@ -72,7 +72,9 @@ def test_a_planned_switchover_demotes_the_writer_first() -> None:
     assert in_order(got, ["tell a demote", "answer 200"]) and "hold" in got and "promote b epoch 2" not in got
     got = p.play(("said", "a", "demoted", {"handed_off": 7}))
     assert in_order(got, ["tell b promote", "drain a"])
+    assert p.node.engines["a"].heartbeat["kv_mode"] == "parked"  # status says so before a's next heartbeat
     got = p.play(PROMOTED)
+    assert p.node.engines["b"].heartbeat["kv_mode"] == "writer"
     assert in_order(got, ["promote b epoch 2"]) and p.state("b") == "READY primary"
     assert p.published("failover")[-1]["reason"] == "promote"
 
