@@ -38,11 +38,7 @@ check() {
 ab() {
   config det 8000 true 17179869184
   config default 8100 false 17179869184
-  for n in det default; do python3 -m supervisor.cli serve -c /tmp/$n.yaml > "$OUT/serve_$n.log" 2>&1 & eval "pid_$n=$!"; done
-  for n in det default; do
-    wait_ready "http://127.0.0.1:$([ $n = det ] && echo 8000 || echo 8100)" && all_ready /tmp/$n.yaml \
-      || { tail -30 "$OUT/serve_$n.log"; kill -9 $pid_det $pid_default; exit 1; }
-  done
+  serve_pair det default
   curl -s http://127.0.0.1:8000/v1/models > "$OUT/models_det.json"; curl -s http://127.0.0.1:8100/v1/models > "$OUT/models_default.json"
   POINTS=${POINTS:-chat:32 nano:256 chat:1} RUNS=${RUNS:-2} DURATION=${DURATION:-10} load_in_turn default det \
     | tee "$OUT/ab.txt"

@@ -36,6 +36,15 @@ start_serve() {  # start_serve CONFIG LOG: `understudy serve` in the background 
   wait_ready http://127.0.0.1:8000 && all_ready "$1" || { tail -40 "$2"; kill -9 $sup; exit 1; }
 }
 
+serve_pair() {  # serve_pair A B: `understudy serve` of /tmp/A.yaml (router 8000) and /tmp/B.yaml (8100) at once,
+  # in the background ($pid_A, $pid_B) until both are READY
+  for n in "$1" "$2"; do python3 -m supervisor.cli serve -c /tmp/$n.yaml > "$OUT/serve_$n.log" 2>&1 & eval "pid_$n=$!"; done
+  for n in "$1" "$2"; do
+    wait_ready "http://127.0.0.1:$([ $n = "$1" ] && echo 8000 || echo 8100)" && all_ready /tmp/$n.yaml \
+      || { tail -30 "$OUT/serve_$n.log"; eval "kill -9 \$pid_$1 \$pid_$2"; exit 1; }
+  done
+}
+
 load_in_turn() {  # load_in_turn A B: bench serve on /tmp/A.yaml and /tmp/B.yaml in turn (A first on odd runs,
   # B first on even ones: ABBA), for each workload:clients of $POINTS, $RUNS times; rows in $OUT/ab_rows.txt,
   # then the medians per workload and node

@@ -20,11 +20,7 @@ config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own p
 ab() {
   config shared 8000 true 34359738368
   config own 8100 false 17179869184
-  for n in shared own; do python3 -m supervisor.cli serve -c /tmp/$n.yaml > "$OUT/serve_$n.log" 2>&1 & eval "pid_$n=$!"; done
-  for n in shared own; do
-    wait_ready "http://127.0.0.1:$([ $n = shared ] && echo 8000 || echo 8100)" && all_ready /tmp/$n.yaml \
-      || { tail -30 "$OUT/serve_$n.log"; kill -9 $pid_shared $pid_own; exit 1; }
-  done
+  serve_pair shared own
   for n in shared own; do echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml; done > "$OUT/memory.txt" 2>&1
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
   POINTS=${POINTS:-chat:32 nano:256} RUNS=${RUNS:-2} load_in_turn own shared

@@ -236,27 +236,33 @@ async def on_socket(app) -> AsyncIterator[str]:  # noqa: ANN001
         await serving
 
 
-def test_a_cut_stream_ends_with_its_error_event_and_a_cut_connection_without_a_traceback(engines, capfd):
-    """Issue 23: a streaming request quarantined after tokens went out: its client gets the error
-    event, then the connection is cut (no end of the chunked body, so it cannot pass for a whole
-    answer); the listener logs no ASGI traceback (only the router's one warning)."""
+def stream_until_cut(engines, body: dict, **router_options) -> tuple[list[str], str | None]:  # noqa: ANN001
+    """One streaming completion through a router on our listener: its lines, and how the connection
+    broke (None if it ended whole)."""
     async def go() -> tuple[list[str], str | None]:
         table = RoutingTable()
-        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10)
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
+                           **router_options)
         watcher = asyncio.ensure_future(follow(table, engines))
         lines, error = [], None
         async with on_socket(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
             try:
                 async with c.stream("POST", "/v1/completions", json={
-                        "model": "m", "prompt": "p", "max_tokens": 5, "stream": True,
-                        "die_after": {"u1": 1, "u2": 0}}) as r:
+                        "model": "m", "prompt": "p", "max_tokens": 5, "stream": True, **body}) as r:
                     async for line in r.aiter_lines():
                         lines.append(line)
             except httpx.RemoteProtocolError as e:
                 error = str(e)
         watcher.cancel()
         return lines, error
-    lines, error = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_cut_stream_ends_with_its_error_event_and_a_cut_connection_without_a_traceback(engines, capfd):
+    """Issue 23: a streaming request quarantined after tokens went out: its client gets the error
+    event, then the connection is cut (no end of the chunked body, so it cannot pass for a whole
+    answer); the listener logs no ASGI traceback (only the router's one warning)."""
+    lines, error = stream_until_cut(engines, {"die_after": {"u1": 1, "u2": 0}})
     data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
     assert data[0]["choices"][0]["text"] == "t0 " and "quarantined" in data[-1]["error"]["message"], data
     assert error is not None and "incomplete chunked read" in error, error
@@ -268,23 +274,7 @@ def test_a_cut_stream_ends_with_its_error_event_and_a_cut_connection_without_a_t
 def test_with_migration_off_a_cut_stream_says_continuation_is_off(engines, capfd):
     """Issue 23: a pass-through stream cut by its engine's death says why it was not continued:
     router.migration.enabled is false (not "only n=1 requests can", which it is)."""
-    async def go() -> tuple[list[str], str | None]:
-        table = RoutingTable()
-        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
-                           migration=MigrationSection(enabled=False))
-        watcher = asyncio.ensure_future(follow(table, engines))
-        lines, error = [], None
-        async with on_socket(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
-            try:
-                async with c.stream("POST", "/v1/completions", json={
-                        "model": "m", "prompt": "p", "max_tokens": 5, "stream": True, "die_after": {"u1": 2}}) as r:
-                    async for line in r.aiter_lines():
-                        lines.append(line)
-            except httpx.RemoteProtocolError as e:
-                error = str(e)
-        watcher.cancel()
-        return lines, error
-    lines, error = asyncio.run(go())
+    lines, error = stream_until_cut(engines, {"die_after": {"u1": 2}}, migration=MigrationSection(enabled=False))
     last = json.loads([ln for ln in lines if ln.startswith("data: ")][-1][6:])
     assert "router.migration.enabled is false" in last["error"]["message"], last
     assert error is not None and "Traceback" not in capfd.readouterr().err
