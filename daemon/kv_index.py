@@ -96,6 +96,7 @@ class Adoption:
     gens: np.ndarray  # the generation of every shared block, from layout.shared_start on
     next_stamp: int
     reset_reason: str | None = None  # why the index was distrusted and emptied, if it was
+    waited_s: float = 0.0  # how long the claim waited for the previous writer to stop running
 
 
 def _repeated_keys(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -170,12 +171,14 @@ class BlockIndex:
         reason = self.problem(layout, fingerprint)
         epoch = int(h["writer_epoch"]) + 1 if reason is None else 1
         pid, started = int(h["writer_pid"]), int(h["writer_start"])
-        deadline = time.monotonic() + wait_s
+        began = time.monotonic()
+        deadline = began + wait_s
         while pid != self._pid and runs_user_code(pid, started):
             if time.monotonic() >= deadline:
                 raise PreviousWriterAlive(f"the pool's writer (pid {pid}, epoch {int(h['writer_epoch'])}) still "
                                           f"runs: it must be fenced before epoch {epoch} takes over")
             time.sleep(0.001)
+        waited = time.monotonic() - began
         adoption = None
         if reason is None:
             try:
@@ -189,6 +192,7 @@ class BlockIndex:
         h["writer_pid"], h["writer_start"] = self._pid, start_ticks(self._pid) or 0
         h["writer_epoch"] = epoch
         self.epoch = epoch
+        adoption.waited_s = waited
         return adoption
 
     def release(self) -> None:

@@ -235,8 +235,9 @@ class LLMEngine:
             log.error("promotion refused: %s", e)
             return "promote_failed", {"error": str(e)}
         log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined (%.1f ms, "
-                 "the claim %.1f)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
-                 report["quarantined_blocks"], report["seconds"] * 1e3, report["claim_seconds"] * 1e3)
+                 "the claim %.1f, of which waiting for the previous writer %.1f)", report["pool_epoch"],
+                 report["adopted_blocks"], report["free_blocks"], report["quarantined_blocks"], report["seconds"] * 1e3,
+                 report["claim_seconds"] * 1e3, report["claim_wait_seconds"] * 1e3)
         return "promoted", {"kv_mode": "writer", **report}
 
     def demote(self) -> dict:

@@ -80,7 +80,8 @@ class SharedPool:
         blocks.become_writer(adoption, index, Publisher(index, blocks.gens, device))
         return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
                 "quarantined_blocks": len(adoption.quarantined), "index_reset": adoption.reset_reason,
-                "claim_seconds": claimed - t0, "seconds": time.perf_counter() - t0}
+                "claim_seconds": claimed - t0, "claim_wait_seconds": adoption.waited_s,
+                "seconds": time.perf_counter() - t0}
 
     def demote(self, blocks: BlockManager) -> None:
         """Give the writer role up (every step completed, every shared block released)."""
