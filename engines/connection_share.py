@@ -53,8 +53,10 @@ class Occupancy:
         victim = None
         if self.fair and self._unauth.get(peer, 0) >= self.peer_cap:
             victim = self._first_idle(peer)
-        elif self.total >= self.cap and self.fair:
-            victim = self._first_idle(max(self._idle, key=lambda p: self._unauth.get(p, 0))) if self._idle else None
+        elif self.total >= self.cap and self.fair and self._idle:
+            biggest = max(self._idle, key=self.held)  # (of the peers with an idle connection)
+            if self.held(biggest) > self.held(peer):  # never a smaller (or equal) peer's for a bigger one's
+                victim = self._first_idle(biggest)
         if self.pressed(peer) and victim is None:
             return False, None
         if victim is not None:

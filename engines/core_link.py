@@ -32,6 +32,7 @@ import zmq
 
 from daemon.runtime_dir import ensure_private_dir
 
+from .link_sockets import socket_paths
 from .sampling import SamplingParams
 from .sequence import Output
 
@@ -47,27 +48,6 @@ def _private_files():
         yield
     finally:
         os.umask(old)
-
-
-def socket_paths(runtime_dir: str | os.PathLike, pid: int) -> tuple[Path, Path]:
-    """The files of engine `pid`'s two link sockets (front end -> core, core -> front end): what is
-    left to remove after the engine was killed before its front end connected."""
-    base = Path(runtime_dir) / f"eng-{pid}"
-    return Path(f"{base}-in.sock"), Path(f"{base}-out.sock")
-
-
-def remove_sockets(runtime_dir: str | os.PathLike, pid: int) -> list[Path]:
-    """Remove engine `pid`'s link socket files if they are there; returns those removed. Call it
-    once the engine has exited, before its pid can name a new engine (a child: right after reaping
-    it, before starting another)."""
-    removed = []
-    for path in socket_paths(runtime_dir, pid):
-        try:
-            path.unlink()
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 def endpoints(runtime_dir: str) -> tuple[str, str]:

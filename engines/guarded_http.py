@@ -110,15 +110,22 @@ def _bytes_waiting(transport: asyncio.BaseTransport) -> bool:
 
 
 def peer_of(transport: asyncio.BaseTransport) -> str:
-    """The client address a connection counts against (IPv6: its /64, which one host may hold whole)."""
+    """The client address a connection counts against (IPv6: its /64, which one host may hold whole;
+    an IPv4 client of a dual-stack listener, ::ffff:a.b.c.d, is a.b.c.d)."""
     name = transport.get_extra_info("peername")
-    host = name[0] if isinstance(name, tuple) and name else ""
-    if ":" in host:
-        try:
-            return str(ipaddress.IPv6Network(f"{host.split('%')[0]}/64", strict=False).network_address)
-        except ValueError:
-            return host
-    return host
+    return peer_of_address(name[0] if isinstance(name, tuple) and name else "")
+
+
+def peer_of_address(host: str) -> str:
+    if ":" not in host:
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.split("%")[0])
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network(f"{ip}/64", strict=False).network_address)
 
 
 def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate | None = None) -> type[HttpToolsProtocol]:

@@ -28,7 +28,8 @@ from .forked import fork_into
 from .loopback import free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
-from .core_link import CoreLink, endpoints, remove_sockets
+from .core_link import CoreLink, endpoints
+from .link_sockets import remove_sockets
 from .frontend import run_frontend
 from .startup import StartupTimer
 from .teardown import TEARDOWN_BUDGET_S, exit_deadline, leave_group

@@ -27,7 +27,7 @@ from daemon.framing import FrameError, PeerClosed, peer_uid, recv_frame, send_fr
 from . import main as _engine_main  # noqa: F401  (the whole engine stack, imported once)
 from .__main__ import run as run_engine
 from .config import EngineConfig
-from .core_link import remove_sockets
+from .link_sockets import remove_sockets
 from .forked import fork_into
 
 log = logging.getLogger("engines.spawn_server")

@@ -99,7 +99,7 @@ class EnginesSection(_Section):
     @classmethod
     def _slot_names(cls, v: list[str] | None) -> list[str] | None:
         for name in v or []:
-            if not re.match(ENGINE_NAME, name):
+            if not re.fullmatch(ENGINE_NAME, name):
                 raise ValueError("expected names of 1-32 letters, digits, '_', '.' or '-' (a name is part of the "
                                  f"engine's file names and log lines), got {name[:40]!r}" + ("..." * (len(name) > 40)))
         return v

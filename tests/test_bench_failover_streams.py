@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.bench.failover_streams import add_args, quiet_moments, summarize
+from harness.bench.failover_streams import add_args, summarize
 from harness.load.jobs import Gaps, ProcessReport
 from harness.load.result import RequestResult
 from harness.stats import bench_summary
@@ -47,6 +47,11 @@ def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_ap
     assert out["client_cpu_share_max"] == 0.1 and out["client_procs"] == 1
 
 
-def test_quiet_moments_end_their_window_just_before_each_next_kill():
-    assert [round(t, 2) for t in quiet_moments([10.0, 13.0, 14.5], 1.0)] == [11.99, 13.49]
-    assert quiet_moments([10.0, 10.5], 1.0) == []  # kills closer than the window: no quiet moment between them
+def test_a_quiet_moments_gap_ends_by_its_kill():
+    """The quiet window from the node whole (10.0) to the kill (11.2): the stall that begins in it
+    and ends after the kill is the kill's, not the quiet moment's."""
+    r = stream(9.5, [9.6, 10.2, 10.5, 11.15, 11.9, 12.0])
+    assert abs(r.gap_across(10.0, 1.0, until=11.2) - 0.65) < 1e-9
+    assert abs(r.gap_across(11.2) - 0.75) < 1e-9  # across the kill: 11.15 -> 11.9
+    g = Gaps.of(r, [11.2, 10.0], 1.0, [None, 11.2])
+    assert [round(a, 2) for a in g.across] == [0.75, 0.65]

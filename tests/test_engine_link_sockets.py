@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from engines.config import EngineConfig
-from engines.core_link import remove_sockets, socket_paths
+from engines.link_sockets import remove_sockets, socket_paths
 from harness.engine_process import EngineProcess, wait_for_ready_line
 from engines.spawn_client import SpawnClient
 

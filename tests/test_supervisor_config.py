@@ -71,6 +71,7 @@ def test_slot_names_follow_the_engines_own_rule():
     from supervisor.config import ENGINE_NAME
     meta = EngineConfig.model_fields["name"].metadata
     assert [m.pattern for m in meta if getattr(m, "pattern", None)] == [ENGINE_NAME]
+    assert "expected names of 1-32 letters" in err('engines:\n  names: ["a\\n", b]\n')  # ('$' alone allows a newline)
 
 
 def test_unknown_key_lists_the_known_ones():

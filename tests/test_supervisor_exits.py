@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engines.core_link import socket_paths
+from engines.link_sockets import socket_paths
 from harness.node import Harness
 
 CONFIG = """

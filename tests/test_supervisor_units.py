@@ -44,6 +44,8 @@ def test_backoff_grows_to_its_cap_and_flapping_is_a_verdict_not_an_end():
     assert delays == [0.0, 0.5, 1.0, 2.0] and not p.flapping  # the first restarts at once
     assert p.record_failure(now=4.0) == 3.0 and p.flapping  # 5 failures within 60 s
     assert [p.record_failure(now=5.0 + i) for i in range(200)] == [3.0] * 200  # capped, forever
+    p.record_success()  # READY again, but it flaps: no restart at once (the last engine standing waits)
+    assert p.record_failure(now=206.0) == 0.5
     p.reset()
     assert p.record_failure(now=300.0) == 0.0 and not p.flapping
 
@@ -252,3 +254,12 @@ def test_readme_links_exist_in_the_clone():
     text = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(([^)#]+)\)", text) + re.findall(r"`([\w./-]+\.md)`", text):
         assert (ROOT / target).is_file(), f"README.md links {target}, which a clone does not have"
+
+
+def test_the_supervisor_core_imports_no_torch():
+    """torch costs seconds to import (3-5 s on the H200 host) and 200 MB: a restarted supervisor must
+    not pay it before its router serves again (only serve's preflight checks of a model import it)."""
+    import subprocess
+    import sys
+    code = "import sys, supervisor.arbiter, supervisor.effects.reaper; print(sorted(m for m in ('torch',) if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"

@@ -12,6 +12,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -19,6 +20,7 @@ import yaml
 from harness.bench.private_node import bench_config, say
 from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
 from harness.load.processes import ClientProcesses, split
+from harness.load.result import GAP_WINDOW_S
 from harness.stats import bench_summary, tail_text
 
 if TYPE_CHECKING:
@@ -39,48 +41,57 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             say(args, f"shared_kv={shared_kv}: {args.streams} streams from {len(load.jobs)} client processes; "
                       f"warm-up {args.warmup:g} s")
             time.sleep(args.warmup)
-            kills, failover_s, recovery_s, promotion_s = kill_primaries(args, h)
+            k = kill_primaries(args, h)
             time.sleep(args.settle)
             load.stop()
-            reports = load.collect(marks=kills + quiet_moments(kills, args.gap_window), within=args.gap_window)
+            reports = load.collect(marks=k.kills + k.whole, within=args.gap_window,
+                                   until=[None] * len(k.kills) + k.kills)  # (a quiet window ends by its kill)
         recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
-        return {**summarize(args, shared_kv, reports, kills, failover_s, recovery_s, recomputed),
-                "promotion_in_engine_ms": bench_summary([x * 1000 for x in promotion_s], 2)}
+        return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
+                "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2)}
     finally:
         h.stop()
         if args.out:  # the supervisor's and every engine's log, for what the figures do not say
             keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
 
 
-def quiet_moments(kills: list[float], within: float) -> list[float]:
-    """A moment before each kill after the first whose window (`within` s) ends just before it: the
-    node whole again and serving, no failover in the window (the baseline a kill's gap is read against)."""
-    return [t - within - 0.01 for prev, t in zip(kills, kills[1:]) if t - within - 0.01 > prev]
+@dataclass
+class Kills:
+    """What `kill_primaries` saw, per kill: when (time.monotonic, the client processes' clock), when
+    the node was whole before it (the start of a quiet moment), failover_seconds, the standby back,
+    the promotion inside the engine (shared KV only)."""
+
+    kills: list[float] = field(default_factory=list)
+    whole: list[float] = field(default_factory=list)
+    failover_s: list[float] = field(default_factory=list)
+    recovery_s: list[float] = field(default_factory=list)
+    promotion_s: list[float] = field(default_factory=list)
 
 
-def kill_primaries(args: argparse.Namespace, h: Harness) -> tuple[list[float], list[float], list[float], list[float]]:
-    """SIGKILL the primary `--runs` times, each once the node is whole again: the kill times
-    (time.monotonic, the client processes' clock), failover_seconds, the standby back, the promotion
-    inside the engine (shared KV)."""
-    kills, failover_s, recovery_s, promotion_s = [], [], [], []
+def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
+    """SIGKILL the primary `--runs` times, each once the node is whole again and has served for
+    `--settle` s, and at least `--gap-window` s (so that a quiet moment's window, from the node
+    whole to the kill, holds no failover: neither the standby's restart nor the next kill)."""
+    k = Kills()
+    settle = max(args.settle, args.gap_window + 0.1)
     for i in range(args.runs):
         h.wait_all_ready(args.boot_timeout)
-        time.sleep(args.settle)
+        k.whole.append(time.monotonic())
+        time.sleep(settle)
         old = h.primary()
         mark = len(h.events)
-        t_kill = time.monotonic()
+        k.kills.append(time.monotonic())
         os.killpg(old["pid"], signal.SIGKILL)
-        kills.append(t_kill)
         ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
-        failover_s.append(ev["seconds"])
+        k.failover_s.append(ev["seconds"])
         if ev.get("promotion_s") is not None:  # (shared KV: the new primary's own claim and adoption)
-            promotion_s.append(ev["promotion_s"])
+            k.promotion_s.append(ev["promotion_s"])
         rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
                            timeout_s=args.boot_timeout)
-        recovery_s.append(rec["seconds"])
+        k.recovery_s.append(rec["seconds"])
         say(args, f"  kill {i + 1}/{args.runs}: failover {ev['seconds'] * 1e3:.1f} ms, standby back in "
                   f"{rec['seconds']:.2f} s")
-    return kills, failover_s, recovery_s, promotion_s
+    return k
 
 
 def keep_logs(workdir: Path, dest: Path) -> None:
@@ -103,8 +114,8 @@ def stream_jobs(args: argparse.Namespace, url: str, model: str, vocab: int) -> l
 
 def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessReport], kills: list[float],
               failover_s: list[float], recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
-    """Per kill, the gap every stream in flight saw across it; the same gap at quiet moments (no kill in
-    its window); the other streams' longest gaps (those not within `--window` of a kill); the failures;
+    """Per kill, the gap every stream in flight saw across it; the same gap at quiet moments (the
+    window from the node whole before each kill, its gaps ended by the kill); the other streams' longest gaps (those not within `--window` of a kill); the failures;
     the client processes' CPU."""
     gaps: list[Gaps] = [g for r in reports for g in r.gaps]
     across_kill = [[a for g in gaps if (a := g.across[k]) is not None] for k in range(len(kills))]
@@ -142,8 +153,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="100:1024", help="tokens generated per stream (N or LO:HI)")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the first kill")
     p.add_argument("--window", type=float, default=2.0, help="seconds around a kill that make a stream not 'other'")
-    p.add_argument("--gap-window", type=float, default=1.0,
-                   help="seconds after a kill (or a quiet moment) whose longest wait for tokens is a stream's gap")
+    p.add_argument("--gap-window", type=float, default=GAP_WINDOW_S,
+                   help="seconds after a kill (or a quiet moment) whose longest wait for tokens is a stream's gap "
+                        "(each kill waits at least this long after the node is whole)")
     p.add_argument("--compare", action="store_true", help="also run with engines.shared_kv: false, beside it")
     p.add_argument("--out", help="keep each node's supervisor and engine logs here (a .tgz per node)")
 

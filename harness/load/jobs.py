@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from .prompts import Lengths, token_prompts
 from .request import COMPLETIONS, Request
-from .result import RequestResult
+from .result import GAP_WINDOW_S, RequestResult
 
 
 class Bodies(BaseModel):
@@ -59,7 +59,8 @@ class Collect(BaseModel):
     the shared clock), each request reduced to its gaps across them (`within` seconds after each)."""
 
     marks: list[float] | None = None
-    within: float = 1.0
+    within: float = GAP_WINDOW_S
+    until: list[float | None] | None = None  # per mark: the gaps it counts end by then (None: no bound)
 
 
 class Gaps(BaseModel):
@@ -73,9 +74,11 @@ class Gaps(BaseModel):
     longest: float
 
     @classmethod
-    def of(cls, r: RequestResult, marks: list[float], within: float = 1.0) -> "Gaps":
+    def of(cls, r: RequestResult, marks: list[float], within: float = GAP_WINDOW_S,
+           until: list[float | None] | None = None) -> "Gaps":
+        bounds = until or [None] * len(marks)
         return cls(sent=r.sent, end=r.end or r.sent, error=r.error,
-                   across=[r.gap_across(t, within) for t in marks], longest=r.longest_gap())
+                   across=[r.gap_across(t, within, u) for t, u in zip(marks, bounds)], longest=r.longest_gap())
 
 
 class ProcessReport(BaseModel):

@@ -11,6 +11,7 @@ import sys
 from harness import ROOT
 
 from .jobs import Collect, Job, ProcessReport
+from .result import GAP_WINDOW_S
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -52,15 +53,16 @@ class ClientProcesses:
         for p in self.procs:
             self._tell(p, "stop")
 
-    def collect(self, marks: list[float] | None = None, within: float = 1.0) -> list[ProcessReport]:
+    def collect(self, marks: list[float] | None = None, within: float = GAP_WINDOW_S,
+                until: list[float | None] | None = None) -> list[ProcessReport]:
         """Each process's report once it has stopped: its results whole, or with `marks` each
-        request's gaps across them (within `within` seconds after each)."""
+        request's gaps across them (`RequestResult.gap_across`)."""
         for p in self.procs:
             if p.stdout.readline().strip() != "stopped":
                 raise RuntimeError(f"client process {p.pid} failed (exit {p.wait()})")
         reports = []
         for p in self.procs:
-            self._tell(p, Collect(marks=marks, within=within).model_dump_json())
+            self._tell(p, Collect(marks=marks, within=within, until=until).model_dump_json())
             line = p.stdout.readline()
             if p.wait(60) != 0 or not line:
                 raise RuntimeError(f"client process {p.pid} failed (exit {p.returncode})")

@@ -16,6 +16,9 @@ Failure = Literal["refused", "connect", "timeout", "broken", "http", "bad_body",
                   "cancelled"]
 
 
+GAP_WINDOW_S = 1.0  # seconds after a kill in which a stream's longest wait for tokens is its gap
+
+
 class Usage(BaseModel):
     """The server's token counts (the final `usage`)."""
 
@@ -80,15 +83,16 @@ class RequestResult(BaseModel):
         """The longest wait for tokens (from the send for the first)."""
         return longest_wait(self.sent, self.content_times)
 
-    def gap_across(self, t: float, within: float = 1.0) -> float | None:
+    def gap_across(self, t: float, within: float = GAP_WINDOW_S, until: float | None = None) -> float | None:
         """For a request in flight at `t` (a kill): its longest wait for tokens among the gaps that end
-        after `t` and begin before `t + within`. (Tokens already on their way at `t` arrive after it:
-        the gap that ends at the first of them is not the stall, which comes after them.) None if it
-        was not in flight then, or got no tokens after `t`."""
+        after `t` (and by `until`, if given: a quiet moment's window stops short of the next kill) and
+        begin before `t + within`. (Tokens already on their way at `t` arrive after it: the gap that
+        ends at the first of them is not the stall, which comes after them.) None if it was not in
+        flight then, or got no tokens in that span."""
         if not self.sent < t < (self.end or self.sent):
             return None
         times = [self.sent, *self.content_times]
-        waits = [b - a for a, b in zip(times, times[1:]) if b > t and a < t + within]
+        waits = [b - a for a, b in zip(times, times[1:]) if b > t and a < t + within and (until is None or b <= until)]
         return max(waits) if waits else None
 
 

@@ -23,16 +23,16 @@ class RestartPolicy:
 
     def record_failure(self, now: float | None = None) -> float:
         """Count a failure; the delay before the next start: none for the first since the slot was
-        READY (a one-off crash costs no wait: its standby is back the sooner), then base x 2^(n-2)
-        for the n-th in a row, at most ``max_s`` (as kubelet restarts a crashed container)."""
+        READY, at boot or since a reset (a one-off crash costs no wait: its standby is back the
+        sooner), unless the slot flaps; then base x 2^(n-2) for the n-th in a row, at most ``max_s``."""
         now = time.monotonic() if now is None else now
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.window_s:
             self.failures.popleft()
         self.consecutive += 1
-        if self.consecutive == 1:
+        if self.consecutive == 1 and not self.flapping:  # (a slot that flaps waits even after a READY)
             return 0.0
-        return min(self.base_s * 2.0 ** min(self.consecutive - 2, MAX_DOUBLINGS), self.max_s)
+        return min(self.base_s * 2.0 ** min(max(self.consecutive - 2, 0), MAX_DOUBLINGS), self.max_s)
 
     @property
     def flapping(self) -> bool:

@@ -35,7 +35,7 @@ def said(node: Node, e: Engine, ev: Said) -> None:
         if d is not None and (d.name, d.incarnation) == (e.name, e.incarnation):
             log.info("%s demoted: %s requests handed off", e.name, ev.fields.get("handed_off"))
             e.kv_writer = False  # it gave the pool up (fenced or dead, it stays a writer until reaped)
-            e.heartbeat["kv_mode"] = "parked"  # (what its next heartbeat says: status need not wait for it)
+            e.heartbeat = {**e.heartbeat, "kv_mode": "parked"}  # (what its next heartbeat says: status need not wait)
             handed_over(node, e)
         return
     if p is None or (p.name, p.incarnation) != (e.name, e.incarnation):
@@ -46,7 +46,7 @@ def said(node: Node, e: Engine, ev: Said) -> None:
         return
     node.promoting = None
     e.kv_writer = True
-    e.heartbeat["kv_mode"] = ev.fields.get("kv_mode", "writer")  # (what its next heartbeat says)
+    e.heartbeat = {**e.heartbeat, "kv_mode": ev.fields.get("kv_mode", "writer")}  # (what its next heartbeat says)
     node.emit(Measure("promotion", e.name, dict(ev.fields)))
     log.info("%s took the KV pool: %s keyed blocks adopted, %s quarantined (%.1f ms in the engine)", e.name,
              ev.fields.get("adopted_blocks"), ev.fields.get("quarantined_blocks"),

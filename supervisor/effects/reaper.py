@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Coroutine
 from typing import Any
 
-from engines.core_link import remove_sockets
+from engines.link_sockets import LINK_SOCKET, remove_sockets
 from supervisor.core.actions import Reap, SweepLinks
 from supervisor.core.events import ExitRead
 from supervisor.effects.launcher import Launcher, log_path
@@ -22,7 +21,6 @@ from supervisor.effects.processes import group_alive, kill_group
 log = logging.getLogger("understudy")
 
 GROUP_GONE_WAIT_S = 10.0
-LINK = re.compile(r"eng-(\d+)-(?:in|out)\.sock")  # engines/core_link.py socket_paths
 
 
 class Reaper:
@@ -61,7 +59,7 @@ class Reaper:
         """Every engine link socket in the runtime dir but those of live adopted engines."""
         keep = set(a.keep)
         for path in self.launcher.rd.glob("eng-*-*.sock"):
-            m = LINK.fullmatch(path.name)
+            m = LINK_SOCKET.fullmatch(path.name)
             if m is None or int(m.group(1)) in keep:
                 continue
             try:
