@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from engines.connection_share import Occupancy
-from engines.guarded_http import Gate, ListenerLimits, guarded_config
+from engines.guarded_http import Gate, ListenerLimits, guarded_config, peer_of_address
 from engines.loopback import QuietServer
 
 
@@ -59,6 +59,22 @@ def test_a_full_listener_closes_an_idle_connection_of_the_biggest_holder() -> No
     occ.busy("n2")
     assert occ.admit("n3", "newest") == (False, None)  # full, nothing idle: refused
     assert occ.total == 6
+
+
+def test_a_full_listener_never_closes_a_smaller_peers_connection_for_a_bigger_one() -> None:
+    occ = Occupancy(cap=6, peer_share=0.5)  # 3 per peer
+    for c, peer in (("p1", "p"), ("p2", "p"), ("s1", "s"), ("q1", "q"), ("q2", "q"), ("q3", "q")):
+        occ.admit(c, peer)
+    for c in ("p1", "p2", "q1", "q2", "q3"):
+        occ.busy(c)
+    assert occ.admit("p3", "p") == (False, None)  # s's only (idle) connection stays: p holds more
+    assert occ.admit("n1", "new") == (True, "s1")  # (s and a newcomer: s holds more, its idle one goes)
+
+
+def test_an_ipv4_client_of_a_dual_stack_listener_is_its_ipv4_address() -> None:
+    assert peer_of_address("::ffff:1.2.3.4") == "1.2.3.4" != peer_of_address("::ffff:9.9.9.9")
+    assert peer_of_address("2001:db8::1:2") == peer_of_address("2001:db8::ffff:1") == "2001:db8::"  # one /64
+    assert peer_of_address("fe80::1%eth0") == "fe80::" and peer_of_address("10.0.0.1") == "10.0.0.1"
 
 
 def test_authenticated_connections_leave_their_peers_share_and_are_never_closed() -> None:
