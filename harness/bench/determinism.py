@@ -3,7 +3,7 @@
 Starts its own supervisor (the given config or the embedded default, `engines.deterministic: true`
 unless `--default-mode`), answers each of `--prompts` prompts once alone, greedy and seeded at
 temperature 0.8 (the reference), then sends them again from `--clients` concurrent clients in a
-loop (harness/load.py) for `--duration` seconds with no fault, and again for as long while the
+loop (harness/load) for `--duration` seconds with no fault, and again for as long while the
 primary is SIGKILLed `--kills` times (its streams continued on the standby). It counts the replies
 identical to the reference, by phase and kind: the claim is 100%, reported as counts.
 """
