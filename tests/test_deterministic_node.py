@@ -29,4 +29,4 @@ def test_replies_are_the_solo_text_under_load_and_across_kills(tmp_path, tiny_mo
     for name, phase in res["phases"].items():
         assert phase["replies"] > 0 and phase["failed"] == 0, (name, phase)
         assert phase["identical"] == phase["replies"], (name, phase["mismatches"])
-    assert res["phases"]["kills"]["kills"] == 2
+    assert res["phases"]["kills"]["kills"] == 2 and res["phases"]["kills"]["continued"] > 0  # (streams did span the kills)

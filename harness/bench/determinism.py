@@ -58,7 +58,7 @@ def reference(url: str, model: str, bodies: list[dict], stream: bool) -> list[st
 def phase(h, model: str, bodies: list[dict], ref: list[str], args: argparse.Namespace, kills: int) -> dict[str, Any]:  # noqa: ANN001
     """Load for args.duration s (killing the primary `kills` times, evenly spaced); the counts."""
     from harness.load import Load
-    killed, gaps = 0, []
+    killed, gaps, mark = 0, [], len(h.events)
     with Load(h.router_url, model, threads=args.clients, bodies=bodies, stream=not args.no_stream) as load:
         start = time.monotonic()
         for i in range(kills):
@@ -82,7 +82,8 @@ def phase(h, model: str, bodies: list[dict], ref: list[str], args: argparse.Name
         elif len(mismatches) < 5:
             mismatches.append({"body": index, "kind": kind(bodies[index]), "want": ref[index][:120], "got": text[:120]})
     replies = sum(k["replies"] for k in by_kind.values())
-    return {"kills": killed, "replies": replies, "identical": sum(k["identical"] for k in by_kind.values()),
+    continued = sum(e["type"] == "continuation" for e in h.events[mark:])  # (the engines' own count)
+    return {"kills": killed, "continued": continued, "replies": replies, "identical": sum(k["identical"] for k in by_kind.values()),
             "by_kind": by_kind, "failed": len(load.failures), "failures": [str(f[2]) for f in load.failures[:5]],
             "mismatches": mismatches, "kill_to_new_primary_s": bench_summary(gaps)}
 
@@ -119,8 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             say(args, f"{name}: {args.clients} clients for {args.duration:.0f} s" + (f", {kills} kills" if kills else ""))
             res = out["phases"][name] = phase(h, model, bodies, ref, args, kills)
-            say(args, f"{name}: {res['identical']} of {res['replies']} replies identical to the solo run, "
-                      f"{res['failed']} failed")
+            say(args, f"{name}: {res['identical']} of {res['replies']} replies identical to the solo run "
+                      f"(the engines continued {res['continued']} streams), {res['failed']} failed")
         return out
     finally:
         h.stop()
