@@ -38,10 +38,16 @@ PAD_BLOCK = 0
 Mode = Literal["own", "parked", "writer"]
 
 
+ROOT = bytes(16)  # the `prev` of a sequence's first block
+# A deterministic engine's chains start elsewhere: its KV is computed by other kernels (other bits),
+# so it never takes a block a default-mode engine left in the pool, nor gives it one.
+DETERMINISTIC_ROOT = hashlib.blake2b(b"understudy: batch-invariant kernels", digest_size=16).digest()
+
+
 def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
     """The 128-bit key of a full block: its tokens and, through `prev`, everything before them.
     Stable across processes (not Python's `hash`): another engine computes the same key."""
-    h = hashlib.blake2b(prev or bytes(16), digest_size=16)
+    h = hashlib.blake2b(prev or ROOT, digest_size=16)
     h.update(array("q", tokens).tobytes())
     return h.digest()
 
@@ -105,6 +111,7 @@ class BlockManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.on_continuation: Callable[[int, int], None] | None = None  # (reused, recomputed) tokens
+        self.root = ROOT  # (DETERMINISTIC_ROOT in a deterministic engine)
 
     # ---- capacity --------------------------------------------------------------------------
     @property
@@ -167,7 +174,7 @@ class BlockManager:
         prompt = seq.prompt_ids
         self.queried_tokens += len(prompt)
         if self.mode != "parked" and (self.prefix_caching or seq.replayed):
-            prev = None
+            prev = self.root
             for i in range((len(prompt) - 1) // self.block_size):
                 key = block_key(prev, prompt[i * self.block_size:(i + 1) * self.block_size])
                 lo, hi = halves(key)
@@ -224,7 +231,7 @@ class BlockManager:
         bs = self.block_size
         full = min(seq.num_computed, seq.num_tokens) // bs
         for i in range(len(seq.block_keys), full):
-            key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids(i * bs, (i + 1) * bs))
+            key = block_key(seq.block_keys[-1] if seq.block_keys else self.root, seq.token_ids(i * bs, (i + 1) * bs))
             seq.block_keys.append(key)
             block = seq.block_table[i]
             lo, hi = halves(key)

@@ -24,7 +24,7 @@ from daemon.kv_index import FencedError, PreviousWriterAlive
 
 from .control import ControlChannel
 from .inflight import InFlight
-from .block_manager import BlockManager
+from .block_manager import DETERMINISTIC_ROOT, ROOT, BlockManager
 from .runner import ModelRunner
 from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, ensure_seed
@@ -47,6 +47,7 @@ class LLMEngine:
         self.blocks = pool.block_manager(prefix_caching) if pool else BlockManager(
             runner.num_blocks, runner.block_size, prefix_caching)
         self.blocks.on_continuation = self._continued
+        self.blocks.root = DETERMINISTIC_ROOT if runner.deterministic else ROOT
         self.continuations = self.continuation_reused = self.continuation_recomputed = 0
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
         self.sampler = Sampler()

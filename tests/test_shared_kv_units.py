@@ -14,7 +14,7 @@ from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, Previ
                              index_bytes)
 from daemon.kv_layout import KVLayout, plan_layout
 from daemon.kv_pool import KVPool
-from engines.block_manager import BlockManager, block_key, chain_keys, halves, halves_of
+from engines.block_manager import DETERMINISTIC_ROOT, BlockManager, block_key, chain_keys, halves, halves_of
 from engines.kv_publish import Publisher
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence
@@ -274,3 +274,48 @@ def test_adopted_blocks_are_used_by_key_and_evicted_oldest_first(pool: KVPool, t
 
 def test_index_bytes_grow_with_the_pool() -> None:
     assert index_bytes(1000) - index_bytes(0) == 1000 * 48
+
+
+def test_a_continuation_takes_its_cached_head_then_adopted_blocks_up_to_the_first_missing(pool: KVPool,
+                                                                                           tok: Tokenizer) -> None:
+    ids = list(range(100, 121))  # 21 tokens: blocks 0-4 full (the last token is left to compute)
+    keys, prev = [], None
+    for i in range(5):
+        prev = block_key(prev, ids[4 * i:4 * i + 4])
+        keys.append(prev)
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    for block, i in ((10, 0), (11, 1), (12, 2), (14, 4)):  # block 3's key is missing: the chain is torn there
+        lo, hi = halves(keys[i])
+        a.owned(block, 1)
+        a.sealed(block, 1, lo, hi, stamp=i + 1)
+    bm, _ = writer(pool)
+    head = seq_of(tok, ids[:5])
+    bm.match_prefix(head)  # block 0 from the adopted ones...
+    assert head.block_table == [10]
+    bm.release(head)  # ... now the new writer's own cached block
+    s = seq_of(tok, ids, replayed=8)
+    bm.match_prefix(s)  # block 0 from its cache, 1-2 adopted, none past the missing block 3
+    assert s.block_table == [10, 11, 12] and s.block_keys == keys[:3] and s.num_cached == 12
+    assert [bm.refs[b] for b in (10, 11, 12)] == [1, 1, 1] and bm.adopted.count == 1  # block 14 stays adopted
+
+
+def test_a_deterministic_writer_takes_no_block_a_default_one_left(pool: KVPool, tok: Tokenizer) -> None:
+    """Its kernels give other bits: its key chains start at another root, so nothing matches."""
+    a, _ = writer(pool)
+    s = seq_of(tok, list(range(9)))
+    a.match_prefix(s)
+    a.grow(s, 9)
+    s.num_computed = 9
+    a.seal(s)
+    a.publisher.launched()
+    a.publisher.flush()
+    b, _ = writer(pool)
+    b.root = DETERMINISTIC_ROOT
+    again = seq_of(tok, list(range(9)))
+    b.match_prefix(again)
+    assert again.num_cached == 0 and b.adopted.count == 2  # (both of a's full blocks are in the pool, unused)
+    c, _ = writer(pool)
+    same = seq_of(tok, list(range(9)))
+    c.match_prefix(same)
+    assert same.num_cached == 8  # a default writer finds them
