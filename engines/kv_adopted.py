@@ -33,16 +33,16 @@ class AdoptedCache:
         return np.where(self.live[np.maximum(blocks, 0)], blocks, -1)
 
     def take(self, blocks: np.ndarray) -> None:
-        """Sequences matched ``blocks`` (live ones): they are no longer this cache's."""
+        """Sequences matched ``blocks``: they are no longer this cache's."""
+        self.count -= int(self.live[blocks].sum())
         self.live[blocks] = False
-        self.count -= len(blocks)
 
     def evict(self) -> int | None:
         """The oldest live block (its key is dropped by the caller), or None when none is left."""
         while self._cursor < len(self._by_age):
             block = int(self._by_age[self._cursor])
             self._cursor += 1
-            if self.live[block]:
+            if self.live[block]:  # (take, for one block: no array on the allocation path)
                 self.live[block] = False
                 self.count -= 1
                 return block

@@ -128,7 +128,7 @@ def _combine_kernel(part_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, stride_
 
 def num_splits(n: int, k: int, sm_count: int) -> tuple[int, int]:
     """(splits, columns per split) of the K range for a weight `[n, k]`: enough splits that one row
-    of tiles keeps `sm_count` SMs busy, at most MAX_SPLITS, each at least MIN_SPLIT_BLOCKS blocks.
+    of tiles keeps `sm_count` SMs busy, at most MAX_SPLITS, each at least MIN_SPLIT_BLOCKS blocks but the last.
     A function of the weight's shape and the device, never of the batch."""
     tiles = triton.cdiv(n, BLOCK_N)
     blocks = triton.cdiv(k, BLOCK_K)

@@ -9,14 +9,15 @@ gives other bits alone, in a batch of 17 or in a prefill chunk. Here:
   (one tile shape, splits of K at fixed positions); elsewhere torch on tiles of a fixed TILE rows
   (the rows padded with zeros), one call per tile, so the library always sees the same shape and a
   row is summed the same way wherever it sits;
-- `rms_norm`, `silu_mul`: the same fixed tiles;
+- `rms_norm` (the same fixed tiles) and `silu_mul` (elementwise), for probes and tests (the forward
+  folds both into `linear`);
 - `paged_attention`: on CUDA the paged Triton kernel with one query tile for decode and prefill and
   no split of the key range (engines/models/paged.py), on CPU `chunked_attention` below: every
   query row walks the keys from position 0 in fixed KEY_CHUNK chunks with an online softmax, on
   tiles of QUERY_TILE rows. A chunk past a row's last key is all masked and changes nothing (its
   probabilities are exactly 0, the rescale exactly 1), so a row gets the same bits in a decode step
   (its keys only) and in a prefill chunk (up to the chunk's last position);
-- `all_reduce`: two ranks add a + b, which is exact whatever the order (float addition commutes);
+- `all_reduce`: two ranks add a + b, which gives the same bits in either order (float addition commutes);
   with more ranks NCCL's and gloo's rings add in an order that depends on the tensor's size, so
   the partial results are gathered and added in rank order instead.
 Elementwise ops (residual adds, rotary, the embedding) are per element and already invariant.
