@@ -5,6 +5,7 @@ config as it will be built. Each problem is a ConfigError naming its key (both e
 never restarts a config that will not fix itself)."""
 from __future__ import annotations
 
+import glob
 import os
 import stat
 from dataclasses import dataclass
@@ -46,23 +47,35 @@ def check(cfg: UnderstudyConfig, source: str, make_model: bool) -> Plan:
 
 
 def _device(cfg: UnderstudyConfig, problems: list[str]) -> str:
-    """``auto`` resolved; ``cuda`` without a GPU, or gpu_ids past the GPUs there are, is a problem."""
+    """``auto`` resolved; ``cuda`` with no GPU, or gpu_ids past the GPUs there are, is a problem
+    (counted from the NVIDIA driver, without torch; where it cannot tell, the engines will)."""
     device = cfg.resolved_device()
     if device != "cuda":
         return device
-    try:
-        import torch
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as e:  # noqa: BLE001 (a broken torch or driver: said, not a traceback)
-        problems.append(f"device: 'cuda', but torch cannot use CUDA here ({type(e).__name__}: {e})")
-        return device
+    count = visible_gpus()
     if count == 0:
-        problems.append("device: 'cuda', but torch sees no GPU here (set device: cpu or auto)")
+        problems.append("device: 'cuda', but no GPU is visible here (no NVIDIA GPU, or CUDA_VISIBLE_DEVICES "
+                        "hides them all; set device: cpu or auto)")
         return device
-    bad = [g for g in cfg.resolved_gpu_ids() if not 0 <= g < count]
+    bad = [g for g in cfg.resolved_gpu_ids() if count is not None and not 0 <= g < count]
     if bad:
-        problems.append(f"gpu_ids: expected ids below {count} (the GPUs torch sees), got {bad}")
+        problems.append(f"gpu_ids: expected ids below {count} (the GPUs visible here), got {bad}")
     return device
+
+
+def visible_gpus() -> int | None:
+    """The GPUs CUDA would show this process: the NVIDIA driver's (/proc/driver/nvidia/gpus), as many
+    as CUDA_VISIBLE_DEVICES names if it is set; 0 with no NVIDIA device node either; None where
+    device nodes exist but the driver's list is not readable (a container may not show it)."""
+    try:
+        driver = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return None if glob.glob("/dev/nvidia[0-9]*") else 0
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if shown is None:
+        return driver
+    names = [x for x in shown.split(",") if x.strip()]
+    return min(driver, len(names))
 
 
 def _model(cfg: UnderstudyConfig, make_model: bool, problems: list[str]) -> Path | None:
@@ -76,39 +89,41 @@ def _model(cfg: UnderstudyConfig, make_model: bool, problems: list[str]) -> Path
 
 
 def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) -> None:
-    """config.json readable, the model buildable at tp_size, and the KV budget holding one sequence
-    of max_model_len (the engine's and the daemon's own checks, made before anything starts)."""
-    import torch
-    from engines.models import CheckpointError, UnknownArchError, build_model, read_model_args
+    """config.json readable, the model's shapes whole at tp_size, and the KV budget holding one
+    sequence of max_model_len (the engine's and the daemon's own checks, made before anything
+    starts, without torch: a restarted supervisor serves again the sooner)."""
+    from engines.models import CheckpointError, UnknownArchError, read_model_args
+    from engines.models.args import kv_bytes_per_block, tp_problem
     try:
         args = read_model_args(model_path)
     except (CheckpointError, UnknownArchError, ValueError) as e:
         problems.append(f"model.path: {e}")
         return
     m, e = cfg.model, cfg.engines
-    try:
-        model = build_model(args, tp_rank=0, tp_size=m.tp_size, dtype=getattr(torch, m.dtype), device="meta")
-    except (ValueError, AssertionError) as err:
-        problems.append(f"model.tp_size: {m.tp_size} does not fit {model_path.name}: {err}")
+    if (why := tp_problem(args, m.tp_size)) is not None:
+        problems.append(f"model.tp_size: {m.tp_size} does not fit {model_path.name}: {why}")
         return
     length = min(e.max_model_len, args.max_position_embeddings)
     need = -(-length // e.kv_block_size)
+    per_block = kv_bytes_per_block(args, m.tp_size, e.kv_block_size, m.dtype)
     if cfg.shares_kv():
-        from daemon.kv_pool import layout_for
+        from daemon.kv_layout import plan_layout
         try:
-            usable = len(layout_for(model, e.kv_cache_bytes, e.kv_block_size, m.dtype, e.count).shared_blocks)
+            usable = len(plan_layout(e.kv_cache_bytes, e.kv_block_size, args.num_hidden_layers,
+                                     args.num_key_value_heads // m.tp_size, args.head_dim, m.dtype,
+                                     e.count).shared_blocks)
         except ValueError as err:
             problems.append(f"engines.kv_cache_bytes: {err}")
             return
         what = "the shared pool"
     else:
-        usable = e.kv_cache_bytes // model.kv_bytes_per_block(e.kv_block_size) - 1  # (block 0: padding rows)
+        usable = e.kv_cache_bytes // per_block - 1  # (block 0: padding rows)
         what = "each engine's cache"
     if usable < need:
         capped = "" if length == e.max_model_len else ", capped at the model context"
         problems.append(f"engines.kv_cache_bytes: {e.kv_cache_bytes} bytes give {what} {max(usable, 0)} blocks of "
                         f"{e.kv_block_size} tokens; one sequence of {length} tokens (engines.max_model_len="
-                        f"{e.max_model_len}{capped}) needs {need} ({need * model.kv_bytes_per_block(e.kv_block_size)} "
+                        f"{e.max_model_len}{capped}) needs {need} ({need * per_block} "
                         f"bytes per rank for {model_path.name}): raise kv_cache_bytes or lower max_model_len")
 
 

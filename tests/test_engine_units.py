@@ -248,3 +248,24 @@ def test_a_continued_sequence_emits_what_the_uninterrupted_one_would_at_every_cu
             break
         after, reason = run(prompt + gen[:cut], cut, gen[cut:])
         assert before + after == whole, (cut, stop)
+
+
+def test_the_preflights_shape_arithmetic_agrees_with_building_the_model(tiny_model):
+    """supervisor/preflight.py checks TP shapes and KV bytes without torch (engines/models/args.py):
+    what it says must be what building the model says."""
+    import torch
+
+    from engines.models import build_model, read_model_args
+    from engines.models.args import kv_bytes_per_block, tp_problem
+    base = read_model_args(tiny_model)
+    for changes in ({}, {"num_key_value_heads": 1, "num_attention_heads": 4}, {"intermediate_size": 30},
+                    {"vocab_size": 511}):
+        args = base.model_copy(update=changes)
+        for tp in (1, 2, 3, 4):
+            try:
+                model = build_model(args, tp_size=tp, dtype=torch.bfloat16)
+            except ValueError:
+                assert tp_problem(args, tp) is not None, (changes, tp)
+                continue
+            assert tp_problem(args, tp) is None, (changes, tp)
+            assert kv_bytes_per_block(args, tp, 16, "bfloat16") == model.kv_bytes_per_block(16), (changes, tp)

@@ -110,3 +110,22 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "config"
         raise CheckpointError(f"{path}: {where}: {err['msg']}") from None
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def tp_problem(args: ModelArgs, tp_size: int) -> str | None:
+    """Why this model has no rank shapes at `tp_size` ranks (what building it would raise:
+    llama.py's KV heads, parallel.py's sharded dimensions), or None; no torch needed (the
+    supervisor's preflight)."""
+    for name in ("num_key_value_heads", "intermediate_size", "vocab_size"):  # (the heads follow the KV heads)
+        if getattr(args, name) % tp_size:
+            return f"{name} {getattr(args, name)} is not divisible by tp_size {tp_size}"
+    return None
+
+
+def kv_bytes_per_block(args: ModelArgs, tp_size: int, block_size: int, dtype: str) -> int:
+    """Bytes of one KV block on one rank (every layer's keys and values), as CausalLM.kv_bytes_per_block."""
+    return args.num_hidden_layers * 2 * (args.num_key_value_heads // tp_size) * block_size * args.head_dim \
+        * DTYPE_BYTES[dtype]
