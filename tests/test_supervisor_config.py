@@ -235,3 +235,26 @@ def test_deterministic_flows_from_the_config_to_every_engine(tmp_path):
     assert load_config(None).engines.deterministic is False
     child = ChildConfigs(cfg, tmp_path, "cpu", tmp_path).engine("a", 0, 0)
     assert child.deterministic is True and child.fused_kernels is True  # the runner turns fused decode off
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("num_key_value_heads", 0, "num_key_value_heads: expected an integer >= 1, got 0"),
+    ("quantization_config", "x", "quantization_config: expected a JSON object, got 'x'"),
+])
+def test_serve_check_names_config_json_and_the_key_of_a_broken_checkpoint(tmp_path, tiny_model, key, value, line):
+    """A hostile config.json: exit 2 from serve --check and serve, the line naming the file and
+    the key, no traceback."""
+    import json
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, key: value}))
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
+    for args in (("serve", "--check", "-c", str(cfg)), ("serve", "-c", str(cfg))):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert f"understudy: invalid config: {cfg}: model.path: {model}/config.json: {line}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "config OK" not in r.stdout
+    assert not (tmp_path / "rt" / "logs").exists(), "serve started something"
