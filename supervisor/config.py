@@ -129,6 +129,8 @@ class DaemonsSection(_Section):
 
 CUDA_HEARTBEAT_TIMEOUT_S = 1.0
 CPU_HEARTBEAT_TIMEOUT_S = 5.0
+HEARTBEAT_MARGIN = 2
+"""failover.heartbeat_timeout_s (as resolved for the device) must be at least this many engines.heartbeat_interval_s."""
 
 
 class FailoverSection(_Section):
@@ -280,7 +282,26 @@ class UnderstudyConfig(_Section):
             raise ValueError(f"admin.port: expected a port other than router.port, got {a.port}")
         if self.gpu_ids and len(self.gpu_ids) < self.model.tp_size:
             raise ValueError(f"gpu_ids: expected at least model.tp_size={self.model.tp_size} ids, got {self.gpu_ids}")
+        if self.failover.heartbeat_timeout_s is not None or self.device != "auto":  # (auto: preflight, which resolves it)
+            if problem := self.heartbeat_problem(self.device if self.device != "auto" else "cpu"):
+                raise ValueError(problem)
         return self
+
+    def heartbeat_problem(self, device: str) -> str | None:
+        """Why the heartbeat timeout resolved for ``device`` cannot work with the engines' heartbeat
+        interval (None: it can). A timeout under HEARTBEAT_MARGIN intervals would see a healthy engine,
+        one heartbeat late or early, as hung: every engine judged hung in turn, and no key named."""
+        if self.engines.kind != "builtin":  # (an external engine sends no heartbeats: probes judge it)
+            return None
+        f, interval = self.failover, self.engines.heartbeat_interval_s
+        timeout = f.heartbeat_timeout_for(device)
+        if timeout >= HEARTBEAT_MARGIN * interval:
+            return None
+        value = f"{timeout:g}" if f.heartbeat_timeout_s is not None else f"null (= {timeout:g} s on {device})"
+        return (f"failover.heartbeat_timeout_s: expected at least {HEARTBEAT_MARGIN} x engines.heartbeat_interval_s "
+                f"({HEARTBEAT_MARGIN} x {interval:g} = {HEARTBEAT_MARGIN * interval:g} s), got {value}: engines "
+                "heartbeating that seldom would all look hung; raise failover.heartbeat_timeout_s or lower "
+                "engines.heartbeat_interval_s")
 
     # ---- derived values (never stored back) ----
     def shares_kv(self) -> bool:

@@ -37,6 +37,8 @@ def check(cfg: UnderstudyConfig, source: str, make_model: bool) -> Plan:
         model_path = _model(cfg, make_model, problems)
         if model_path is not None and not problems:
             _model_fits(cfg, model_path, problems)
+    if problem := cfg.heartbeat_problem(device):  # (the schema checked it where the device was known without torch)
+        problems.append(problem)
     _runtime_dir(cfg.resolved_runtime_dir(), problems)
     _token_file(cfg, problems)
     if not problems:

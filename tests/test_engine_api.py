@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -275,7 +276,12 @@ def test_a_stream_whose_client_leaves_at_once_is_aborted(engine, model_name) -> 
 
 
 def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:
+    shutil.copytree(tiny_model, tmp_path / "bad-config")  # a hostile config.json: a boot error, not a crash loop
+    hf = json.loads((tmp_path / "bad-config" / "config.json").read_text())
+    (tmp_path / "bad-config" / "config.json").write_text(json.dumps({**hf, "num_key_value_heads": 0}))
     cases = {
+        "bad-config": ({"model_path": str(tmp_path / "bad-config")},
+                       "bad-config/config.json: num_key_value_heads: expected an integer >= 1, got 0"),
         "no-model": ({"model_path": str(tmp_path / "missing")}, "missing: checkpoint folder does not exist"),
         "tiny-kv": ({"kv_cache_bytes": 1 << 16}, "kv_cache_bytes=65536 cannot hold one sequence"),
         # under TP a worker rank may hit it first: still exit 3, not a SIGKILL of the group

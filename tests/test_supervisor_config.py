@@ -235,3 +235,78 @@ def test_deterministic_flows_from_the_config_to_every_engine(tmp_path):
     assert load_config(None).engines.deterministic is False
     child = ChildConfigs(cfg, tmp_path, "cpu", tmp_path).engine("a", 0, 0)
     assert child.deterministic is True and child.fused_kernels is True  # the runner turns fused decode off
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("num_key_value_heads", 0, "num_key_value_heads: expected an integer >= 1, got 0"),
+    ("quantization_config", "x", "quantization_config: expected a JSON object, got 'x'"),
+])
+def test_serve_check_names_config_json_and_the_key_of_a_broken_checkpoint(tmp_path, tiny_model, key, value, line):
+    """A hostile config.json: exit 2 from serve --check and serve, the line naming the file and
+    the key, no traceback."""
+    import json
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, key: value}))
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
+    for args in (("serve", "--check", "-c", str(cfg)), ("serve", "-c", str(cfg))):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert f"understudy: invalid config: {cfg}: model.path: {model}/config.json: {line}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "config OK" not in r.stdout
+    assert not (tmp_path / "rt" / "logs").exists(), "serve started something"
+
+
+HB = "failover.heartbeat_timeout_s: expected at least 2 x engines.heartbeat_interval_s"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("device: cuda\n", None),  # the defaults: 1 s against 0.5 s
+    ("device: cuda\nengines: {heartbeat_interval_s: 0.6}\n", f"{HB} (2 x 0.6 = 1.2 s), got null (= 1 s on cuda)"),
+    ("device: cpu\nengines: {heartbeat_interval_s: 2.5}\n", None),  # 5 s on CPU
+    ("device: cpu\nengines: {heartbeat_interval_s: 3}\n", f"{HB} (2 x 3 = 6 s), got null (= 5 s on cpu)"),
+    ("failover: {heartbeat_timeout_s: 0.9}\n", f"{HB} (2 x 0.5 = 1 s), got 0.9"),  # explicit: any device
+    ("failover: {heartbeat_timeout_s: 1}\n", None),
+    ("failover: {heartbeat_timeout_s: 0.2}\nengines: {heartbeat_interval_s: 0.1}\n", None),
+    ("device: cuda\nfailover: {heartbeat_timeout_s: 3}\nengines: {heartbeat_interval_s: 1.5}\n", None),
+    ("engines: {heartbeat_interval_s: 30}\n", None),  # auto and null: the device decides (preflight)
+    ("engines: {kind: external, heartbeat_interval_s: 30, external: {command: 'x {port}'}}\n"
+     "failover: {heartbeat_timeout_s: 1}\n", None),  # an external engine sends no heartbeats
+])
+def test_heartbeat_timeout_must_be_two_heartbeat_intervals(text, expected):
+    if expected is None:
+        parse_config(text, "config.yaml")
+    else:
+        assert err(text) == f"config.yaml: {expected}: engines heartbeating that seldom would all look hung; " \
+                            "raise failover.heartbeat_timeout_s or lower engines.heartbeat_interval_s"
+
+
+def test_heartbeat_check_on_the_resolved_device():
+    """device auto and a null timeout: checked against the device serve will use."""
+    cfg = parse_config("engines: {heartbeat_interval_s: 0.6}\n", "x.yaml")
+    assert cfg.heartbeat_problem("cpu") is None
+    assert cfg.heartbeat_problem("cuda").startswith(f"{HB} (2 x 0.6 = 1.2 s), got null (= 1 s on cuda)")
+
+
+def test_serve_check_refuses_a_heartbeat_timeout_under_two_intervals(tmp_path, tiny_model):
+    """Through preflight (device auto, resolved here; null timeout) and through the schema (explicit)."""
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    timeout = 1 if device == "cuda" else 5
+    cases = {"auto": ("", f"engines: {{heartbeat_interval_s: {timeout * 0.6}}}",
+                      f"got null (= {timeout:g} s on {device})"),
+             "explicit": ("failover: {heartbeat_timeout_s: 0.5}\n", "engines: {heartbeat_interval_s: 0.4}",
+                          "(2 x 0.4 = 0.8 s), got 0.5")}
+    for name, (failover, engines, tail) in cases.items():
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {tiny_model}}}\n{failover}{engines}\n"
+                       "router: {port: 0}\nadmin: {port: 0}\n")
+        for args in (("serve", "--check", "-c", str(cfg)), ("serve", "-c", str(cfg))):
+            r = _cli(*args)
+            assert r.returncode == 2, (args, r.stdout, r.stderr)
+            assert f"understudy: invalid config: {cfg}: {HB} " in r.stderr and tail in r.stderr, r.stderr
+            assert "engines.heartbeat_interval_s" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "rt" / "logs").exists(), "serve started something"

@@ -1,15 +1,23 @@
-"""ModelArgs: the parts of an HF `config.json` the built-in decoder needs, validated."""
+"""ModelArgs: the parts of an HF `config.json` the built-in decoder needs, validated.
+
+A hostile or broken config.json is a CheckpointError naming the file and the key
+(``<dir>/config.json: hidden_size: expected an integer >= 1, got 'abc'``), never a traceback: the
+engine exits with its boot-error code and ``serve --check`` prints the line."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import CheckpointError, UnknownArchError
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+PositiveInt = Annotated[int, Field(ge=1, strict=True)]
+"""A size, count or length: a JSON integer >= 1 (strict: not "64", 64.5 or true)."""
+PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class RopeScaling(BaseModel):
@@ -17,10 +25,10 @@ class RopeScaling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: PositiveFloat = 1.0
+    low_freq_factor: PositiveFloat = 1.0
+    high_freq_factor: PositiveFloat = 4.0
+    original_max_position_embeddings: PositiveInt = 8192
 
 
 class ModelArgs(BaseModel):
@@ -29,17 +37,17 @@ class ModelArgs(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt
+    head_dim: PositiveInt
+    rms_norm_eps: PositiveFloat = 1e-6
+    rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling | None = None
-    max_position_embeddings: int = 2048
+    max_position_embeddings: PositiveInt = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     mlp_bias: bool = False
@@ -52,41 +60,111 @@ class ModelArgs(BaseModel):
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelArgs":
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ValueError(f"num_key_value_heads: expected a divisor of num_attention_heads "
+                             f"({self.num_attention_heads}), got {self.num_key_value_heads}")
         if self.rope_scaling and self.rope_scaling.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_scaling.rope_type {self.rope_scaling.rope_type!r} is not supported "
+            raise ValueError(f"rope_scaling.rope_type: {self.rope_scaling.rope_type!r} is not supported "
                              "(expected default, linear or llama3)")
+        if (self.rope_scaling and self.rope_scaling.rope_type == "llama3"
+                and self.rope_scaling.high_freq_factor <= self.rope_scaling.low_freq_factor):
+            raise ValueError(f"rope_scaling.high_freq_factor: expected a number > low_freq_factor "
+                             f"({self.rope_scaling.low_freq_factor}), got {self.rope_scaling.high_freq_factor}")
         return self
 
 
+# The config.json key a ModelArgs field was read from, where the names differ.
+_SOURCE_KEY = {"arch": "architectures", "eos_token_ids": "eos_token_id", "qkv_bias": "attention_bias",
+               "quant_method": "quantization_config.quant_method", "quant_config": "quantization_config"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _mapping(raw: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """``raw[key]``: a JSON object or absent/null (then None); anything else is a CheckpointError."""
+    v = raw.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise CheckpointError(f"{key}: expected a JSON object, got {_show(v)}")
+    return v
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
-    """Map an HF config dict (old or new key names) onto ModelArgs fields."""
-    archs = raw.get("architectures") or []
+    """Map an HF config dict (old or new key names) onto ModelArgs fields. Values of the wrong type
+    are left for ModelArgs to refuse, or refused here (CheckpointError) where they would be used."""
+    archs = raw.get("architectures")
+    if archs is not None and not isinstance(archs, list):
+        raise CheckpointError(f"architectures: expected a list of class names, got {_show(archs)}")
     arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHS:
-        raise UnknownArchError(f"architectures[0] is {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
+        raise UnknownArchError(f"architectures[0] is {_show(arch)}; supported: {', '.join(SUPPORTED_ARCHS)}")
     out = dict(raw)
     out["arch"] = arch
     out.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
-    if raw.get("head_dim") is None and raw.get("num_attention_heads"):
-        out["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
-    rope = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling is not None:
+    hidden, heads = raw.get("hidden_size"), raw.get("num_attention_heads")
+    if raw.get("head_dim") is None and _is_int(hidden) and _is_int(heads) and heads > 0:
+        out["head_dim"] = hidden // heads  # (else ModelArgs names the bad hidden_size or num_attention_heads)
+    rope = _mapping(raw, "rope_parameters") or {}
+    scaling = _mapping(raw, "rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = rope
+    if scaling:
         scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.get("type", "default"))
-    out["rope_scaling"] = scaling
+    out["rope_scaling"] = scaling or None
     if "rope_theta" not in raw and "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]
-    out["qkv_bias"] = arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+    bias = raw.get("attention_bias", False)
+    if not isinstance(bias, bool):
+        raise CheckpointError(f"attention_bias: expected true or false, got {_show(bias)}")
+    out["qkv_bias"] = arch == "Qwen2ForCausalLM" or bias
     out["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     eos = raw.get("eos_token_id")
+    if not (eos is None or _is_int(eos) or isinstance(eos, list)):
+        raise CheckpointError(f"eos_token_id: expected a token id or a list of them, got {_show(eos)}")
     out["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    quant = raw.get("quantization_config")
+    quant = _mapping(raw, "quantization_config")
     if quant:
         out["quant_method"] = quant.get("quant_method", "unknown")
         out["quant_config"] = quant
     return out
+
+
+def _describe(err: dict[str, Any]) -> str:
+    """One pydantic error as ``key: expected X, got Y`` in config.json's own key names."""
+    loc = [str(p) for p in err["loc"]]
+    if loc and loc[0] in _SOURCE_KEY:
+        loc[0] = _SOURCE_KEY[loc[0]]
+    where = ".".join(loc)
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "missing":
+        return f"{where or 'config'}: required key is missing"
+    if kind == "value_error":  # a model validator's "key: what"
+        text = str(ctx.get("error", err["msg"]))
+        return f"{where}: {text}" if where else text
+    expected = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+                "dict": "a JSON object", "model": "a JSON object", "tuple": "a list", "list": "a list"}
+    base = kind.split("_")[0]
+    if kind == "greater_than_equal":
+        want = f"{'an integer' if _is_int(ctx.get('ge')) else 'a number'} >= {ctx.get('ge')}"
+    elif kind == "greater_than":
+        want = f"a number > {ctx.get('gt')}"
+    elif base in expected:
+        want = expected[base] + (" >= 1" if base == "int" and loc and loc[-1] in _POSITIVE else "")
+    else:
+        want = err["msg"]
+    return f"{where or 'config'}: expected {want}, got {_show(err.get('input'))}"
+
+
+_POSITIVE = {name for model in (ModelArgs, RopeScaling) for name, f in model.model_fields.items()
+             if any(getattr(m, "ge", None) == 1 for m in f.metadata)}
 
 
 def read_model_args(model_dir: str | Path) -> ModelArgs:
@@ -98,18 +176,21 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an HF checkpoint folder needs config.json)") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     try:
         return ModelArgs.model_validate(_normalise(raw))
-    except UnknownArchError as exc:
-        raise UnknownArchError(f"{path}: {exc}") from None
+    except CheckpointError as exc:  # (UnknownArchError included: its type is kept)
+        raise type(exc)(f"{path}: {exc}") from None
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "config"
-        raise CheckpointError(f"{path}: {where}: {err['msg']}") from None
+        raise CheckpointError(f"{path}: {_describe(exc.errors()[0])}") from None
+    except (TypeError, KeyError, AttributeError, ValueError, ZeroDivisionError, IndexError) as exc:
+        # A shape of config.json not foreseen above: still a boot error that names the file, never a traceback.
+        raise CheckpointError(f"{path}: not a config this engine can read ({type(exc).__name__}: {exc})") from None
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
