@@ -12,7 +12,9 @@ idle one (the peer's own at its share, else the biggest holder's) instead of bei
 (engines/connection_share.py). A listener with a ``Gate`` (admin) answers a request without valid
 credentials (401) from its head alone and closes the connection after discarding at most
 ``REFUSED_BODY_DISCARD`` bytes of its body; a connection that sent valid ones is never closed to
-make room. Refusals are counted and logged at most once per ``LOG_EVERY_S``.
+make room. A refused request (401 or 431) pipelined behind one still being answered gets its refusal
+once that answer (and any queued before it) is whole, never before or inside it; what the client sends
+meanwhile is dropped. Refusals are counted and logged at most once per ``LOG_EVERY_S``.
 """
 from __future__ import annotations
 
@@ -143,6 +145,7 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
         _head_bytes = 0  # of the head being received
         _tail = b""  # the last bytes of it (its end may straddle two reads)
         _discard: int | None = None  # refused on its head: body bytes still to drop before closing
+        _refusal: tuple[bytes, Callable[[], None]] | None = None  # (answer, end): waits for the one in progress
         _heard = False  # a byte arrived
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -225,8 +228,16 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self._idle():
-                occupancy.idle(self)  # (a pipelined request that started instead keeps it busy)
+            if self.transport.is_closing() or not self._idle():
+                return  # (a pipelined request that started instead keeps it busy)
+            if self._refusal is not None:  # a request refused behind this one: its turn now
+                answer, end = self._refusal
+                self._refusal = None
+                self._unset_keepalive_if_required()  # (``end`` closes the connection)
+                self.transport.write(answer)
+                end()
+            else:
+                occupancy.idle(self)
 
         def _cut(self, cycle) -> None:  # noqa: ANN001 (uvicorn's RequestResponseCycle)
             """scope["extensions"][CUT] of ``cycle``'s request."""
@@ -255,9 +266,9 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
         def _refuse_head(self) -> None:
             body = (b'{"error":{"message":"request head over %d bytes","type":"invalid_request_error","code":431}}'
                     % limits.max_head_bytes)
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
-                                 b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-            self.transport.close()
+            self._refuse(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
+                         b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body),
+                         self.transport.close)
 
         def _refuse_unauthorized(self) -> None:
             """The gate's refusal, from the head alone: the answer goes out with the end of our side
@@ -266,12 +277,29 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
             in most cases), then the connection is closed. Never read into memory."""
             stats.unauthorized += 1
             stats.note()
+            self._refuse(gate.refusal, self._end_refused)  # type: ignore[union-attr]
+
+        def _end_refused(self) -> None:
             occupancy.doomed(self)  # the first to close if room is needed
-            self._discard = REFUSED_BODY_DISCARD
-            self.transport.write(gate.refusal)  # type: ignore[union-attr]
             if self.transport.can_write_eof():
                 self.transport.write_eof()
             self.loop.call_later(limits.header_timeout_s, self.transport.close)
+
+        def _refuse(self, answer: bytes, end: Callable[[], None]) -> None:
+            """Answer a request refused on its head with ``answer``, then ``end`` the connection: at
+            once when no earlier response on it is in progress, else (pipelined) from
+            on_response_complete once that one and any queued behind it are whole (written now, the
+            refusal would come first, or inside it, and end the connection under it). Nothing more
+            is read meanwhile: what the client sends is dropped (up to REFUSED_BODY_DISCARD bytes).
+            The answer in progress keeps its keep-alive headers (with ``cycle.keep_alive = False``
+            uvicorn would close the connection before on_response_complete, and the refusal would be
+            lost); the refusal says ``connection: close``."""
+            self._discard = REFUSED_BODY_DISCARD
+            if self._idle():
+                self.transport.write(answer)
+                end()
+            else:
+                self._refusal = (answer, end)
 
     return GuardedHttpToolsProtocol
 
