@@ -50,13 +50,7 @@ class Occupancy:
     def admit(self, conn: Hashable, peer: str, talking: bool = False) -> tuple[bool, Hashable | None]:
         """A new connection (``talking``: its first bytes already wait): (admitted, the idle
         connection to close to make room for it, if any)."""
-        victim = None
-        if self.fair and self._unauth.get(peer, 0) >= self.peer_cap:
-            victim = self._first_idle(peer)
-        elif self.total >= self.cap and self.fair and self._idle:
-            biggest = max(self._idle, key=self.held)  # (of the peers with an idle connection)
-            if self.held(biggest) > self.held(peer):  # never a smaller (or equal) peer's for a bigger one's
-                victim = self._first_idle(biggest)
+        victim = self.victim(peer)
         if self.pressed(peer) and victim is None:
             return False, None
         if victim is not None:
@@ -68,6 +62,20 @@ class Occupancy:
             self._heard.add(conn)
         self.idle(conn)
         return True, victim
+
+    def victim(self, peer: str) -> Hashable | None:
+        """The idle connection a new one from ``peer`` would close, if it must make room."""
+        if self.fair and self._unauth.get(peer, 0) >= self.peer_cap:
+            return self._first_idle(peer)
+        if self.total >= self.cap and self.fair and self._idle:
+            biggest = max(self._idle, key=self.held)  # (of the peers with an idle connection)
+            if self.held(biggest) > self.held(peer):  # never a smaller (or equal) peer's for a bigger one's
+                return self._first_idle(biggest)
+        return None
+
+    def silent(self, conn: Hashable) -> bool:
+        """``conn`` has sent nothing that was read (its bytes may wait unread: ask its socket)."""
+        return conn not in self._heard
 
     def heard(self, conn: Hashable) -> None:
         """``conn`` sent its first bytes: a talker from now on."""

@@ -151,6 +151,8 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             peer = peer_of(transport) if occupancy.fair else ""
             talking = occupancy.pressed(peer) and _bytes_waiting(transport)  # (a syscall only under pressure)
+            while (c := occupancy.victim(peer)) is not None and occupancy.silent(c) and _bytes_waiting(c.transport):
+                occupancy.heard(c)  # accepted in the same round, its request not read yet: a talker, not silent
             admitted, victim = occupancy.admit(self, peer, talking)
             if not admitted:
                 self._refused = True
