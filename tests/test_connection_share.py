@@ -5,7 +5,6 @@ port), and from the same address with a bearer gate (the admin API on loopback, 
 is 127.0.0.1). Each case ends with normal requests served."""
 from __future__ import annotations
 
-import asyncio
 import selectors
 import socket
 import threading
@@ -16,8 +15,8 @@ import httpx
 import pytest
 
 from engines.connection_share import Occupancy
-from engines.guarded_http import Gate, ListenerLimits, guarded_config, peer_of_address
-from engines.loopback import QuietServer
+from engines.guarded_http import Gate, ListenerLimits, peer_of_address
+from guarded_listener_helpers import serve_guarded
 
 
 # ---- the bookkeeping ------------------------------------------------------------------------------
@@ -190,20 +189,8 @@ async def hello(scope, receive, send) -> None:  # noqa: ANN001
 
 
 def serve(limits: ListenerLimits, gate: Gate | None = None) -> Iterator[tuple[int, object]]:
-    """A guarded listener on a port of its own: (port, its ConnectionStats)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(2048)
-    cfg = guarded_config(hello, limits, "test", gate, log_level="warning", lifespan="off")
-    server = QuietServer(cfg)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield sock.getsockname()[1], cfg.connection_stats  # type: ignore[attr-defined]
-    server.should_exit = True
-    thread.join(10)
+    """A guarded listener of `hello` on a port of its own: (port, its ConnectionStats)."""
+    yield from serve_guarded(hello, limits, gate, backlog=2048)
 
 
 def until(cond, what: str, timeout_s: float = 30) -> None:  # noqa: ANN001

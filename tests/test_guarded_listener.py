@@ -3,16 +3,14 @@ cap is answered 431 and closed, whether it comes in one read or many; request bo
 requests are not mistaken for heads; the listener keeps serving."""
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from engines.guarded_http import ListenerLimits, guarded_config
-from engines.loopback import QuietServer
+from engines.guarded_http import ListenerLimits
+from guarded_listener_helpers import serve_guarded
 
 CAP = 4096
 
@@ -32,19 +30,8 @@ async def echo_length(scope, receive, send) -> None:
 
 @pytest.fixture()
 def port() -> Iterator[int]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = QuietServer(guarded_config(echo_length, ListenerLimits(max_head_bytes=CAP, header_timeout_s=5), "test",
-                                        log_level="warning", lifespan="off"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    for port, _ in serve_guarded(echo_length, ListenerLimits(max_head_bytes=CAP, header_timeout_s=5)):
+        yield port
 
 
 def exchange(port: int, *pieces: bytes, pause_s: float = 0.0) -> bytes:

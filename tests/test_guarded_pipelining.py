@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from engines.guarded_http import Gate, ListenerLimits, guarded_config
-from engines.loopback import QuietServer
+from engines.guarded_http import Gate, ListenerLimits
+from guarded_listener_helpers import serve_guarded
 
 TOKEN = b"Bearer sesame"
 CAP = 4096
@@ -53,19 +52,9 @@ def gate() -> Gate:
 
 @pytest.fixture()
 def port() -> Iterator[int]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
     limits = ListenerLimits(max_head_bytes=CAP, header_timeout_s=30, keepalive_timeout_s=30)
-    server = QuietServer(guarded_config(app, limits, "test", gate(), log_level="warning", lifespan="off"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    for port, _ in serve_guarded(app, limits, gate()):
+        yield port
 
 
 def exchange(port: int, *pieces: bytes, pause_s: float = 0.05, hold_s: float = 0.0) -> bytes:

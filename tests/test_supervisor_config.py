@@ -102,6 +102,16 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def refused_by_serve(cfg: Path, line: str, tmp_path: Path) -> None:
+    """`serve --check` and `serve` both exit 2 with `line` naming the key, no traceback, nothing started."""
+    for args in (("serve", "--check", "-c", str(cfg)), ("serve", "-c", str(cfg))):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert f"understudy: invalid config: {cfg}: {line}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "config OK" not in r.stdout
+    assert not (tmp_path / "rt" / "logs").exists(), "serve started something"
+
+
 def test_serve_rejects_a_bad_config_before_starting_anything(tmp_path):
     bad = tmp_path / "config.yaml"
     bad.write_text("engines:\n  count: two\n")
@@ -141,12 +151,7 @@ def test_serve_check_fails_where_serve_would_with_exit_2_and_the_key(tmp_path, t
     rt = "" if "runtime_dir" in body else f"runtime_dir: {tmp_path}/rt\n"
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"{rt}{body}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
-    for args in (("serve", "--check", "-c", str(cfg)), ("serve", "-c", str(cfg))):
-        r = _cli(*args)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert f"understudy: invalid config: {cfg}: {line}" in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and "config OK" not in r.stdout
-    assert not (tmp_path / "rt" / "logs").exists(), "serve started something"
+    refused_by_serve(cfg, line, tmp_path)
 
 
 def test_serve_check_says_what_serve_would_run(tmp_path, tiny_model):
@@ -252,12 +257,7 @@ def test_serve_check_names_config_json_and_the_key_of_a_broken_checkpoint(tmp_pa
     (model / "config.json").write_text(json.dumps({**hf, key: value}))
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"runtime_dir: {tmp_path}/rt\nmodel: {{path: {model}}}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
-    for args in (("serve", "--check", "-c", str(cfg)), ("serve", "-c", str(cfg))):
-        r = _cli(*args)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert f"understudy: invalid config: {cfg}: model.path: {model}/config.json: {line}" in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and "config OK" not in r.stdout
-    assert not (tmp_path / "rt" / "logs").exists(), "serve started something"
+    refused_by_serve(cfg, f"model.path: {model}/config.json: {line}", tmp_path)
 
 
 HB = "failover.heartbeat_timeout_s: expected at least 2 x engines.heartbeat_interval_s"
