@@ -183,7 +183,7 @@ def test_chat_stop_string_across_the_seam(sup):
 
 def test_non_streaming_request_continues_instead_of_restarting(sup):
     sup.wait_all_ready()
-    body = {**GREEDY, "max_tokens": 20, "return_token_ids": True}
+    body = {**GREEDY, "max_tokens": 30, "return_token_ids": True}
     ref = httpx.post(sup.router_url + "/v1/completions", json=body, timeout=60).json()
     mark = len(sup.events)
     victim = sup.primary()
@@ -192,8 +192,9 @@ def test_non_streaming_request_continues_instead_of_restarting(sup):
     t = threading.Thread(target=lambda: out.append(
         httpx.post(sup.router_url + "/v1/completions", json=body, timeout=60)), daemon=True)
     t.start()
+    # (tokens counted by the engine may still be on their way to the router: several, so some arrived)
     sup.wait_for(lambda st: any(e["name"] == victim["name"] and (e["heartbeat"].get("generated_tokens") or 0)
-                                >= generated + 2 for e in st["engines"]), 30, "the engine some tokens in")
+                                >= generated + 6 for e in st["engines"]), 30, "the engine some tokens in")
     assert t.is_alive(), "the request ended before the kill: too short for this test"
     kill_primary(sup, victim=victim)
     t.join(60)
