@@ -182,6 +182,15 @@ def seq_of(tok: Tokenizer, ids: list[int], replayed: int = 0) -> Sequence:
     return Sequence(ids, GREEDY, tok, set(), 64, lambda o: None, replayed=replayed)
 
 
+def computed(bm: BlockManager, s: Sequence) -> Sequence:
+    """`s` admitted, given its blocks, all of its prompt computed and its full blocks sealed."""
+    bm.match_prefix(s)
+    bm.grow(s, len(s.prompt_ids))
+    s.num_computed = len(s.prompt_ids)
+    bm.seal(s)
+    return s
+
+
 def test_parked_engine_uses_its_scratch_only(pool: KVPool, tok: Tokenizer) -> None:
     lay = pool.layout
     bm = BlockManager(lay.num_blocks, lay.block_size, scratch=lay.scratch(1), shared=lay.shared_blocks)
@@ -212,11 +221,7 @@ def test_writer_mirrors_every_block_in_the_index(pool: KVPool, tok: Tokenizer) -
 
 def test_a_new_writer_continues_from_the_blocks_and_waits_to_reuse_unfinished_ones(pool: KVPool, tok: Tokenizer) -> None:
     old, _ = writer(pool)
-    s = seq_of(tok, list(range(13)))
-    old.match_prefix(s)
-    old.grow(s, 13)
-    s.num_computed = 13
-    old.seal(s)  # 3 full blocks sealed; the 4th is OWNED when the writer dies
+    s = computed(old, seq_of(tok, list(range(13))))  # 3 full blocks sealed; the 4th is OWNED when the writer dies
     unfinished = s.block_table[3]
     new, index = writer(pool)
     assert new.quarantined == {unfinished} and unfinished not in new.free
@@ -230,11 +235,7 @@ def test_a_new_writer_continues_from_the_blocks_and_waits_to_reuse_unfinished_on
 
 def test_continuations_find_their_blocks_even_without_prefix_caching(pool: KVPool, tok: Tokenizer) -> None:
     old, _ = writer(pool, prefix_caching=False)
-    s = seq_of(tok, list(range(9)))
-    old.match_prefix(s)
-    old.grow(s, 9)
-    s.num_computed = 9
-    old.seal(s)
+    s = computed(old, seq_of(tok, list(range(9))))
     new, _ = writer(pool, prefix_caching=False)
     other = seq_of(tok, list(range(9)))
     new.match_prefix(other)
@@ -251,10 +252,7 @@ def test_adopted_blocks_are_used_by_key_and_evicted_oldest_first(pool: KVPool, t
     seqs = [seq_of(tok, [i] * 4 + list(range(100, 109))) for i in range(3)]  # 3 full blocks each
     tables = []
     for s in seqs:
-        old.match_prefix(s)
-        old.grow(s, 13)
-        s.num_computed = 13
-        old.seal(s)
+        computed(old, s)
         tables.append(s.block_table[:3])
         old.release(s)  # its tail first: the oldest stamps are seqs[0]'s last blocks
     new, _ = writer(pool)
@@ -303,11 +301,7 @@ def test_a_continuation_takes_its_cached_head_then_adopted_blocks_up_to_the_firs
 def test_a_deterministic_writer_takes_no_block_a_default_one_left(pool: KVPool, tok: Tokenizer) -> None:
     """Its kernels give other bits: its key chains start at another root, so nothing matches."""
     a, _ = writer(pool)
-    s = seq_of(tok, list(range(9)))
-    a.match_prefix(s)
-    a.grow(s, 9)
-    s.num_computed = 9
-    a.seal(s)
+    s = computed(a, seq_of(tok, list(range(9))))
     a.publisher.launched()
     a.publisher.flush()
     b, _ = writer(pool)
