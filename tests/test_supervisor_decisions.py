@@ -249,15 +249,30 @@ def test_rollout_replaces_the_spawn_server_then_each_standby_then_switches_over(
 
 
 def test_a_standby_killed_while_the_rollout_replaces_the_spawn_server_waits_for_it() -> None:
+    """Its new incarnation starts on the new spawn server (new code): the rollout waits for it
+    instead of stopping it again while it starts (a SIGTERM then killed it: counted as a crash)."""
     p = serving()
     got = p.play(("ask", "rollout"), ("exit", "b"), ("exit read", "b", -9), ("wait", 0.2),
                  ("exit", "spawn-server"), ("exit read", "spawn-server", 0), ("launched", "spawn-server"),
-                 ("ping", "spawn-server", True), ("launched", "b"),  # then the rollout restarts it
-                 ("exit", "b"), ("exit read", "b", 0), ("launched", "b"), ("ready", "b"))
-    assert in_order(got, ["start spawn-server", "start b via spawn", "stop b", "start b via spawn", "publish b READY",
-                          "promote b epoch 2"]), got
+                 ("ping", "spawn-server", True), ("launched", "b"), ("ready", "b"),
+                 ("exit", "a"), ("exit read", "a", 0), ("launched", "a"), ("ready", "a"))
+    assert in_order(got, ["start spawn-server", "start b via spawn", "publish b READY", "drain a",
+                          "promote b epoch 2", "answer 200"]), got
+    assert "stop b" not in got and "drain b" not in got
     assert not any("start failed" in e["reason"] for e in p.published("transition"))
     assert len(p.node.engines["b"].policy.failures) == 1  # the kill itself, nothing more
+    assert p.answers()[-1] == (200, {"restarted": ["b", "a"], "primary": "b", "epoch": 2})
+
+
+def test_an_engine_stopped_while_it_starts_dies_of_our_sigterm_and_that_is_no_crash() -> None:
+    """Before its handler is installed SIGTERM kills an engine (-15): our doing, not a failure;
+    any other death while it was asked to stop is one."""
+    p = serving()
+    p.play(("exit", "b"), ("exit read", "b", -9), ("launched", "b"))
+    p.play(("ask", "restart", "b"), ("exit", "b"), ("exit read", "b", -15))  # (a restart resets the count)
+    assert p.state("b") == "STARTING standby" and len(p.node.engines["b"].policy.failures) == 0
+    p.play(("launched", "b"), ("ask", "restart", "b"), ("exit", "b"), ("exit read", "b", -11))
+    assert len(p.node.engines["b"].policy.failures) == 1 and "a crash" in p.node.engines["b"].last_exit
 
 
 def test_a_node_without_progress_is_stuck_once_and_fed_again_on_progress() -> None:

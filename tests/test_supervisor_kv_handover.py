@@ -135,3 +135,16 @@ def test_an_answered_demote_is_still_a_planned_promote() -> None:
     p.play(("ask", "promote"), ("said", "a", "demoted", {"handed_off": 0}), PROMOTED)
     ev = p.published("failover")[-1]
     assert ev["reason"] == "promote" and "during" not in ev
+
+
+def test_a_crash_during_a_switchover_stays_one_even_when_its_promotion_fails() -> None:
+    """The failover that ends with another engine serving is still recorded as the crash during a
+    promote (the detail travels with the pending failover)."""
+    p = serving(**KV)
+    p.play(("ask", "promote"), ("exit", "a"))
+    p.play(("said", "b", "promote_failed", {"error": "the pool's writer still runs"}))
+    assert p.node.primary is None and p.node.pending_failover.detail == {"during": "promote"}
+    p.play(("exit read", "a", -9), ("wait", 0.2), ("launched", "a"), ("ready", "a"))
+    p.play(("said", "a", "promoted", {"adopted_blocks": 3}))
+    ev = p.published("failover")[-1]
+    assert (ev["reason"], ev.get("during"), ev["from"], ev["to"]) == ("exit", "promote", "a", "a"), ev

@@ -90,7 +90,8 @@ def begin_rollout(node: Node, request: int) -> Reply:
         return 409, {"error": "rollout needs a READY standby so that traffic never waits"}
     steps = ["spawn-server"] if node.spawn is not None and node.spawn.state == State.READY else []
     steps += [e.name for e in node.engines.values() if e.role == Role.STANDBY] + ["promote"]
-    node.rollout = Rollout(request, steps, started=node.wall)
+    node.rollout = Rollout(request, steps, started=node.wall,
+                           incarnations={e.name: e.incarnation for e in node.engines.values()})
     node.dirty = True
     advance_rollout(node)
     return 0, {}
@@ -128,8 +129,10 @@ def advance_rollout(node: Node) -> None:
             if status != 200:
                 end_rollout(node, status, body)
                 return
-        else:
+        elif target.incarnation == r.incarnations.get(target.name):
             engines.stop(node, target, restart=True)
+        # (else it was restarted since the rollout began, e.g. after a crash: it runs the new code
+        # already, and a stop while it starts would only kill it: it is waited for instead)
         r.waiting, r.deadline = target.name, node.now + node.settings.failover.startup_timeout_s
 
 

@@ -4,6 +4,7 @@ standing retried forever, a start that waits for a spawn server being replaced."
 from __future__ import annotations
 
 import logging
+import signal
 
 from engines.config import BOOT_ERROR_EXIT
 from supervisor.core import lifecycle
@@ -118,9 +119,10 @@ def exit_read(node: Node, e: Engine, ev: ExitRead) -> None:
 
 
 def crashed_while_stopping(node: Node, e: Engine, ev: ExitRead) -> bool:
-    """A drain (exit 0) was asked for, and it exited otherwise, not by our SIGKILL after the drain
-    timeout or at shutdown. (External engines' SIGTERM statuses vary: not judged.)"""
-    return ev.returncode not in (0, None) and not e.drain_fenced and not node.stopping \
+    """A drain (exit 0) was asked for, and it exited otherwise: not by our SIGTERM (an engine still
+    starting has no handler for it yet), not by our SIGKILL after the drain timeout or at shutdown.
+    (External engines' SIGTERM statuses vary: not judged.)"""
+    return ev.returncode not in (0, None, -signal.SIGTERM) and not e.drain_fenced and not node.stopping \
         and not node.settings.external
 
 

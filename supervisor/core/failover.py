@@ -42,7 +42,7 @@ def ensure_primary(node: Node, prefer: Engine | None = None) -> None:
     pending, node.pending_failover = node.pending_failover, None
     if pending is None:
         pending = Failover("boot", node.now, "")
-    promote(node, standby, pending.reason, pending.detected_at, pending.lost)
+    promote(node, standby, pending.reason, pending.detected_at, pending.lost, pending.detail)
 
 
 def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: str,

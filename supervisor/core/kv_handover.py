@@ -76,10 +76,11 @@ def handed_over(node: Node, old: Engine, crashed: bool = False) -> None:
     node.lost_epoch = node.epoch
     reason, since = ("exit", old.down_since or node.now) if crashed else ("promote", node.now)
     successor = node.engines[d.successor]
+    detail = {"during": "promote"} if crashed else {}
     if successor.state == State.READY and successor.pid:
-        promote(node, successor, reason, since, old.name, {"during": "promote"} if crashed else None)
+        promote(node, successor, reason, since, old.name, detail)
     else:
-        node.pending_failover = Failover(reason, since, old.name)
+        node.pending_failover = Failover(reason, since, old.name, detail)
     if crashed:
         log.warning("%s exited before it answered `demote`: the switchover to %s is a failover (exit)", old.name,
                     d.successor)
@@ -115,6 +116,6 @@ def lost(node: Node, why: str) -> None:
     """The promotion ends without a primary: the failover it answered waits for the next READY one."""
     p, node.promoting = node.promoting, None
     log.error("%s; promoting the next READY standby", why)
-    node.pending_failover = Failover(p.reason, p.detected_at, p.lost)
+    node.pending_failover = Failover(p.reason, p.detected_at, p.lost, p.detail)
     node.hold_reason = f"{why}; waiting for another READY standby"
     node.dirty = True

@@ -119,6 +119,7 @@ class Failover:
     reason: str
     detected_at: float
     lost: str
+    detail: dict[str, Any] = field(default_factory=dict)  # more for the failover event (e.g. during: promote)
 
 
 @dataclass
@@ -151,6 +152,7 @@ class Rollout:
     request: int
     steps: list[str]
     started: float                     # wall time
+    incarnations: dict[str, int] = field(default_factory=dict)  # each engine's when it began
     done: list[str] = field(default_factory=list)
     waiting: str | None = None
     deadline: float = 0.0
