@@ -82,12 +82,18 @@ def visible_gpus() -> int | None:
 
 def _model(cfg: UnderstudyConfig, make_model: bool, problems: list[str]) -> Path | None:
     """The checkpoint folder, checked (ModelError messages name model.path)."""
-    from supervisor.model_prep import ModelError, existing_model, resolve_model
+    from supervisor.model_prep import ModelError, existing_model, preset_dir, resolve_model
     try:
-        return resolve_model(cfg) if make_model else existing_model(cfg)  # (None: serve makes it on first run)
+        found = existing_model(cfg)
+        if found is None and (why := uncreatable(preset_dir(cfg))) is not None:
+            problems.append(f"cache_dir: the built-in {cfg.model.preset} model cannot be made there: {why}")
+            return None
+        return resolve_model(cfg) if make_model and found is None else found  # (None: serve makes it on first run)
     except ModelError as e:
         problems.append(str(e) if str(e).startswith("model.") else f"model.preset: {e}")
-        return None
+    except OSError as e:  # (making the preset: a full disk, a folder removed meanwhile)
+        problems.append(f"cache_dir: the built-in {cfg.model.preset} model could not be made: {e}")
+    return None
 
 
 def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) -> None:
@@ -150,15 +156,30 @@ def _runtime_dir(path: Path, problems: list[str]) -> None:
 
 
 def _token_file(cfg: UnderstudyConfig, problems: list[str]) -> None:
-    """An existing token file must be readable, ours alone and non-empty (a missing one is made)."""
+    """An existing token file must be readable, ours alone and non-empty; a missing one, makeable."""
     from supervisor.admin.token import TokenError, read_token
     path = cfg.resolved_token_file()
     if not path.exists():
+        if (why := uncreatable(path)) is not None:
+            problems.append(f"admin.token_file: {path} cannot be made: {why}")
         return
     try:
         read_token(path)
     except TokenError as e:
         problems.append(f"admin.token_file: {e}")
+
+
+def uncreatable(path: Path) -> str | None:
+    """Why ``path`` (missing) could not be made with its parent folders, or None: the nearest
+    existing ancestor must be a folder this user may write."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable by this user"
+    return None
 
 
 def _child_configs(cfg: UnderstudyConfig, model_path: Path, device: str, problems: list[str]) -> None:

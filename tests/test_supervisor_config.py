@@ -135,6 +135,10 @@ BROKEN = {  # what serve died on (issue 23, item 5) -> the line both serve and s
                 "engines.kv_cache_bytes: a KV pool of 65536 bytes holds 8 blocks"),
     "no gpu": ("device: cuda\nmodel: {{path: {model}}}", "device: 'cuda', but no GPU is visible here"),
     "runtime dir": ("runtime_dir: {tmp}/open\nmodel: {{path: {model}}}", "runtime_dir: {tmp}/open has mode 0755"),
+    "token file": ("model: {{path: {model}}}\nadmin: {{port: 0, token_file: {tmp}/file/token}}",
+                   "admin.token_file: {tmp}/file/token cannot be made: {tmp}/file is not a folder"),
+    "cache dir": ("cache_dir: {tmp}/file/cache", "cache_dir: the built-in tiny model cannot be made there: "
+                                                   "{tmp}/file is not a folder"),
 }
 
 
@@ -147,10 +151,12 @@ def test_serve_check_fails_where_serve_would_with_exit_2_and_the_key(tmp_path, t
         pytest.skip("a GPU is (or may be) present")
     (tmp_path / "open").mkdir(mode=0o755)
     (tmp_path / "open").chmod(0o755)
+    (tmp_path / "file").write_text("a file where a folder is wanted\n")
     body, line = (t.format(tmp=tmp_path, model=tiny_model) for t in BROKEN[case])
     rt = "" if "runtime_dir" in body else f"runtime_dir: {tmp_path}/rt\n"
+    admin = "" if "admin:" in body else "admin: {port: 0}\n"
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"{rt}{body}\nrouter: {{port: 0}}\nadmin: {{port: 0}}\n")
+    cfg.write_text(f"{rt}{body}\nrouter: {{port: 0}}\n{admin}")
     refused_by_serve(cfg, line, tmp_path)
 
 

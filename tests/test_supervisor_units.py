@@ -263,3 +263,14 @@ def test_the_supervisor_core_imports_no_torch():
     import sys
     code = "import sys, supervisor.arbiter, supervisor.effects.reaper; print(sorted(m for m in ('torch',) if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_the_admin_token_is_made_private_once_and_a_path_that_cannot_hold_it_is_named(tmp_path):
+    from supervisor.admin.token import TokenError, ensure_token
+    path = tmp_path / "new" / "token"
+    token = ensure_token(path)
+    assert ensure_token(path) == token and len(token) > 30
+    assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TokenError, match="file/token: cannot create admin token: .*file is not a folder"):
+        ensure_token(tmp_path / "file" / "token")

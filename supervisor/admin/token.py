@@ -12,11 +12,18 @@ class TokenError(Exception):
 
 def ensure_token(path: Path) -> str:
     """Read the token at ``path``, creating it (0600, parent 0700) if missing."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError as e:
+        raise TokenError(f"{path}: cannot create admin token: {e.filename} is not a folder") from None
+    except OSError as e:
+        raise TokenError(f"{path}: cannot create admin token: {e}") from None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return read_token(path)
+    except OSError as e:
+        raise TokenError(f"{path}: cannot create admin token: {e}") from None
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
     return read_token(path)
