@@ -42,15 +42,17 @@ def nearest_rank(values: Sequence[float], q: float) -> float:
     return s[k]
 
 
+P99_MIN_N = 100  # fewer samples: their max says more, and is what is reported
+
+
 def summarize(values: Sequence[float]) -> Distribution:
-    """n, min, p50, p90, p99, max and mean of `values` (all None when empty)."""
+    """n, min, p50, p90, max and mean of `values` (all None when empty); p99 only with at least
+    P99_MIN_N values."""
     if not values:
         return Distribution(n=0)
     return Distribution(n=len(values), min=min(values), p50=percentile(values, 50), p90=percentile(values, 90),
-                        p99=percentile(values, 99), max=max(values), mean=sum(values) / len(values))
-
-
-P99_MIN_N = 100  # fewer samples: their max says more, and is what is reported
+                        p99=percentile(values, 99) if len(values) >= P99_MIN_N else None, max=max(values),
+                        mean=sum(values) / len(values))
 
 
 def bench_summary(xs: Sequence[float], ndigits: int = 3) -> dict[str, float]:

@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from harness.stats import P99_MIN_N
+
 from .stats import Point
 
 
@@ -43,12 +45,18 @@ def table(r: Report) -> str:
         hit = p.prefix_cache if isinstance(p.prefix_cache, str) else _f(p.prefix_cache.hit_rate, ".1%")
         lines.append(
             f"{p.concurrency:>5}{p.ok:>6}{p.errors:>5}{p.output_tok_s:>11.1f}{p.req_s:>8.2f}"
-            f"{_f(p.ttft_ms and p.ttft_ms.p50, '.2f'):>10}{_f(p.ttft_ms and p.ttft_ms.p99, '.2f'):>9}"
-            f"{_f(p.itl_ms and p.itl_ms.p50, '.2f'):>9}{_f(p.itl_ms and p.itl_ms.p99, '.2f'):>8}"
+            f"{_f(p.ttft_ms and p.ttft_ms.p50, '.2f'):>10}{p.ttft_ms.tail() if p.ttft_ms else '-':>9}"
+            f"{_f(p.itl_ms and p.itl_ms.p50, '.2f'):>9}{p.itl_ms.tail() if p.itl_ms else '-':>8}"
             f"{_f(p.static_tok_s):>10}{_f(p.ratio_to_static, '.2f'):>7}{hit:>11}")
     for p in r.points:
         for e in p.error_samples:
             lines.append(f"  error at {p.concurrency}: {e}")
+    for p in r.points:
+        if p.itl_ms and p.itl_same_read:
+            lines.append(f"  ITL at {p.concurrency}: {p.itl_same_read} of {p.itl_ms.count} gaps are 0 "
+                         "(chunks that arrived in one read)")
+    if any(d is not None and d.p99 is None for p in r.points for d in (p.ttft_ms, p.itl_ms)):
+        lines.append(f"*: the max of fewer than {P99_MIN_N} values (no p99 of so few)")
     lines += [f"note: {n}" for n in r.notes]
     if r.static and "skipped" in r.static:
         lines.append(f"static decode: skipped ({r.static['skipped']})")
@@ -73,7 +81,7 @@ def write_png(r: Report, path: Path) -> None:
     a.set_title(f"{r.workload}: throughput")
     for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms")):
         for q, style in (("p50", "o-"), ("p99", "^--")):
-            xs = [(p.concurrency, getattr(getattr(p, key), q)) for p in pts if getattr(p, key) is not None]
+            xs = [(p.concurrency, v) for p in pts if (v := getattr(getattr(p, key), q, None)) is not None]
             if xs:
                 b.plot([c for c, _ in xs], [v for _, v in xs], style, label=f"{name} {q}")
     b.set_xlabel("concurrency")

@@ -6,14 +6,16 @@ import statistics
 from pydantic import BaseModel
 
 from harness.load.result import RequestResult
-from harness.stats import nearest_rank
+from harness.stats import P99_MIN_N, nearest_rank
 
 
 class Dist(BaseModel):
-    """Milliseconds: p50, p99 and mean of a sample (absent when the sample is empty)."""
+    """Milliseconds: the median, mean and max of a sample (absent when the sample is empty), and
+    the nearest-rank p99 only with at least P99_MIN_N values."""
 
     p50: float
-    p99: float
+    p99: float | None
+    max: float
     mean: float
     count: int
 
@@ -22,8 +24,13 @@ class Dist(BaseModel):
         if not xs:
             return None
         ms = [x * 1000 for x in xs]
-        return cls(p50=round(nearest_rank(ms, 50), 3), p99=round(nearest_rank(ms, 99), 3),
-                   mean=round(statistics.fmean(ms), 3), count=len(ms))
+        return cls(p50=round(statistics.median(ms), 3),
+                   p99=round(nearest_rank(ms, 99), 3) if len(ms) >= P99_MIN_N else None,
+                   max=round(max(ms), 3), mean=round(statistics.fmean(ms), 3), count=len(ms))
+
+    def tail(self) -> str:
+        """The p99, or the max marked '*' where there are too few values for a p99."""
+        return f"{self.p99:.2f}" if self.p99 is not None else f"{self.max:.2f}*"
 
 
 class PrefixCache(BaseModel):
@@ -52,6 +59,7 @@ class Point(BaseModel):
     req_s: float
     ttft_ms: Dist | None
     itl_ms: Dist | None  # gaps between content chunks, all requests pooled
+    itl_same_read: int = 0  # of those gaps, the ones of 0 (chunks that arrived in one read of the socket)
     tpot_ms: Dist | None  # per request: (latency - ttft) / (output tokens - 1)
     latency_ms: Dist | None
     prefix_cache: PrefixCache | str = "n/a"  # "n/a": the counters were not found
@@ -71,6 +79,7 @@ def summarize(concurrency: int, results: list[RequestResult], duration_s: float)
         if len(samples) == 5:
             break
     out = sum(r.output_tokens for r in good)
+    itl = [x for r in good for x in r.itl]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in good if r.ttft is not None and r.output_tokens > 1]
     return Point(
         concurrency=concurrency, requests=len(results), ok=len(good), errors=len(errors), error_samples=samples,
@@ -80,5 +89,5 @@ def summarize(concurrency: int, results: list[RequestResult], duration_s: float)
         output_tok_s=round(out / duration_s, 2) if duration_s > 0 else 0.0,
         req_s=round(len(good) / duration_s, 3) if duration_s > 0 else 0.0,
         ttft_ms=Dist.of_seconds([r.ttft for r in good if r.ttft is not None]),
-        itl_ms=Dist.of_seconds([x for r in good for x in r.itl]),
+        itl_ms=Dist.of_seconds(itl), itl_same_read=sum(1 for x in itl if x == 0.0),
         tpot_ms=Dist.of_seconds(tpot), latency_ms=Dist.of_seconds([r.latency for r in good]))
