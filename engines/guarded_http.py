@@ -205,6 +205,9 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
                 return  # (a request pipelined after a refused one, in the same read)
             self._in_head, self._head_bytes, self._tail = False, 0, b""
             self._disarm()
+            if self._parsed_head_bytes() > limits.max_head_bytes:  # (begun in the read that ended the last one)
+                self._refuse_head()
+                return
             occupancy.busy(self)
             if gate is not None:
                 verdict = gate.check(self.url.split(b"?", 1)[0], self.headers)
@@ -246,6 +249,13 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
             cycle.keep_alive = False
             cycle.disconnected = True  # nothing more is sent; uvicorn logs nothing when the app returns
             self.transport.close()
+
+        def _parsed_head_bytes(self) -> int:
+            """The head's size as parsed (request line, headers, blank line): data_received counts
+            the bytes of each read, except those of a head that begins in the read which ends the
+            request before it."""
+            line = len(self.parser.get_method()) + len(self.url) + len(b"  HTTP/1.1\r\n")
+            return line + sum(len(k) + len(v) + len(b": \r\n") for k, v in self.headers) + 2
 
         def _idle(self) -> bool:
             return self.cycle is None or self.cycle.response_complete

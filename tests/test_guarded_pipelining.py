@@ -126,6 +126,21 @@ def test_an_oversized_head_pipelined_behind_an_open_request_gets_its_431_after_i
     assert clean(capfd, caplog)
 
 
+def test_an_oversized_head_in_the_same_read_as_the_request_before_it_gets_its_431(port, capfd, caplog) -> None:  # noqa: ANN001
+    """The first request's end and the whole next head in one read: the head is measured as parsed."""
+    ACTIONS.clear()
+    act = b"POST /act HTTP/1.1\r\nhost: t\r\nauthorization: %s\r\ncontent-length: 5\r\n\r\nhello" % TOKEN
+    big = b"POST /act HTTP/1.1\r\nhost: t\r\nauthorization: %s\r\nx-big: %s\r\ncontent-length: 2\r\n\r\nhi" % (
+        TOKEN, b"a" * (2 * CAP))
+    got = responses(exchange(port, act + big))
+    assert [status for status, _ in got] == [200, 431] and ACTIONS == [b"hello"], got
+    just_under = b"GET /ui HTTP/1.1\r\nhost: t\r\nconnection: close\r\nx-pad: %s\r\n\r\n"
+    pad = CAP - len(just_under % b"")  # a head of exactly CAP bytes passes, one more is refused
+    assert [s for s, _ in responses(exchange(port, UI + just_under % (b"p" * pad)))] == [200, 200]
+    assert [s for s, _ in responses(exchange(port, UI + just_under % (b"p" * (pad + 1))))] == [200, 431]
+    assert clean(capfd, caplog)
+
+
 def test_a_refusal_on_an_idle_connection_is_answered_at_once(port, capfd, caplog) -> None:  # noqa: ANN001
     started = time.monotonic()
     assert responses(exchange(port, STATUS)) == [(401, REFUSAL_BODY)]
