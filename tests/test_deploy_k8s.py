@@ -83,6 +83,7 @@ def test_the_config_is_valid_and_listens_where_the_pod_says():
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": cfg.router.port, "admin": cfg.admin.port}
     assert cfg.router.host == cfg.admin.host == "0.0.0.0"  # kubelet probes and Prometheus come from outside the pod
+    assert cfg.limits.peer_connection_share == 1  # behind the Service's SNAT clients share addresses
     (svc_port,) = one("Service")["spec"]["ports"]
     assert svc_port["targetPort"] == "http" and svc_port["port"] == cfg.router.port
     ann = one("Deployment")["spec"]["template"]["metadata"]["annotations"]
