@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .client import Client
 from .request import Request
+from .result import RequestResult
 from .wire import Connection
 
 
@@ -16,16 +17,19 @@ def _going(client: Client, stop: asyncio.Event | None, deadline: float) -> bool:
 
 
 async def closed_loop(client: Client, requests: Iterator[Request], workers: int, stop: asyncio.Event | None = None,
-                      deadline: float = math.inf) -> None:
+                      deadline: float = math.inf,
+                      answered: Callable[[Request, RequestResult], None] | None = None) -> None:
     """`workers` workers, each on its own kept-alive connection, send the next of `requests` when
-    their previous one is answered, until `requests` run out, `stop` is set or the client's clock
-    passes `deadline`; the requests in flight then finish."""
+    their previous one is answered (``answered(request, result)``, if given), until `requests` run
+    out, `stop` is set or the client's clock passes `deadline`; the requests in flight then finish."""
 
     async def worker() -> None:
         conn = client.connection()
         try:
             while _going(client, stop, deadline) and (req := next(requests, None)) is not None:
-                await client.send(conn, req)
+                result = await client.send(conn, req)
+                if answered is not None:
+                    answered(req, result)
         finally:
             conn.close()
 

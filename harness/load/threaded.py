@@ -117,19 +117,12 @@ class Load(ThreadedLoad):
             await closed_loop(client, itertools.repeat(req), self.threads, self._stop)
             return
         reqs = [self._request(b) for b in self.bodies]
-        turns = itertools.cycle(range(len(reqs)))
+        index = {id(req): i for i, req in enumerate(reqs)}
 
-        async def worker() -> None:  # (closed_loop's, keeping which body each answer is of)
-            conn = client.connection()
-            try:
-                while not self._stop.is_set():
-                    i = next(turns)
-                    if (r := await client.send(conn, reqs[i])).ok:
-                        self.replies.append((i, r.text or ""))
-            finally:
-                conn.close()
-
-        await asyncio.gather(*(worker() for _ in range(self.threads)))
+        def answered(req: Request, r: RequestResult) -> None:
+            if r.ok:
+                self.replies.append((index[id(req)], r.text or ""))
+        await closed_loop(client, itertools.cycle(reqs), self.threads, self._stop, answered=answered)
 
     def one(self, body: dict) -> str:
         """The text of one completion of `body` (model and stream set), sent alone on a loop of its
