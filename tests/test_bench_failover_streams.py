@@ -55,3 +55,17 @@ def test_a_quiet_moments_gap_ends_by_its_kill():
     assert abs(r.gap_across(11.2) - 0.75) < 1e-9  # across the kill: 11.15 -> 11.9
     g = Gaps.of(r, [11.2, 10.0], 1.0, [None, 11.2])
     assert [round(a, 2) for a in g.across] == [0.75, 0.65]
+
+
+def test_the_supervisors_cpu_share_is_its_cpu_seconds_per_wall_second():
+    import os
+    import time
+    from harness.bench.failover_streams import CpuShare
+    t0 = time.monotonic()
+    share = CpuShare(os.getpid())
+    end = time.process_time() + 0.2
+    while time.process_time() < end:  # 0.2 s of CPU
+        pass
+    time.sleep(0.2)  # then idle: the share falls (a loaded machine makes both the CPU's and the wall's longer)
+    got, expected = share.share(), 0.2 / (time.monotonic() - t0)
+    assert expected * 0.9 <= got <= expected * 1.3 + 0.02, (got, expected)

@@ -41,18 +41,38 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             say(args, f"shared_kv={shared_kv}: {args.streams} streams from {len(load.jobs)} client processes; "
                       f"warm-up {args.warmup:g} s")
             time.sleep(args.warmup)
+            router = CpuShare(h.proc.pid)  # (the router runs in the supervisor's process)
             k = kill_primaries(args, h)
             time.sleep(args.settle)
+            supervisor_cpu = router.share()
             load.stop()
             reports = load.collect(marks=k.kills + k.whole, within=args.gap_window,
                                    until=[None] * len(k.kills) + k.kills)  # (a quiet window ends by its kill)
         recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
         return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
-                "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2)}
+                "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
+                "supervisor_cpu_share": supervisor_cpu}
     finally:
         h.stop()
         if args.out:  # the supervisor's and every engine's log, for what the figures do not say
             keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
+
+
+class CpuShare:
+    """A process's CPU seconds (all its threads) per wall second since this was made: near 1.0 (or
+    more, with threads) says it may be what holds the streams back."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+        self.proc = psutil.Process(pid)
+        self.cpu0, self.t0 = self._cpu(), time.monotonic()
+
+    def _cpu(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+    def share(self) -> float:
+        return round((self._cpu() - self.cpu0) / (time.monotonic() - self.t0), 3)
 
 
 @dataclass
@@ -174,5 +194,5 @@ def run_streams(args: argparse.Namespace) -> int:
                   f"failover_seconds median {f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max "
                   f"{rc.get('max')} (n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
-                  f"CPU max {r['client_cpu_share_max']:.0%}")
+                  f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}")
     return 0 if all(r["failed"] == 0 for r in results) else 1
