@@ -129,8 +129,10 @@ def test_a_fatal_slot_is_tried_again_on_its_slow_schedule_and_says_so(sup):
         if b["state"] == "FATAL":
             break
         pid = new_pid(sup, "b", b["incarnation"] - 1)
+        inc = engine(sup, "b")["incarnation"]
         os.killpg(pid, signal.SIGKILL)
-        sup.wait_for(lambda st: any(e["name"] == "b" and e["pid"] != pid for e in st["engines"]), 30, "b down")
+        sup.wait_for(lambda st: any(e["name"] == "b" and (e["state"] == "FATAL" or e["incarnation"] > inc)
+                                    for e in st["engines"]), 30, "b's exit read (FATAL, or started again)")
     fatal = sup.wait_event(lambda e: e["type"] == "fatal" and e["engine"] == "b", 30, since)
     assert fatal["retry_in_s"] == 5
     b = engine(sup, "b")

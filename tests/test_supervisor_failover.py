@@ -359,7 +359,9 @@ def test_changed_checkpoint_is_a_miss_with_reason_and_never_promoted(sup, make_t
         m = sup.metrics()
         miss = [ln for ln in m.splitlines() if ln.startswith("understudy_weight_cache_requests_total")
                 and 'result="miss"' in ln]
-        assert miss == ['understudy_weight_cache_requests_total{reason="mismatch",result="miss"} 1.0'], miss
+        assert [ln.rsplit(" ", 1)[0] for ln in miss] == [  # (>= 1: its restart may have missed again by now)
+            'understudy_weight_cache_requests_total{reason="mismatch",result="miss"}'], miss
+        assert float(miss[0].rsplit(" ", 1)[1]) >= 1.0, miss
         assert httpx.post(sup.router_url + "/v1/completions", timeout=30,
                           json={"model": "model", "prompt": "x", "max_tokens": 2}).status_code == 200
     finally:

@@ -262,15 +262,15 @@ def test_the_lifespan_closes_the_upstream_connections():
 
 def test_upstream_connections_are_kept_alive_but_dropped_after_a_timeout(upstreams):
     async def go():
-        table, metrics, c = make(upstream_timeout_s=0.3)
+        table, metrics, c = make(upstream_timeout_s=1.0)  # (every request here must answer within it)
         table.set_primary(Upstream(upstreams[0], "a", 1))
         ports = {(await c.get("/v1/peer")).json()["port"] for _ in range(3)}
         assert len(ports) == 1  # one keep-alive connection
-        r = await c.post("/v1/completions", json={"sleep": 1, "prompt": "slow"})  # 1 s: over the 0.3 s timeout
+        r = await c.post("/v1/completions", json={"sleep": 3, "prompt": "slow"})  # 3 s: over the 1 s timeout
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         r = await c.post("/v1/completions", json={"prompt": "after"})  # not the slow one's late answer
         assert r.status_code == 200 and r.json()["echo"] == "after"
-        await asyncio.sleep(1)
+        await asyncio.sleep(3)  # (the slow answer's time has passed: it must not surface now)
         r = await c.post("/v1/completions", json={"prompt": "later"})
         assert r.status_code == 200 and r.json()["echo"] == "later"
         text = metrics.render().decode()

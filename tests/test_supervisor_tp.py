@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import psutil
 import pytest
@@ -43,7 +42,8 @@ def test_killing_a_worker_rank_fails_the_whole_engine_over(sup):
     assert workers, f"expected rank 1 in group {old['pid']}: {group}"
     mark = len(sup.events)
     with Load(sup.router_url, sup.status()["model"]["name"], threads=2) as load:
-        time.sleep(0.3)
+        sup.wait_for(lambda _: load.first_success_from(old["name"], 0.0) is not None, 30,
+                     f"a request served by {old['name']} before the kill")
         os.kill(workers[0], signal.SIGKILL)
         ev = sup.wait_event(lambda e: e["type"] == "failover", since=mark, timeout_s=30)
         sup.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark, timeout_s=60)
