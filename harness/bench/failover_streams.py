@@ -51,7 +51,8 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
         recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
         return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
-                "supervisor_cpu_share": supervisor_cpu}
+                "supervisor_cpu_share": supervisor_cpu,
+                "primary_front_end_cpu_share": bench_summary(k.front_end_cpu)}
     finally:
         h.stop()
         if args.out:  # the supervisor's and every engine's log, for what the figures do not say
@@ -75,6 +76,18 @@ class CpuShare:
         return round((self._cpu() - self.cpu0) / (time.monotonic() - self.t0), 3)
 
 
+def front_end_share(engine: dict) -> CpuShare | None:
+    """The CPU share of ``engine``'s HTTP front end process (engine-NAME-http), from now on."""
+    import psutil
+    try:
+        for child in psutil.Process(engine["pid"]).children():
+            if child.name() == f"engine-{engine['name']}-http":
+                return CpuShare(child.pid)
+    except psutil.Error:
+        pass
+    return None
+
+
 @dataclass
 class Kills:
     """What `kill_primaries` saw, per kill: when (time.monotonic, the client processes' clock), when
@@ -86,6 +99,7 @@ class Kills:
     failover_s: list[float] = field(default_factory=list)
     recovery_s: list[float] = field(default_factory=list)
     promotion_s: list[float] = field(default_factory=list)
+    front_end_cpu: list[float] = field(default_factory=list)  # the primary's HTTP front end, before each kill
 
 
 def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
@@ -97,8 +111,11 @@ def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
     for i in range(args.runs):
         h.wait_all_ready(args.boot_timeout)
         k.whole.append(time.monotonic())
-        time.sleep(settle)
         old = h.primary()
+        front = front_end_share(old)
+        time.sleep(settle)
+        if front is not None:
+            k.front_end_cpu.append(front.share())
         mark = len(h.events)
         k.kills.append(time.monotonic())
         os.killpg(old["pid"], signal.SIGKILL)
@@ -194,5 +211,6 @@ def run_streams(args: argparse.Namespace) -> int:
                   f"failover_seconds median {f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max "
                   f"{rc.get('max')} (n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
-                  f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}")
+                  f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}; "
+                  f"the primary's HTTP front end before a kill: CPU median {r['primary_front_end_cpu_share'].get('p50')}")
     return 0 if all(r["failed"] == 0 for r in results) else 1
