@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from importlib import import_module
@@ -153,6 +154,11 @@ def _admin_command(ns: argparse.Namespace) -> int:
     paths = {"promote": "/admin/promote", "drain": "/admin/drain", "undrain": "/admin/undrain",
              "rollout": "/admin/rollout"}
     if ns.cmd == "restart":
+        from supervisor.config import ENGINE_NAME
+        if not re.fullmatch(ENGINE_NAME, ns.engine):  # (it goes into the path: never a way around --force)
+            print(f"understudy: restart: {ns.engine[:40]!r} is not an engine name (1-32 letters, digits, '_', '.', "
+                  "'-'; `understudy status` lists them)", file=sys.stderr)
+            return 2
         return run_command(ns.config, "POST", f"/admin/engines/{ns.engine}/restart" + ("?force=true" if ns.force else ""),
                            ns.json)
     return run_command(ns.config, "POST", paths[ns.cmd], ns.json, timeout_s=3600.0 if ns.cmd == "rollout" else 60.0)

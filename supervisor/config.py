@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engines.limits import RequestLimits
 
@@ -22,7 +22,7 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """The checkpoint every engine serves."""
 
-    path: str | None = Field(default=None, description="HF checkpoint folder; null = built-in model made under cache_dir")
+    path: LocalPath = Field(default=None, description="HF checkpoint folder; null = built-in model made under cache_dir")
     preset: Literal["tiny", "small", "1b"] = Field(default="tiny", description="preset made when path is null")
     name: str | None = Field(default=None, description="model id on /v1/models; null = folder name")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -59,6 +59,22 @@ class ExternalEngine(_Section):
 
 
 ENGINE_NAME = r"^[A-Za-z0-9_.-]{1,32}$"
+
+
+def _local_path(value: str | None) -> str | None:
+    """A path on this machine: no NUL byte, and a leading ~user that names a user."""
+    if value is None:
+        return None
+    if "\0" in value:
+        raise ValueError("expected a path, got one with a NUL byte")
+    try:
+        Path(value).expanduser()
+    except RuntimeError:  # (~nosuchuser, or ~ without a home)
+        raise ValueError(f"{value.split('/')[0]!r} names no home folder here") from None
+    return value
+
+
+LocalPath = Annotated[str | None, AfterValidator(_local_path)]
 """What an engine slot may be called (EngineConfig.name's pattern: it names files and log lines)."""
 
 
@@ -212,7 +228,7 @@ class AdminSection(ListenSection):
     """The admin API."""
 
     port: int = Field(default=8001, ge=0, le=65535)
-    token_file: str | None = Field(default=None, description="null = {runtime_dir}/admin.token")
+    token_file: LocalPath = Field(default=None, description="null = {runtime_dir}/admin.token")
     allow_remote: bool = Field(default=False, description="allow a non-loopback admin.host")
 
     @model_validator(mode="after")
@@ -263,8 +279,8 @@ class UnderstudyConfig(_Section):
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu_ids: list[int] = Field(default_factory=list, description="rank i on cuda:gpu_ids[i]; empty = 0..tp-1")
-    runtime_dir: str | None = Field(default=None, description="null = $XDG_RUNTIME_DIR/understudy or /tmp/understudy-$UID")
-    cache_dir: str | None = Field(default=None, description="null = $UNDERSTUDY_CACHE_DIR, else $XDG_CACHE_HOME/understudy or ~/.cache/understudy")
+    runtime_dir: LocalPath = Field(default=None, description="null = $XDG_RUNTIME_DIR/understudy or /tmp/understudy-$UID")
+    cache_dir: LocalPath = Field(default=None, description="null = $UNDERSTUDY_CACHE_DIR, else $XDG_CACHE_HOME/understudy or ~/.cache/understudy")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     model: ModelSection = Field(default_factory=ModelSection)
     engines: EnginesSection = Field(default_factory=EnginesSection)

@@ -38,6 +38,9 @@ def load_config(path: str | Path | None = None) -> UnderstudyConfig:
         raise ConfigError(f"{p}: no such config file") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: cannot read: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") \
+            from None
     return parse_config(text, str(p))
 
 
@@ -45,6 +48,8 @@ def parse_config(text: str, source: str) -> UnderstudyConfig:
     """Parse YAML text; ``source`` names it in errors."""
     try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

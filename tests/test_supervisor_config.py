@@ -137,6 +137,11 @@ BROKEN = {  # what serve died on (issue 23, item 5) -> the line both serve and s
     "runtime dir": ("runtime_dir: {tmp}/open\nmodel: {{path: {model}}}", "runtime_dir: {tmp}/open has mode 0755"),
     "token file": ("model: {{path: {model}}}\nadmin: {{port: 0, token_file: {tmp}/file/token}}",
                    "admin.token_file: {tmp}/file/token cannot be made: {tmp}/file is not a folder"),
+    "nul byte": ('runtime_dir: "{tmp}/a\\0b"\nmodel: {{path: {model}}}', "runtime_dir: expected a path, got one with a NUL"),
+    "no such user": ('runtime_dir: "~no-such-user-here/rt"\nmodel: {{path: {model}}}',
+                     "runtime_dir: '~no-such-user-here' names no home folder here"),
+    "odd token": ("model: {{path: {model}}}\nadmin: {{port: 0, token_file: {tmp}/token}}",
+                  "admin.token_file: {tmp}/token: admin token must be printable ASCII without spaces"),
     "cache dir": ("cache_dir: {tmp}/file/cache", "cache_dir: the built-in tiny model cannot be made there: "
                                                    "{tmp}/file is not a folder"),
 }
@@ -152,6 +157,8 @@ def test_serve_check_fails_where_serve_would_with_exit_2_and_the_key(tmp_path, t
     (tmp_path / "open").mkdir(mode=0o755)
     (tmp_path / "open").chmod(0o755)
     (tmp_path / "file").write_text("a file where a folder is wanted\n")
+    (tmp_path / "token").write_text("t\u00f6ken\n")
+    (tmp_path / "token").chmod(0o600)
     body, line = (t.format(tmp=tmp_path, model=tiny_model) for t in BROKEN[case])
     rt = "" if "runtime_dir" in body else f"runtime_dir: {tmp_path}/rt\n"
     admin = "" if "admin:" in body else "admin: {port: 0}\n"
@@ -316,3 +323,14 @@ def test_serve_check_refuses_a_heartbeat_timeout_under_two_intervals(tmp_path, t
             assert f"understudy: invalid config: {cfg}: {HB} " in r.stderr and tail in r.stderr, r.stderr
             assert "engines.heartbeat_interval_s" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "rt" / "logs").exists(), "serve started something"
+
+
+def test_a_config_that_is_not_utf8_or_nests_too_deep_is_named_not_a_traceback(tmp_path):
+    binary, deep = tmp_path / "binary.yaml", tmp_path / "deep.yaml"
+    binary.write_bytes(b"\xfa\xfb router: 1\n")
+    deep.write_text("[" * 5000 + "\n")
+    for cfg, line in ((binary, "cannot read: not UTF-8 text (byte 0xfa at offset 0)"),
+                      (deep, "invalid YAML: nested too deeply")):
+        for args in (("serve", "--check", "-c", str(cfg)), ("status", "-c", str(cfg))):
+            r = _cli(*args)
+            assert r.returncode == 2 and f"{cfg}: {line}" in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -82,18 +82,35 @@ def print_token(config_path: str | None, as_json: bool = False) -> int:
     return 0
 
 
-def call(config_path: str | None, method: str, path: str, timeout_s: float = 30.0) -> tuple[int, Any]:
-    """One admin request; (status code, parsed JSON or text)."""
+CONNECT_TIMEOUT_S = 5.0
+
+
+def call(config_path: str | None, method: str, path: str, timeout_s: float = 30.0) -> tuple[int, dict[str, Any]]:
+    """One admin request: (status code, its JSON object). ClientError when nothing answers, the
+    answer does not come within ``timeout_s``, or what answers is not our admin API."""
     import httpx
     url, token = admin_endpoint(config_path)
     try:
-        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
+        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {token}"},
+                          timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
+    except httpx.ConnectError as e:
+        raise ClientError(f"cannot reach the admin API at {url}: {e} (is the supervisor running, with this "
+                          "config: -c?)") from None
+    except httpx.TimeoutException as e:
+        what = "no connection" if isinstance(e, httpx.ConnectTimeout) else "connected, but no answer"
+        limit = CONNECT_TIMEOUT_S if isinstance(e, httpx.ConnectTimeout) else timeout_s
+        raise ClientError(f"the admin API at {url}: {what} within {limit:g}s ({method} {path})") from None
     except httpx.HTTPError as e:
         raise ClientError(f"cannot reach the admin API at {url}: {type(e).__name__}: {e}") from None
     try:
-        return r.status_code, r.json()
+        body = r.json()
     except ValueError:
-        return r.status_code, r.text
+        body = None
+    if not isinstance(body, dict):
+        kind = r.headers.get("content-type", "no content type").split(";")[0]
+        raise ClientError(f"{url} answered {method} {path} with HTTP {r.status_code} ({kind}), not a JSON "
+                          "object: not an understudy admin API (is admin.port right?)")
+    return r.status_code, body
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -130,14 +147,18 @@ def run_command(config_path: str | None, method: str, path: str, as_json: bool, 
         print(f"understudy: {e}", file=sys.stderr)
         return 2
     if code >= 400:
-        msg = body.get("error") if isinstance(body, dict) else body
-        print(f"understudy: {method} {path}: HTTP {code}: {msg}", file=sys.stderr)
+        print(f"understudy: {method} {path}: HTTP {code}: {body.get('error', body)}", file=sys.stderr)
         return 1
-    if as_json or not (isinstance(body, dict) and "engines" in body):
-        print(json.dumps(body, indent=2))
-    else:
-        print(format_status(body))
+    if path == "/status" and not STATUS_KEYS <= body.keys():
+        print(f"understudy: GET /status answered without {', '.join(sorted(STATUS_KEYS - body.keys()))}: "
+              "not an understudy admin API (is admin.port right?)", file=sys.stderr)
+        return 2
+    print(json.dumps(body, indent=2) if as_json or path != "/status" else format_status(body))
     return 0
+
+
+STATUS_KEYS = {"epoch", "primary", "drained", "router_url", "admin_url", "model", "engines", "daemons",
+               "recent_failovers"}  # what format_status reads
 
 
 def _alive(pid: object) -> bool:

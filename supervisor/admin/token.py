@@ -36,9 +36,14 @@ def read_token(path: Path) -> str:
         text = path.read_text().strip()
     except OSError as e:
         raise TokenError(f"{path}: cannot read admin token: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise TokenError(f"{path}: admin token is not text (expected printable ASCII, no spaces)") from None
     if st.st_mode & 0o077:
         raise TokenError(f"{path}: admin token must not be readable by group/others "
                          f"(mode {st.st_mode & 0o777:o}; run chmod 600 {path})")
     if not text:
         raise TokenError(f"{path}: admin token file is empty")
+    if not (text.isascii() and text.isprintable()) or any(c.isspace() for c in text):
+        raise TokenError(f"{path}: admin token must be printable ASCII without spaces or line breaks "
+                         "(it goes in an HTTP header)")
     return text
