@@ -42,7 +42,9 @@ def test_fault_plan_is_exact_and_seeded() -> None:
 
 @pytest.mark.parametrize("extra, message", [
     (["--faults", "kill-everything:1"], "fault kind 'kill-everything'"),
-    (["--mix", "embeddings:1"], "mix: expected weights"),
+    (["--mix", "embeddings:1"], "mix: expected finite weights"),
+    (["--mix", "completion:nan"], "mix: expected finite weights"),
+    (["--mix", "completion:0,chat:0"], "mix: at least one weight must be > 0"),
     (["--data-url", "http://192.0.2.1:8000"], "loopback only"),
     (["--rate", "0"], "rate"),
 ])

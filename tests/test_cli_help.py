@@ -139,3 +139,14 @@ def test_the_readme_bench_list_is_the_cli_list():
 def test_the_readme_first_example_picks_the_ports():
     first = README[README.index("## The two commands"):README.index("## Using it")]
     assert "./scripts/serve --port 9000 --admin-port 9001" in first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "attach", "--tensors", "0"], "argument --tensors: expected an integer >= 1, got 0"),
+    (["bench", "attach", "--total-mb", "-1"], "argument --total-mb: expected a finite number > 0, got -1"),
+    (["bench", "determinism", "--clients", "0"], "argument --clients: expected an integer >= 1, got 0"),
+])
+def test_bench_counts_and_sizes_are_refused_by_their_option(args, message):
+    r = subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

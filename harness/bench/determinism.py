@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from harness.bench.arg_types import positive_float, positive_int
 from harness.bench.private_node import add_target_args, bench_config, say
 from harness.stats import bench_summary
 
@@ -138,16 +139,16 @@ def table(res: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench determinism", description=__doc__.splitlines()[0])
     add_target_args(p)
-    p.add_argument("--prompts", type=int, default=32, help="prompts, each sent greedy and seeded")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per answer (EOS ignored)")
-    p.add_argument("--max-words", type=int, default=120, help="the longest prompt, in words")
-    p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load per phase")
+    p.add_argument("--prompts", type=positive_int, default=32, help="prompts, each sent greedy and seeded")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per answer (EOS ignored)")
+    p.add_argument("--max-words", type=positive_int, default=120, help="the longest prompt, in words")
+    p.add_argument("--clients", type=positive_int, default=32, help="concurrent streaming clients")
+    p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of load per phase")
     p.add_argument("--kills", type=int, default=0, help="SIGKILLs of the primary in the second phase (0: no such phase)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="overrides model.dtype")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests")
     p.add_argument("--default-mode", action="store_true", help="engines.deterministic false (to see the difference)")
-    p.add_argument("--boot-timeout", type=float, default=900.0, help="seconds the node may take to be READY")
+    p.add_argument("--boot-timeout", type=positive_float, default=900.0, help="seconds the node may take to be READY")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p

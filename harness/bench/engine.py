@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from harness.bench.arg_types import positive_int, positive_ints
 from harness.bench.decode import bench_decode, fused_as_accurate, fused_logit_error, graphs_match_eager, print_decode
 from harness.bench.restart import bench_restart, print_restart
 
@@ -36,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     dev_default = "cuda" if torch.cuda.is_available() else "cpu"
     d = sub.add_parser("decode", help=DECODE, description=DECODE)
     d.add_argument("model_dir", help="checkpoint folder")
-    d.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (%(default)s)")
-    d.add_argument("--tokens", type=int, default=128, help="tokens generated per sequence (%(default)s)")
-    d.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence (%(default)s)")
+    d.add_argument("--batches", type=positive_ints, default=[1, 8, 32], help="comma-separated batch sizes (1,8,32)")
+    d.add_argument("--tokens", type=positive_int, default=128, help="tokens generated per sequence (%(default)s)")
+    d.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per sequence (%(default)s)")
     d.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's context, as a server's (default: prompt-len + tokens + 8)")
     r = sub.add_parser("restart", help=RESTART, description=RESTART)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
 
     if ns.cmd == "decode":
-        res = bench_decode(ns.model_dir, ns.device, [int(b) for b in ns.batches.split(",")], ns.tokens,
+        res = bench_decode(ns.model_dir, ns.device, ns.batches, ns.tokens,
                            ns.prompt_len, ns.dtype, not ns.no_cuda_graphs, not ns.no_fused_kernels,
                            ns.max_model_len)
         print_decode(res)

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from harness.bench.arg_types import positive_float, positive_int
 from harness.bench.attach import bench_attach, run_exporter, run_importer
 from harness.bench.cold_load import bench_load
 
@@ -26,11 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{attach,load}")
     a = sub.add_parser("attach", help=ATTACH, description=ATTACH)
-    a.add_argument("--tensors", type=int, default=10_000, help="tensors the exporter holds (%(default)s)")
-    a.add_argument("--total-mb", type=float, default=1000.0, help="their total size in MB (%(default)s)")
+    a.add_argument("--tensors", type=positive_int, default=10_000, help="tensors the exporter holds (%(default)s)")
+    a.add_argument("--total-mb", type=positive_float, default=1000.0, help="their total size in MB (%(default)s)")
     a.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the tensors live (%(default)s)")
     a.add_argument("--gpu-id", type=int, default=0, help="the CUDA device with --device cuda (%(default)s)")
-    a.add_argument("--repeat", type=int, default=3, help="importer processes per mode (median reported)")
+    a.add_argument("--repeat", type=positive_int, default=3, help="importer processes per mode (median reported)")
     a.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     ld = sub.add_parser("load", help=LOAD, description=LOAD)
     ld.add_argument("model_dir", help="checkpoint folder (*.safetensors and config.json)")

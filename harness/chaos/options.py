@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import random
 import socket
 from urllib.parse import urlsplit
@@ -65,8 +66,10 @@ class ChaosOptions(BaseModel):
     @classmethod
     def _mix(cls, mix: dict[str, float]) -> dict[str, float]:
         unknown = set(mix) - set(ENDPOINTS)
-        if unknown or not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
-            raise ValueError(f"mix: expected weights >= 0 for {ENDPOINTS}, got {mix}")
+        if unknown or not mix or not all(math.isfinite(w) and w >= 0 for w in mix.values()):
+            raise ValueError(f"mix: expected finite weights >= 0 for {ENDPOINTS}, got {mix}")
+        if sum(mix.values()) <= 0:
+            raise ValueError(f"mix: at least one weight must be > 0, got {mix}")
         return mix
 
     @field_validator("faults")
