@@ -15,6 +15,22 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from engines.limits import RequestLimits
 
 
+def _local_path(value: str | None) -> str | None:
+    """A path on this machine: no NUL byte, and a leading ~user that names a user."""
+    if value is None:
+        return None
+    if "\0" in value:
+        raise ValueError("expected a path, got one with a NUL byte")
+    try:
+        Path(value).expanduser()
+    except RuntimeError:  # (~nosuchuser, or ~ without a home)
+        raise ValueError(f"{value.split('/')[0]!r} names no home folder here") from None
+    return value
+
+
+LocalPath = Annotated[str | None, AfterValidator(_local_path)]  # a config path (null: its default)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -59,22 +75,6 @@ class ExternalEngine(_Section):
 
 
 ENGINE_NAME = r"^[A-Za-z0-9_.-]{1,32}$"
-
-
-def _local_path(value: str | None) -> str | None:
-    """A path on this machine: no NUL byte, and a leading ~user that names a user."""
-    if value is None:
-        return None
-    if "\0" in value:
-        raise ValueError("expected a path, got one with a NUL byte")
-    try:
-        Path(value).expanduser()
-    except RuntimeError:  # (~nosuchuser, or ~ without a home)
-        raise ValueError(f"{value.split('/')[0]!r} names no home folder here") from None
-    return value
-
-
-LocalPath = Annotated[str | None, AfterValidator(_local_path)]
 """What an engine slot may be called (EngineConfig.name's pattern: it names files and log lines)."""
 
 
