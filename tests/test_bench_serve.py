@@ -57,7 +57,9 @@ def test_sweep_through_the_router_with_the_static_decode_beside_it(sup, tmp_path
         assert p["output_tok_s"] > 0 and p["req_s"] > 0 and 0 < p["client_cpu"] < 2
         assert 0 < p["ttft_ms"]["p50"] <= p["ttft_ms"]["max"] and p["ttft_ms"]["count"] == 8
         assert p["ttft_ms"]["p99"] is None  # (8 values: no p99, their max is shown, marked *)
-        assert p["itl_ms"]["max"] > 0 and p["itl_ms"]["count"] == p["content_chunks"] - 8
+        itl = p["itl_ms"]  # (a loaded machine may deliver a whole answer in one read: every gap 0, counted)
+        assert itl["count"] == p["content_chunks"] - 8 and 0 <= p["itl_same_read"] <= itl["count"]
+        assert (itl["max"] > 0) == (p["itl_same_read"] < itl["count"]), (itl, p["itl_same_read"])
         assert p["static_batch"] == p["concurrency"] and p["static_tok_s"] > 0
         assert p["ratio_to_static"] == pytest.approx(p["output_tok_s"] / p["static_tok_s"], rel=1e-2)
         pc = p["prefix_cache"]  # "n/a" until the engine exports the counters; never invented
