@@ -22,7 +22,7 @@ from harness.node import Harness
 CONFIG = """
 runtime_dir: {rt}
 model: {{path: {model}}}
-engines: {{heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 8, max_model_len: 128}}
+engines: {{heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 8, max_model_len: 1024}}
 failover: {{heartbeat_timeout_s: 3, probe_interval_s: 1, probe_timeout_s: 5, hold_timeout_s: 20,
            backoff_base_s: 0.1, backoff_max_s: 1, drain_timeout_s: 10, stop_timeout_s: 5}}
 router: {{port: 0}}
@@ -74,7 +74,8 @@ def test_sigkill_supervisor_restarts_on_the_same_socket_and_readopts_everything(
         assert first.admin("POST", "/admin/drain").status_code == 200  # an operator's drain outlives the crash
         load = OpenLoad(url, tiny_model.name, RATE).start()
         time.sleep(2.0)
-        long = threading.Thread(target=load.one, args=(120,))  # in flight in the process killed
+        long = threading.Thread(target=load.one, args=(900,))  # in flight in the process killed (120 tokens
+        # could end within the 0.1 s below)
         t_long = time.monotonic()
         long.start()
         time.sleep(0.1)
