@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from importlib import import_module
 
+from supervisor.arg_types import bounded_int
+
 DELEGATED = {
     "chaos": "harness.chaos.cli",
     "make-model": "engines.make_model",
@@ -70,15 +72,7 @@ def printing(command: Callable[[], int]) -> int:
         return EXIT_READER_GONE
 
 
-def port_number(text: str) -> int:
-    """argparse type of --port/--admin-port: 0 (any free port) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {port}")
-    return port
+port_number = bounded_int(0, 65535, "a port number (0-65535)")  # --port/--admin-port (0: any free port)
 
 
 ADMIN_COMMANDS = {  # name -> what it does: its line in `understudy -h` and its description

@@ -52,8 +52,11 @@ def preset_dir(cfg: UnderstudyConfig) -> Path:
 def resolve_model(cfg: UnderstudyConfig) -> Path:
     """The folder to serve; makes the preset model under cache_dir/models/<preset> if needed."""
     existing = existing_model(cfg)
-    if existing is not None:
-        return existing
+    return existing if existing is not None else make_preset(cfg)
+
+
+def make_preset(cfg: UnderstudyConfig) -> Path:
+    """Make the built-in preset model under cache_dir/models/<preset> (its folder is returned)."""
     path = preset_dir(cfg)
     from engines.make_model import main as make_model  # lazy: imports torch
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

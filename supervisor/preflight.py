@@ -82,13 +82,13 @@ def visible_gpus() -> int | None:
 
 def _model(cfg: UnderstudyConfig, make_model: bool, problems: list[str]) -> Path | None:
     """The checkpoint folder, checked (ModelError messages name model.path)."""
-    from supervisor.model_prep import ModelError, existing_model, preset_dir, resolve_model
+    from supervisor.model_prep import ModelError, existing_model, make_preset, preset_dir
     try:
         found = existing_model(cfg)
         if found is None and (why := uncreatable(preset_dir(cfg))) is not None:
             problems.append(f"cache_dir: the built-in {cfg.model.preset} model cannot be made there: {why}")
             return None
-        return resolve_model(cfg) if make_model and found is None else found  # (None: serve makes it on first run)
+        return make_preset(cfg) if make_model and found is None else found  # (None: serve makes it on first run)
     except ModelError as e:
         problems.append(str(e) if str(e).startswith("model.") else f"model.preset: {e}")
     except OSError as e:  # (making the preset: a full disk, a folder removed meanwhile)

@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engines.loopback import free_port
+from harness import ROOT
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from engines.loopback import free_port
 from harness import ROOT
-
 from harness.handover import listening
 
 CONFIG = """
@@ -25,12 +24,6 @@ router: {{port: {busy_router}}}
 admin: {{port: {busy_admin}}}
 """
 READY = re.compile(r"understudy: ready: serving \S+ on (http://\S+)/v1 .*; admin (http://\S+) \(token in (\S+)\)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_listens_on_the_ports_of_the_command_line(tmp_path, tiny_model):

@@ -5,16 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from supervisor.arg_types import bounded_int
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
+
+positive_int = bounded_int(1, None, "an integer >= 1")
 
 
 def positive_float(text: str) -> float:
