@@ -437,14 +437,19 @@ class _EventStream:
 
 def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
     """Outputs that queued up while the client side was busy, merged per choice: a slow reader
-    gets fewer, larger chunks instead of falling further behind."""
+    gets fewer, larger chunks instead of falling further behind. A scheduled marker is kept, first
+    (merged into the tokens after it, it was lost: the router then took a request that ran for one
+    only queued)."""
+    markers = [(index, out) for index, out in items if out.is_scheduled]
     merged: dict[int, Output] = {}
     for index, out in items:
+        if out.is_scheduled:
+            continue
         prev = merged.get(index)
         merged[index] = out if prev is None else dataclasses.replace(
             out, delta=prev.delta + out.delta, token_ids=prev.token_ids + out.token_ids,
             timing=prev.timing or out.timing)
-    return list(merged.items())
+    return markers + list(merged.items())
 
 
 _CHOICE_IDS = {"choices": {"__all__": {"prompt_token_ids": True, "token_ids": True}}}

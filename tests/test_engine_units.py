@@ -269,3 +269,15 @@ def test_the_preflights_shape_arithmetic_agrees_with_building_the_model(tiny_mod
                 continue
             assert tp_problem(args, tp) is None, (changes, tp)
             assert kv_bytes_per_block(args, tp, 16, "bfloat16") == model.kv_bytes_per_block(16), (changes, tp)
+
+
+def test_coalescing_for_a_slow_reader_keeps_the_scheduled_marker_first():
+    """Outputs queued behind a busy client are merged per choice, but the scheduled marker (the
+    router's proof that the request ran here) is never merged away."""
+    from engines.sequence import Output
+    from engines.server import _coalesce
+    marker = Output(7, "", None, 4, 0)
+    a, b = Output(7, "he", None, 4, 1, [1]), Output(7, "llo", None, 4, 2, [2])
+    got = _coalesce([(0, marker), (0, a), (0, b)])
+    assert got[0] == (0, marker) and got[0][1].is_scheduled
+    assert [(i, o.delta, o.token_ids) for i, o in got[1:]] == [(0, "hello", [1, 2])]
