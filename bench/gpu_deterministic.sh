@@ -12,6 +12,8 @@
 #                                          #     one (8100/8101) at once on GPU 0 (16 GiB pools each), bench serve
 #                                          #     chat:32, nano:256 and chat:1 (batch-1 inter-token latency) on each
 #                                          #     in turn (ABBA, RUNS=2 of DURATION=10 s), medians, then the ratios
+#   bash bench/gpu_deterministic.sh tune   # (5) bench/probes/invariant_tune.py: the products' launch configurations
+#                                          #     (time, invariance) and a step's kernels, default vs deterministic
 #   bash bench/gpu_deterministic.sh all    # check, then ab: about 12 minutes, over one device call's 10, so run
 #                                          # check and ab as two calls (about 7 and 6 minutes)
 # Logs go to $OUT; the last lines printed are the figures.
@@ -48,7 +50,7 @@ import statistics, sys
 rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11]
 print("workload       clients  out tok/s det/default   ITL p50 ms det/default (ITL: default/det, >= 0.85 wanted at 1)")
 for w in dict.fromkeys((x[1], x[3]) for x in rows):
-    med = lambda node, col: statistics.median(float(x[col]) for x in rows if x[0] == node and (x[1], x[3]) == w)
+    med = lambda node, col: statistics.median(float(x[col].rstrip("*")) for x in rows if x[0] == node and (x[1], x[3]) == w)
     tok, itl = med("det", 6) / med("default", 6), med("default", 10) / med("det", 10)
     print(f"{w[0]:14} {w[1]:>7}  {med('det', 6):9.1f} / {med('default', 6):9.1f} = {tok:.3f}   "
           f"{med('det', 10):.2f} / {med('default', 10):.2f} (default/det {itl:.3f})")
@@ -74,8 +76,10 @@ except OSError:
 PY
 }
 case "${1:-}" in
+tune) timeout ${TUNE_TIMEOUT:-560} python3 bench/probes/invariant_tune.py $M --json "$OUT/tune.json" > "$OUT/tune.txt" 2>&1
+  echo "rc $?"; grep -B2 -A16 "^== kernels" "$OUT/tune.txt"; sed -n '/^== summary/,$p' "$OUT/tune.txt" ;;
 check) check; summary ;;
 ab) ab ;;
 all) check > "$OUT/check.txt" 2>&1; ab; summary ;;
-*) echo "usage: $0 check|ab|all" >&2; exit 2 ;;
+*) echo "usage: $0 check|ab|tune|all" >&2; exit 2 ;;
 esac

@@ -66,7 +66,7 @@ print("workload       clients node    runs  TTFT p50 ms  TTFT p99 ms  out tok/s 
 for w, c in dict.fromkeys((x[1], x[3]) for x in rows):  # (a workload at each client count)
     for node in sys.argv[2:]:
         r = [x for x in rows if x[0] == node and x[1] == w and x[3] == c]
-        med = lambda col: statistics.median(float(x[col]) for x in r)
+        med = lambda col: statistics.median(float(x[col].rstrip("*")) for x in r)
         print(f"{w:14} {c:>7} {node:7} {len(r):4}  {med(8):10.2f}  {med(9):11.2f}  {med(6):9.1f}  {med(10):10.2f}")
 PY
 }

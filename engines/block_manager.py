@@ -40,8 +40,11 @@ Mode = Literal["own", "parked", "writer"]
 
 ROOT = bytes(16)  # the `prev` of a sequence's first block
 # A deterministic engine's chains start elsewhere: its KV is computed by other kernels (other bits),
-# so it never takes a block a default-mode engine left in the pool, nor gives it one.
-DETERMINISTIC_ROOT = hashlib.blake2b(b"understudy: batch-invariant kernels", digest_size=16).digest()
+# so it never takes a block a default-mode engine left in the pool, nor gives it one. The version
+# names the kernels' arithmetic: a release that changes it must change the version, so that a
+# rollout's engines never continue from KV the old kernels wrote (other bits, under the same weights).
+DETERMINISTIC_KERNELS = b"understudy: batch-invariant kernels v2 (K unsplit)"
+DETERMINISTIC_ROOT = hashlib.blake2b(DETERMINISTIC_KERNELS, digest_size=16).digest()
 
 
 def block_key(prev: bytes | None, tokens: list[int]) -> bytes:

@@ -218,7 +218,7 @@ def run_engine(cfg: EngineConfig) -> int:
         log.info("KV cache: %d blocks of %d tokens (%s; max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
                  "fused decode kernels: %s; deterministic: %s", runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml,
                  runner.max_rows, runner.graph_sizes if use_graphs else "off", runner.fused_decode_status,
-                 runner.deterministic)
+                 runner.deterministic_status)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching, SharedPool(pool, cfg.kv_slot) if pool else None)
         link = CoreLink(engine, *link_eps)

@@ -1,5 +1,5 @@
 """Batch invariance of the deterministic ops (engines/models/invariant.py, engines/kernels/
-invariant_matmul.py): a row's output is bit-identical alone and inside batches of many sizes with
+invariant_matmul.py and row_ops.py): a row's output is bit-identical alone and inside batches of many sizes with
 random other rows, in float32 and bfloat16 on the torch path, and on the Triton kernel through
 Triton's interpreter on CPU (float32 and float16: the interpreter has no bfloat16 product)."""
 from __future__ import annotations
@@ -114,46 +114,71 @@ KERNEL_DTYPES = [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.flo
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("variant", ["plain", "norm+bias", "gated+residual"])
-def test_invariant_matmul_rows_do_not_depend_on_the_batch_or_the_split_path(dtype: torch.dtype, variant: str) -> None:
-    """Shapes with two splits of K (sm_count 8): a row alone (splits in separate programs) and in
-    batches of 3 and 70 rows (two row tiles), with the splits in separate programs or in one."""
-    from engines.kernels.invariant_matmul import invariant_matmul, num_splits
+def test_invariant_kernels_rows_do_not_depend_on_the_batch_or_the_tile(dtype: torch.dtype, variant: str) -> None:
+    """The Triton path of `linear` (engines/kernels/row_ops.py, then the product): a row alone and
+    in batches of 3 and 70 rows, through each tile; on a GPU also through the tile chosen by the
+    rows (SMALL alone and for 3, MEDIUM for 70), which must give the same bits as each other."""
+    from engines.kernels.invariant_matmul import LARGE, MEDIUM, SMALL, invariant_matmul
+    from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
     g = torch.Generator().manual_seed(5)
     n, k = 200, 600
-    assert num_splits(n, k, 8)[0] == 2
     rnd = lambda *size: torch.randn(*size, generator=g).to(DEV, dtype)  # noqa: E731
     w = rnd(n, k)
-    kw: dict = {}
-    if variant == "norm+bias":
-        kw = dict(norm_weight=rnd(k), bias=rnd(n), eps=1e-5)
-    cols = 2 * k if variant == "gated+residual" else k
-    row, res_row = rnd(cols), rnd(n)
+    gated, normed = variant == "gated+residual", variant == "norm+bias"
+    norm_w, bias = (rnd(k), rnd(n)) if normed else (None, None)
+    row, res_row = rnd(2 * k if gated else k), rnd(n)
 
-    def call(x: torch.Tensor, across: bool) -> torch.Tensor:
-        if variant == "gated+residual":
-            kw.update(gated=True, residual=res_row.expand(x.shape[0], n).contiguous())
-        return invariant_matmul(x, w, **kw, across=across, sm_count=8)
-    alone = call(row[None], True)[0]
-    for x, at in batches(g, row.cpu(), [3, 70]):
-        for across in (True, False):
-            assert torch.equal(call(x.to(DEV), across)[at], alone), (x.shape, across)
+    def call(x: torch.Tensor, tiles) -> torch.Tensor:  # noqa: ANN001
+        if gated:
+            x = silu_mul_rows(x)
+        if normed:
+            x = rms_norm_rows(x, norm_w, 1e-5)
+        residual = res_row.expand(x.shape[0], n).contiguous() if gated else None
+        return invariant_matmul(x, w, bias=bias, residual=residual, tiles=tiles)
+    by_tile = {}
+    for tiles in (SMALL, MEDIUM, LARGE, *([None] if DEV == "cuda" else [])):
+        alone = by_tile[tiles] = call(row[None], tiles)[0]
+        for x, at in batches(g, row.cpu(), [3, 70]):
+            assert torch.equal(call(x.to(DEV), tiles)[at], alone), (x.shape, tiles)
+    if DEV == "cuda":
+        assert torch.equal(by_tile[SMALL], by_tile[MEDIUM]) and torch.equal(by_tile[SMALL], by_tile[LARGE])
     a = row.float()
-    if variant == "gated+residual":
+    if gated:
         a = F.silu(a[:k]) * a[k:]
-    if "norm_weight" in kw:
-        a = a * torch.rsqrt(a.pow(2).mean() + 1e-5) * kw["norm_weight"].float()
-    want = w.float() @ a + (kw["bias"].float() if "bias" in kw else 0) + (res_row.float() if variant != "plain"
-                                                                          and "residual" in kw else 0)
-    torch.testing.assert_close(alone.float(), want, rtol=0, atol=0.02 * want.abs().max().item())
+    if normed:
+        a = a * torch.rsqrt(a.pow(2).mean() + 1e-5) * norm_w.float()
+    want = w.float() @ a + (bias.float() if normed else 0) + (res_row.float() if gated else 0)
+    got = by_tile[SMALL].float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02 * want.abs().max().item())
+
+
+def test_the_products_tiles_check_says_whether_they_agree() -> None:
+    """check_tiles records its verdict per device, and tiles_for follows it: LARGE for every call
+    where the tiles disagree (here forced by a verdict of False), SMALL for few rows where they agree."""
+    from engines.kernels import invariant_matmul as im
+    dev = torch.device(DEV, 0) if DEV == "cuda" else torch.device("cpu")
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(9)).to(dev, KERNEL_DTYPES[0])
+    try:
+        verdict = im.check_tiles([w], rows=im.SMALL_ROWS + 8)
+        assert im._tiles_by_rows[dev] is verdict
+        assert im.tiles_for(1, 48, dev) == (im.SMALL if verdict else im.LARGE)
+        if DEV == "cuda":
+            assert verdict, "SMALL and LARGE give other bits on this GPU: deterministic decode takes the slow tile"
+        im._tiles_by_rows[dev] = False
+        assert im.tiles_for(1, 48, dev) == im.tiles_for(1, 32000, dev) == im.tiles_for(2048, 48, dev) == im.LARGE
+    finally:
+        im._tiles_by_rows.pop(dev, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float16])
 def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(dtype: torch.dtype) -> None:
-    """The Triton kernel as deterministic engines run it (one query tile, no split of the keys):
-    a position's output as a decode row (alone, and beside a long decode row and a chunk) is the
-    bit pattern of its row in a whole prefill and in chunks."""
-    from engines.kernels.paged_attention import NO_SPLIT, paged_attention, query_block
+    """The Triton kernel as deterministic engines run it (decode's small query tile, no split of
+    the keys, the softmax's sums by products): a position's output as a decode row (alone, and
+    beside a long decode row and a chunk) is the bit pattern of its row in a whole prefill and in
+    chunks; `check_query_tiles`, which engines run at start, agrees."""
+    from engines.kernels.paged_attention import NO_SPLIT, check_query_tiles, paged_attention, query_block
     from engines.models.paged import query_blocks
+    assert check_query_tiles(4, 2, 16, dtype, torch.device(DEV))
     g = torch.Generator().manual_seed(6)
     heads, kv_heads, d, length = 4, 2, 16, 300  # longer than a default split (256 keys)
     cache, tables = paged(g, dtype, [length, 280, 120], heads, kv_heads, d, bs=16)
@@ -162,10 +187,11 @@ def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(
     t = lambda v: torch.tensor(v, device=DEV)  # noqa: E731
 
     def run(rows: torch.Tensor, q_lens: list[int], seq_lens: list[int], order: list[int]) -> torch.Tensor:
-        bq = query_block(heads, kv_heads, max(q_lens) == 1, deterministic=True)
+        bq = query_block(heads, kv_heads, max(q_lens) == 1)
         cu_qb = query_blocks(q_lens, bq)
         return paged_attention(rows, cache[0], cache[1], t([0, *torch.tensor(q_lens).cumsum(0).tolist()]),
-                               t(seq_lens), tables[order], t(cu_qb), cu_qb[-1], bq, min_split_keys=NO_SPLIT)
+                               t(seq_lens), tables[order], t(cu_qb), cu_qb[-1], bq, min_split_keys=NO_SPLIT,
+                               dot_sum=True)
     whole = run(q, [length], [length], [0])
     chunked = torch.cat([run(q[s:s + 100], [100], [s + 100], [0]) for s in range(0, length, 100)])
     assert torch.equal(chunked, whole)

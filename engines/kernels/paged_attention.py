@@ -46,7 +46,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_p
                             stride_bt, scale,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SEARCH_STEPS: tl.constexpr, SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                            SEARCH_STEPS: tl.constexpr, SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            DOT_SUM: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,8 +98,13 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_p
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         values = tl.load(v_ptr + rows[:, None] + d[None, :], mask=in_seq[:, None], other=0.0)
-        acc = tl.dot(p.to(dtype), values, acc * alpha[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_in = p.to(dtype)
+        acc = tl.dot(p_in, values, acc * alpha[:, None])
+        if DOT_SUM:  # the row sums through the tensor cores too: the same order whatever the tile
+            row_sum = tl.max(tl.dot(p_in, tl.full([BLOCK_N, 16], 1.0, dtype)), axis=1)  # 16 equal columns
+        else:
+            row_sum = tl.sum(p, axis=1)
+        l_i = l_i * alpha + row_sum
         m_i = m_new
     if split_row:  # this split's part, for _combine_splits_kernel
         part = (b * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
@@ -137,11 +143,11 @@ def _combine_splits_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, cu_q_p
     tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def query_block(heads: int, kv_heads: int, decode_only: bool, deterministic: bool = False) -> int:
-    """Query tokens per program: enough rows (tokens x padded GQA group) for a tensor-core tile.
-    Deterministic engines take prefill's tile for decode too: the same tl.dot shapes, so a row's
-    scores and weighted sums come out of the same instructions in both."""
-    rows = MIN_ROWS if decode_only and not deterministic else PREFILL_ROWS
+def query_block(heads: int, kv_heads: int, decode_only: bool, one_tile: bool = False) -> int:
+    """Query tokens per program: enough rows (tokens x padded GQA group) for a tensor-core tile,
+    fewer for decode-only steps; `one_tile`: prefill's for both (a deterministic engine on a GPU
+    where the tile changes a row's bits: `check_query_tiles`)."""
+    rows = MIN_ROWS if decode_only and not one_tile else PREFILL_ROWS
     return max(1, rows // triton.next_power_of_2(heads // kv_heads))
 
 
@@ -156,12 +162,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, cu_qblocks: torch.Tensor,
                     num_programs: int, block_q: int, search_steps: int | None = None, *, block_n: int = BLOCK_KEYS,
                     min_split_keys: int = MIN_SPLIT_KEYS, num_warps: int = NUM_WARPS,
-                    num_stages: int = NUM_STAGES) -> torch.Tensor:
+                    num_stages: int = NUM_STAGES, dot_sum: bool = False) -> torch.Tensor:
     """`q [T, heads, D]`; caches `[num_blocks, block_size, kv_heads, D]` (the same strides);
     `cu_q [B+1]`, `seq_lens [B]`, `block_tables [B, max_blocks]`; `cu_qblocks [B+1]` the running
     count of `block_q`-token query blocks per sequence, `num_programs` (host) at least its last
     value. `search_steps` (default: enough for B) is fixed per engine so the kernel compiles once.
-    The keyword arguments are the kernel's tuning (bench/probes/attention_tune.py). Returns `[T, heads, D]`."""
+    The keyword arguments are the kernel's tuning (bench/probes/attention_tune.py); `dot_sum` sums
+    the softmax's rows by a product (deterministic engines: see DOT_SUM). Returns `[T, heads, D]`."""
     t, heads, d = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -182,9 +189,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), block_tables.stride(0), d ** -0.5,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_SIZE=block_size, D=d,
         BLOCK_N=block_n, SEARCH_STEPS=search_steps or max(1, b.bit_length()), SPLIT_KEYS=per_split,
-        NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=splits, DOT_SUM=dot_sum, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_splits_kernel[(b, heads)](
             out, part_acc, part_m, part_l, cu_q, seq_lens, out.stride(0), out.stride(1), D=d,
             SPLIT_KEYS=per_split, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
     return out
+
+
+def check_query_tiles(heads: int, kv_heads: int, d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a deterministic engine's decode tile gives a position the bits of its row in a
+    prefill on this GPU (random keys: 40 positions as a prefill, each as a decode row after it)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    length, block_size = 300, 16
+    blocks = -(-length // block_size)
+    cache = torch.randn(2, blocks + 1, block_size, kv_heads, d, generator=g, device=device).to(dtype)
+    q = torch.randn(length, heads, d, generator=g, device=device).to(dtype)
+    table = torch.arange(1, blocks + 1, device=device)[None]
+    t = lambda v: torch.tensor(v, device=device)  # noqa: E731
+
+    def run(rows: torch.Tensor, n: int, end: int, decode: bool) -> torch.Tensor:
+        bq = query_block(heads, kv_heads, decode)
+        programs = -(-n // bq)
+        return paged_attention(rows, cache[0], cache[1], t([0, n]), t([end]), table, t([0, programs]), programs, bq,
+                               min_split_keys=NO_SPLIT, dot_sum=True)
+    whole = run(q[length - 40:], 40, length, False)
+    return all(torch.equal(run(q[p:p + 1], 1, p + 1, True)[0], whole[p - length + 40]) for p in range(length - 40, length))

@@ -4,9 +4,9 @@ What breaks it elsewhere: a library picks its algorithm (tiles, split-K, vector 
 threads) by the shape of the call, and with it the order of a row's float sums, so the same row
 gives other bits alone, in a batch of 17 or in a prefill chunk. Here:
 
-- `linear` (with RMSNorm of its input, silu(gate) * up, bias and the residual add folded in, as
-  engines/kernels/gemv.py has them): on CUDA the Triton kernel engines/kernels/invariant_matmul.py
-  (one tile shape, splits of K at fixed positions); elsewhere torch on tiles of a fixed TILE rows
+- `linear` (RMSNorm of its input or silu(gate) * up, then the product, bias and the residual add):
+  on CUDA the Triton kernels engines/kernels/row_ops.py and invariant_matmul.py (K never split,
+  one row's reduction in one program); elsewhere torch on tiles of a fixed TILE rows
   (the rows padded with zeros), one call per tile, so the library always sees the same shape and a
   row is summed the same way wherever it sits;
 - `rms_norm` (the same fixed tiles) and `silu_mul` (elementwise), for probes and tests (the forward
@@ -61,8 +61,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     silu(gate) * up (`gated`), or none."""
     if x.is_cuda:
         from engines.kernels.invariant_matmul import invariant_matmul
-        return invariant_matmul(x.contiguous(), weight, bias=bias, norm_weight=norm_weight, eps=eps, gated=gated,
-                                residual=residual)
+        from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
+        x = x.contiguous()
+        if gated:
+            x = silu_mul_rows(x)
+        if norm_weight is not None:
+            x = rms_norm_rows(x, norm_weight, eps)
+        return invariant_matmul(x, weight, bias=bias, residual=residual)
 
     def tile(t: torch.Tensor) -> torch.Tensor:
         if gated:

@@ -48,3 +48,13 @@ def invariant_forward(model: CausalLM, input_ids: torch.Tensor, positions: torch
         x = x[meta.logit_rows]
     logits = linear(x, model.lm_head.weight, norm_weight=stack.norm.weight, eps=eps)
     return all_gather_last_dim(logits, tp)
+
+
+def check_product_tiles(model: CausalLM) -> bool:
+    """Whether this GPU gives the product's small-batch and large-batch tiles the same bits on the
+    model's weights (layer 0's products and the head: every shape the forward multiplies by);
+    where not, every product from here on takes one tile (engines/kernels/invariant_matmul.py)."""
+    from engines.kernels.invariant_matmul import check_tiles
+    layer = model.model.layers[0]
+    return check_tiles([layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                        layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, model.lm_head.weight])

@@ -28,7 +28,7 @@ def runner_kv_bytes(model, max_len: int, max_num_seqs: int, block_size: int) -> 
 def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, max_num_seqs: int = 32,
                  max_len: int = 512, cuda_graphs: bool = True, fused_kernels: bool = True,
                  kv_cache_bytes: int | None = None, block_size: int = 16, max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = True) -> LLMEngine:
+                 prefix_caching: bool = True, deterministic: bool = False) -> LLMEngine:
     """An engine without HTTP or control channel, weights from disk (`off`), for benchmarks and tests.
     Without `kv_cache_bytes`, the cache holds max_num_seqs sequences of max_len tokens."""
     args = read_model_args(model_dir)
@@ -40,7 +40,7 @@ def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, 
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         weights = load_rank_weights(cfg, args, 0, dev)
-    runner = ModelRunner(weights.model, dev, fused_kernels=fused_kernels)
+    runner = ModelRunner(weights.model, dev, fused_kernels=fused_kernels, deterministic=deterministic)
     runner.allocate_kv_cache(kv_cache_bytes or runner_kv_bytes(weights.model, max_len, max_num_seqs, block_size),
                              block_size, max_len, max_num_seqs, max_num_batched_tokens or step_token_budget(cfg))
     if cuda_graphs and dev.type == "cuda":
