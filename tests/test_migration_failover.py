@@ -71,6 +71,10 @@ class Stream:
             assert self._cond.wait_for(lambda: len(self.chunks) >= k or not self._t.is_alive(), timeout_s)
         assert len(self.chunks) >= k, (self.status, self.error, self.chunks)
 
+    @property
+    def in_flight(self) -> bool:
+        return self._t.is_alive()
+
     def result(self, timeout_s: float = 60) -> "Stream":
         self._t.join(timeout_s)
         assert not self._t.is_alive()
