@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,8 @@ from engines.kernels.invariant_matmul import LARGE, MEDIUM, MEDIUM_WIDE, SMALL, 
 from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
 from engines.models import read_model_args
 from engines.models.invariant import linear
+
+import step_profile  # bench/probes/step_profile.py (this script's folder is on sys.path)
 
 DEV = torch.device("cuda", 0)
 DT = torch.bfloat16
@@ -119,8 +121,6 @@ def same_bits(w: torch.Tensor, k: int, tiles: Tiles) -> bool:
 
 
 def steps(model_dir: str) -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
-    import step_profile
     from harness.bench.decode import local_engine
     for det in (False, True):
         engine = local_engine(model_dir, "cuda", max_num_seqs=64, max_len=2048, kv_cache_bytes=8 << 30,
@@ -131,16 +131,13 @@ def steps(model_dir: str) -> None:
             wall = step_profile.run_steps(engine, b, 1000, 100, 0)
             out_rows.append({"shape": "step", "m": b, "what": "deterministic" if det else "default", "us": wall * 1e6})
             print(f"== kernels, deterministic={det}, batch {b}, 1000 tokens of context: step wall {wall * 1e3:.3f} ms")
-            step_kernels(engine, b)
+            step_profile.kernels(engine, b, 1000, arrivals_every=0)
         del engine
         torch.cuda.empty_cache()
 
 
 def prefill(engine, det: bool) -> None:  # noqa: ANN001
     """Prompt tokens per second of 32 prompts of 1,000 distinct tokens, the step budget's chunks (twice: warm-up)."""
-    import time
-    sys.path.insert(0, os.path.dirname(__file__))
-    import step_profile
     for rnd in range(2):
         seqs = [step_profile.seq(engine, [10 + (rnd * 7919 + i * 1000 + j) % 30000 for j in range(1000)], 1)
                 for i in range(32)]
@@ -155,19 +152,6 @@ def prefill(engine, det: bool) -> None:  # noqa: ANN001
     out_rows.append({"shape": "prefill", "m": 32000, "what": "deterministic" if det else "default",
                      "us": wall * 1e6, "tok_s": 32000 / wall})
     print(f"== prefill, deterministic={det}: 32 x 1000 prompt tokens in {wall * 1e3:.1f} ms ({32000 / wall:,.0f} tok/s)")
-
-
-def step_kernels(engine, batch: int) -> None:  # noqa: ANN001
-    sys.path.insert(0, os.path.dirname(__file__))
-    import step_profile
-    from torch.profiler import ProfilerActivity, profile
-    prof = profile(activities=[ProfilerActivity.CUDA])
-    step_profile.run_steps(engine, batch, 1000, 20, 0, steady=lambda: prof)
-    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in rows)
-    print(f"GPU us per step: {total / 20:.1f}")
-    for e in rows[:14]:
-        print(f"{e.device_time_total / 20:8.1f} us/step {e.count / 20:6.1f} calls/step  {e.key[:100]}")
 
 
 def main() -> None:

@@ -84,11 +84,11 @@ def run_steps(engine, batch: int, context: int, steps: int, arrivals_every: int,
     return statistics.median(walls)
 
 
-def kernels(engine, batch: int, context: int) -> None:  # noqa: ANN001
+def kernels(engine, batch: int, context: int, arrivals_every: int = 4) -> None:  # noqa: ANN001
     """The kernels of 20 steady steps (setup apart), GPU us per step."""
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CUDA])
-    run_steps(engine, batch, context, 20, 4, steady=lambda: prof)
+    run_steps(engine, batch, context, 20, arrivals_every, steady=lambda: prof)
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows)
     print(f"GPU us per step: {total / 20:.1f}")

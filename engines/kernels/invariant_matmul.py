@@ -107,15 +107,14 @@ def check_tiles(weights: Iterable[torch.Tensor], rows: int = 4 * SMALL_ROWS) -> 
     """Whether every tile gives LARGE's bits on this GPU for each of `weights`: `rows` random rows
     through LARGE against their first SMALL_ROWS through each other tile. Records the verdict for
     the device (a False makes every later call take LARGE) and returns it."""
-    same, device = True, None
-    g = None
+    weights = list(weights)
+    device = weights[0].device
+    g = torch.Generator(device=device).manual_seed(0)
+    same = True
     for w in weights:
-        device = w.device
-        g = g or torch.Generator(device=device).manual_seed(0)
         x = torch.randn(rows, w.shape[1], generator=g, device=device).to(w.dtype)
         want = invariant_matmul(x, w, tiles=LARGE)[:SMALL_ROWS]
         for tiles in (SMALL, SMALL_WIDE, MEDIUM, MEDIUM_WIDE):
             same &= torch.equal(invariant_matmul(x[:SMALL_ROWS].contiguous(), w, tiles=tiles), want)
-    if device is not None:
-        _tiles_by_rows[device] = bool(same)
-    return bool(same)
+    _tiles_by_rows[device] = same
+    return same
