@@ -76,7 +76,7 @@ except OSError:
 PY
 }
 case "${1:-}" in
-tune) timeout ${TUNE_TIMEOUT:-560} python3 bench/probes/invariant_tune.py $M --json "$OUT/tune.json" > "$OUT/tune.txt" 2>&1
+tune) timeout ${TUNE_TIMEOUT:-560} python3 bench/probes/invariant_tune.py $M ${TUNE_ARGS:-} --json "$OUT/tune.json" > "$OUT/tune.txt" 2>&1
   echo "rc $?"; grep -B2 -A16 "^== kernels" "$OUT/tune.txt"; sed -n '/^== summary/,$p' "$OUT/tune.txt" ;;
 check) check; summary ;;
 ab) ab ;;

@@ -43,7 +43,7 @@ ROOT = bytes(16)  # the `prev` of a sequence's first block
 # so it never takes a block a default-mode engine left in the pool, nor gives it one. The version
 # names the kernels' arithmetic: a release that changes it must change the version, so that a
 # rollout's engines never continue from KV the old kernels wrote (other bits, under the same weights).
-DETERMINISTIC_KERNELS = b"understudy: batch-invariant kernels v2 (K unsplit)"
+DETERMINISTIC_KERNELS = b"understudy: batch-invariant kernels v3 (K unsplit, attention splits merged in order)"
 DETERMINISTIC_ROOT = hashlib.blake2b(DETERMINISTIC_KERNELS, digest_size=16).digest()
 
 

@@ -119,19 +119,18 @@ class ModelRunner:
         self.fused_kernels = fused_kernels and not deterministic  # batch-1 kernels sum in another order
         self.deterministic = model.deterministic = deterministic  # batch-invariant ops (engines/models/invariant.py)
         attn = model.model.layers[0].self_attn
-        one_tile = False  # attention: prefill's query tile for decode too (paged_attention.check_query_tiles)
         self.deterministic_status = "on" if deterministic else "off"
         if deterministic and device.type == "cuda":
             from .kernels.paged_attention import check_query_tiles
             from .models.invariant_forward import check_product_tiles
             products = check_product_tiles(model)
-            one_tile = not check_query_tiles(attn.heads, attn.kv_heads, attn.head_dim, model.dtype, device)
+            attention = check_query_tiles(attn.heads, attn.kv_heads, attn.head_dim, model.dtype, device)
             self.deterministic_status = (f"on (tiles by the batch, checked bit-identical: products {products}, "
-                                         f"attention {not one_tile})")
-            if not products or one_tile:
-                log.warning("deterministic: on this GPU the tile changes a row's bits (products bit-identical: %s, "
-                            "attention: %s); those take one tile for every batch (slower decode, the same text)",
-                            products, not one_tile)
+                                         f"attention {attention})")
+            if not products or not attention:
+                log.warning("deterministic: on this GPU the tile or the split changes a row's bits (products "
+                            "bit-identical: %s, attention: %s); products take one tile for every batch, attention "
+                            "one program per row (slower decode, the same text)", products, attention)
         self.fused_decode_status = "off (no KV cache yet)"
         self.num_blocks = 0
         self.block_size = 0
@@ -139,8 +138,9 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._sizes_by_kind: dict[int, list[int]] = {DECODE: [], MIXED: []}  # captured sizes per kind, ascending
         group = triton_pow2(attn.heads // attn.kv_heads)
-        # query rows per attention program, decode-only step or not (paged_attention.query_block)
-        self.block_q = {True: max(1, (64 if one_tile else 16) // group), False: max(1, 64 // group)}
+        # query rows per attention program, decode-only step or not (paged_attention.query_block: a
+        # deterministic engine's prefill takes decode's)
+        self.block_q = {True: max(1, 16 // group), False: max(1, (16 if deterministic else 64) // group)}
 
     @property
     def graph_sizes(self) -> dict[str, list[int]]:

@@ -40,7 +40,7 @@ def step(model, work: list[tuple[Seq, int, int]]) -> torch.Tensor:
     from engines.kernels.paged_attention import query_block
     dev = model.kv_cache.device
     attn = model.model.layers[0].self_attn
-    block_q = query_block(attn.heads, attn.kv_heads, max(n for _, _, n in work) == 1)
+    block_q = query_block(attn.heads, attn.kv_heads, max(n for _, _, n in work) == 1, model.deterministic)
     meta = packed_meta([(seq.blocks, start, n) for seq, start, n in work], BS, MAX_BLOCKS, block_q, dev)
     ids = [seq.tokens[p] for seq, start, n in work for p in range(start, start + n)]
     pos = [p for _, start, n in work for p in range(start, start + n)]

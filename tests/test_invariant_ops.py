@@ -172,11 +172,12 @@ def test_the_products_tiles_check_says_whether_they_agree() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float16])
 def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(dtype: torch.dtype) -> None:
-    """The Triton kernel as deterministic engines run it (decode's small query tile, no split of
-    the keys, the softmax's sums by products): a position's output as a decode row (alone, and
-    beside a long decode row and a chunk) is the bit pattern of its row in a whole prefill and in
-    chunks; `check_query_tiles`, which engines run at start, agrees."""
-    from engines.kernels.paged_attention import NO_SPLIT, check_query_tiles, paged_attention, query_block
+    """The Triton kernel as deterministic engines run it (decode's query tile for every row, every
+    row's keys in the same splits merged in order): a position's output as a
+    decode row (alone, and beside a long decode row and a chunk; split over programs past 128 keys)
+    is the bit pattern of its row in a whole prefill and in chunks; `check_query_tiles`, which
+    engines run at start, agrees."""
+    from engines.kernels.paged_attention import BLOCK_KEYS, check_query_tiles, paged_attention, query_block
     from engines.models.paged import query_blocks
     assert check_query_tiles(4, 2, 16, dtype, torch.device(DEV))
     g = torch.Generator().manual_seed(6)
@@ -187,16 +188,16 @@ def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(
     t = lambda v: torch.tensor(v, device=DEV)  # noqa: E731
 
     def run(rows: torch.Tensor, q_lens: list[int], seq_lens: list[int], order: list[int]) -> torch.Tensor:
-        bq = query_block(heads, kv_heads, max(q_lens) == 1)
+        bq = query_block(heads, kv_heads, max(q_lens) == 1, deterministic=True)
         cu_qb = query_blocks(q_lens, bq)
         return paged_attention(rows, cache[0], cache[1], t([0, *torch.tensor(q_lens).cumsum(0).tolist()]),
-                               t(seq_lens), tables[order], t(cu_qb), cu_qb[-1], bq, min_split_keys=NO_SPLIT,
-                               dot_sum=True)
+                               t(seq_lens), tables[order], t(cu_qb), cu_qb[-1], bq, min_split_keys=BLOCK_KEYS,
+                               merge_splits=True)
     whole = run(q, [length], [length], [0])
     chunked = torch.cat([run(q[s:s + 100], [100], [s + 100], [0]) for s in range(0, length, 100)])
     assert torch.equal(chunked, whole)
     other = torch.randn(2, heads, d, generator=g).to(DEV, dtype)
-    for p in (0, 127, 128, 299):
+    for p in (0, 127, 128, 200, 299):
         assert torch.equal(run(q[p:p + 1], [1], [p + 1], [0])[0], whole[p]), p
         mixed = run(torch.cat([other[:1], q[p:p + 1], other[1:]]), [1, 1, 1], [280, p + 1, 120], [1, 0, 2])
         assert torch.equal(mixed[1], whole[p]), p

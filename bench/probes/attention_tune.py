@@ -5,6 +5,7 @@ the engine runs it: timed from Python, a slow host's launch cost (~85 µs a call
 difference.
 
     python bench/probes/attention_tune.py [--quick]
+    python bench/probes/attention_tune.py --deterministic  # the deterministic engines' variants instead
 """
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ import itertools
 import torch
 import triton.testing
 
-from engines.kernels.paged_attention import BLOCK_KEYS, MIN_SPLIT_KEYS, NUM_STAGES, NUM_WARPS, paged_attention
+from engines.kernels.paged_attention import BLOCK_KEYS, MIN_SPLIT_KEYS, NO_SPLIT, NUM_STAGES, NUM_WARPS, \
+    check_query_tiles, paged_attention
+
+# the deterministic engines' attention (issue 21): (name, keyword arguments), decode's query tile
+DETERMINISTIC_VARIANTS = [
+    ("det: one program per row (fallback)", dict(min_split_keys=NO_SPLIT, merge_splits=True)),
+    ("det: splits merged in order", dict(merge_splits=True)),
+]
 
 HEADS, KV_HEADS, D, BLOCK, MAX_LEN = 32, 8, 64, 16, 2048  # the 1b preset, configs/h200-1b.yaml
 
@@ -44,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", help="only these: block_n,warps,stages,split;... (each printed)")
+    ap.add_argument("--deterministic", action="store_true")
     ns = ap.parse_args()
     g = torch.Generator().manual_seed(1)
     shapes = {
@@ -51,6 +60,8 @@ def main() -> None:
         "chat b32 ctx 64-640": shape(32, torch.randint(64, 640, (32,), generator=g).tolist(), 0),
         "nano b256 ctx 100-2048": shape(256, torch.randint(100, 2048, (256,), generator=g).tolist(), 0),
     }
+    if ns.deterministic:
+        return deterministic(shapes)
     grid = list(itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3), (256,)))
     grid += list(itertools.product((64, 128), (4,), (2, 3), (128, 512)))
     if ns.quick:
@@ -81,6 +92,22 @@ def main() -> None:
         print(f"{name:28} {default:10.1f}  {results[0][0]:7.1f}  {results[0][1:]}  "
               f"(defaults {BLOCK_KEYS}, {NUM_WARPS}, {NUM_STAGES}, {MIN_SPLIT_KEYS}); next: "
               + "; ".join(f"{t:.1f} {c}" for t, *c in results[1:4]))
+
+
+def deterministic(shapes: dict) -> None:
+    """Each deterministic variant against the default kernel, per shape (µs a layer, in CUDA graphs),
+    and check_query_tiles' verdict at the preset's heads."""
+    ok = check_query_tiles(HEADS, KV_HEADS, D, torch.bfloat16, torch.device("cuda", 0))
+    print(f"check_query_tiles({HEADS}, {KV_HEADS}, {D}, bf16): {ok}")
+    for name, args in shapes.items():
+        ref = paged_attention(*args)
+        default = triton.testing.do_bench_cudagraph(lambda: paged_attention(*args), rep=100) * 1e3
+        print(f"{name:28} default {default:7.1f} us")
+        for label, kw in DETERMINISTIC_VARIANTS:
+            call = lambda: paged_attention(*args, **kw)  # noqa: E731
+            diff = (call().float() - ref.float()).abs().max().item()
+            t = triton.testing.do_bench_cudagraph(call, rep=100) * 1e3
+            print(f"  {label:40} {t:7.1f} us  ({t / default:.2f} x default; max |diff| to it {diff:.3g})")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from daemon.loader import load_checkpoint_into
-from engines.kernels.paged_attention import NO_SPLIT, MIN_SPLIT_KEYS, paged_attention, query_block
+from engines.kernels.paged_attention import paged_attention, query_block
 from engines.models import build_model, read_model_args
 from engines.models.fused_decode import fused_decode_unavailable
 from engines.models.invariant import linear, rms_norm, silu_mul
@@ -96,10 +96,10 @@ def attention(g: torch.Generator) -> None:
     q = torch.randn(length, heads, d, generator=g, device=DEV).to(DT)
     for mode, det in (("default", False), ("deterministic", True)):
         def run(rows: torch.Tensor, work: list[tuple[list[int], int, int]]) -> torch.Tensor:
-            bq = query_block(heads, kv_heads, max(n for _, _, n in work) == 1)
+            bq = query_block(heads, kv_heads, max(n for _, _, n in work) == 1, det)
             m = packed_meta(work, bs, max_blocks, bq, DEV)
             return paged_attention(rows, cache[0], cache[1], m.cu_q, m.seq_lens, m.block_tables, m.cu_qblocks,
-                                   m.num_programs, bq, min_split_keys=NO_SPLIT if det else MIN_SPLIT_KEYS, dot_sum=det)
+                                   m.num_programs, bq, merge_splits=det)
         whole = run(q, [(tables[0], 0, length)])
         chunks = torch.cat([run(q[s:s + 256], [(tables[0], s, min(256, length - s))]) for s in range(0, length, 256)])
         report("attention prefill vs chunks of 256", mode, [diff(chunks, whole)])
@@ -128,7 +128,7 @@ def model_logits(model_dir: str, g: torch.Generator) -> None:
 
     def step(work: list[tuple[int, list[int], int, int]], det: bool) -> torch.Tensor:
         """work: (sequence index, tokens, start, n); the logits of every row."""
-        bq = query_block(attn.heads, attn.kv_heads, max(w[3] for w in work) == 1)
+        bq = query_block(attn.heads, attn.kv_heads, max(w[3] for w in work) == 1, det)
         meta = packed_meta([(tables[i], s, n) for i, _, s, n in work], bs, max_blocks, bq, DEV)
         ids = torch.tensor([t for _, toks, s, n in work for t in toks[s:s + n]], device=DEV)
         pos = torch.tensor([p for _, _, s, n in work for p in range(s, s + n)], device=DEV)

@@ -38,6 +38,9 @@ ROWS = (1, 16, 32, 64, 128, 256, 2048)
 CANDIDATES = [SMALL, SMALL_WIDE, MEDIUM, MEDIUM_WIDE, LARGE, Tiles(16, 32, 256, 4, 4), Tiles(16, 16, 256, 1, 4),
               Tiles(16, 32, 128, 4, 6), Tiles(16, 16, 512, 2, 3), Tiles(32, 32, 256, 4, 4), Tiles(128, 128, 64, 4, 4),
               Tiles(128, 256, 64, 8, 3), Tiles(128, 64, 64, 4, 4), Tiles(64, 256, 64, 8, 3)]
+MORE = [Tiles(64, 64, 64, 4, 4), Tiles(64, 64, 128, 4, 3), Tiles(128, 64, 64, 8, 3), Tiles(64, 128, 64, 4, 3),
+        Tiles(128, 32, 64, 4, 4), Tiles(64, 64, 64, 4, 5), Tiles(128, 128, 64, 8, 4), Tiles(64, 128, 128, 8, 3),
+        Tiles(32, 64, 128, 4, 4), Tiles(32, 128, 64, 4, 4), Tiles(64, 32, 64, 4, 5), Tiles(128, 64, 128, 8, 3)]
 COPIES, REPEATS = 8, 4
 R = 5  # the row checked alone
 out_rows: list[dict] = []
@@ -105,7 +108,7 @@ def products(name: str, n: int, k: int, flags: dict) -> None:
                 out_rows.append({**base, "what": str(tuple(tiles)), "error": str(e)[:120]})
                 continue
             row = {**base, "what": str(tuple(tiles)), "us": us}
-            if m == 1:
+            if m == ROWS[0]:
                 row["same_bits_as_small"] = same_bits(ws[0], k, tiles)
             out_rows.append(row)
         print(f"  {name} M={m} done", file=sys.stderr, flush=True)
@@ -118,6 +121,34 @@ def same_bits(w: torch.Tensor, k: int, tiles: Tiles) -> bool:
     small = invariant_matmul(x[:SMALL_ROWS].contiguous(), w, tiles=SMALL)
     return (torch.equal(invariant_matmul(x, w, tiles=tiles)[:SMALL_ROWS], small)
             and torch.equal(invariant_matmul(x[R:R + 1].contiguous(), w, tiles=tiles)[0], small[R]))
+
+
+def step_grid(model_dir: str, batches: list[int], contexts: list[int]) -> None:
+    """Wall ms per decode step, default vs deterministic, over batch x context (no arrivals), and the
+    kernels of the largest and the smallest batch at the longest context."""
+    from harness.bench.decode import local_engine
+    for det in (False, True):
+        engine = local_engine(model_dir, "cuda", max_num_seqs=max(batches), max_len=max(contexts) + 256,
+                              kv_cache_bytes=24 << 30, deterministic=det)
+        prefill(engine, det)
+        for ctx in contexts:
+            for b in batches:
+                step_profile.run_steps(engine, b, ctx, 10, 0)
+                wall = step_profile.run_steps(engine, b, ctx, 40, 0)
+                out_rows.append({"shape": "grid", "m": b, "ctx": ctx, "what": "deterministic" if det else "default",
+                                 "us": wall * 1e6})
+                print(f"grid det={det} batch {b} context {ctx}: {wall * 1e3:.3f} ms", flush=True)
+        for b in (max(batches), min(batches)):
+            print(f"== kernels, deterministic={det}, batch {b}, {max(contexts)} tokens of context")
+            step_profile.kernels(engine, b, max(contexts), arrivals_every=0)
+        del engine
+        torch.cuda.empty_cache()
+    print("== grid: ms per step, default / deterministic (ratio default/det)")
+    for ctx in contexts:
+        for b in batches:
+            d, t = ([r["us"] / 1e3 for r in out_rows if r["shape"] == "grid" and r["m"] == b and r["ctx"] == ctx
+                     and r["what"] == w][0] for w in ("default", "deterministic"))
+            print(f"context {ctx:5} batch {b:4}  {d:7.3f} / {t:7.3f}  ({d / t:.3f})")
 
 
 def steps(model_dir: str) -> None:
@@ -155,14 +186,23 @@ def prefill(engine, det: bool) -> None:  # noqa: ANN001
 
 
 def main() -> None:
+    global ROWS
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--json")
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--grid", help="batches/contexts, e.g. 1,8,32,128,256/300,1000,2000: a decode step grid instead")
+    ap.add_argument("--rows", help="the products' rows (default %s), with more candidate tiles" % ",".join(map(str, ROWS)))
     ns = ap.parse_args()
     torch.cuda.set_device(DEV)
-    if not ns.skip_steps:
+    if ns.grid:
+        b, c = ns.grid.split("/")
+        step_grid(ns.model_dir, [int(x) for x in b.split(",")], [int(x) for x in c.split(",")])
+    elif not ns.skip_steps:
         steps(ns.model_dir)
+    if ns.rows:
+        ROWS = tuple(int(x) for x in ns.rows.split(","))
+        CANDIDATES.extend(MORE)
     for name, (n, k, flags) in shapes(ns.model_dir).items():
         products(name, n, k, flags)
     if ns.json:
@@ -182,10 +222,12 @@ def summary() -> None:
     ok = {(r["shape"], r["what"]) for r in out_rows if r.get("same_bits_as_small")}
     print("== summary: us per call; best = the fastest candidate tile with SMALL's bits (the product alone)")
     for r in out_rows:
+        if r["shape"] == "grid":
+            continue
         if r["shape"] in ("step", "prefill"):
             print(f"{r['shape']:8} {r['m']:6} {r['what']:14} {r['us'] / 1e3:9.3f} ms" +
                   (f"  {r['tok_s']:,.0f} prompt tok/s" if "tok_s" in r else ""))
-    for shape in dict.fromkeys(r["shape"] for r in out_rows if r["shape"] not in ("step", "prefill")):
+    for shape in dict.fromkeys(r["shape"] for r in out_rows if r["shape"] not in ("step", "prefill", "grid")):
         for m in ROWS:
             rs = [r for r in out_rows if r["shape"] == shape and r["m"] == m and "us" in r]
             by = {r["what"]: r["us"] for r in rs}

@@ -48,14 +48,14 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, deterministic: bool = False) -> torch.Tensor:
     """`q [T, heads, d]` against the cache (after `write_kv` of this step); returns `[T, heads, d]`.
-    `deterministic`: batch-invariant (engines/models/invariant.py): on CUDA no split of a decode
-    row's keys and the softmax's sums by products (engines/kernels/paged_attention.py), on CPU
-    `chunked_attention`."""
+    `deterministic`: batch-invariant (engines/models/invariant.py): on CUDA every row's keys split
+    as a decode row's and merged in order, the softmax's sums by products
+    (engines/kernels/paged_attention.py), on CPU `chunked_attention`."""
     if q.is_cuda:
-        from engines.kernels.paged_attention import NO_SPLIT, MIN_SPLIT_KEYS, paged_attention as kernel
+        from engines.kernels.paged_attention import deterministic_attention, paged_attention as kernel
         return kernel(q, cache[0], cache[1], meta.cu_q, meta.seq_lens, meta.block_tables, meta.cu_qblocks,
                       meta.num_programs, meta.block_q, meta.search_steps,
-                      min_split_keys=NO_SPLIT if deterministic else MIN_SPLIT_KEYS, dot_sum=deterministic)
+                      **(deterministic_attention(q.device) if deterministic else {}))
     if deterministic:
         from .invariant import chunked_attention
         q_lens = meta.q_lens_host if meta.q_lens_host is not None else (meta.cu_q[1:] - meta.cu_q[:-1]).tolist()
