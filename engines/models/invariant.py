@@ -12,7 +12,7 @@ gives other bits alone, in a batch of 17 or in a prefill chunk. Here:
 - `rms_norm` (the same fixed tiles) and `silu_mul` (elementwise), for probes and tests (the forward
   folds both into `linear`);
 - `paged_attention`: on CUDA the paged Triton kernel with one query tile for decode and prefill and
-  no split of the key range (engines/models/paged.py), on CPU `chunked_attention` below: every
+  every row's keys in the same fixed splits, merged in order (engines/models/paged.py), on CPU `chunked_attention` below: every
   query row walks the keys from position 0 in fixed KEY_CHUNK chunks with an online softmax, on
   tiles of QUERY_TILE rows. A chunk past a row's last key is all masked and changes nothing (its
   probabilities are exactly 0, the rescale exactly 1), so a row gets the same bits in a decode step

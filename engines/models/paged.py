@@ -49,8 +49,8 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, deterministic: bool = False) -> torch.Tensor:
     """`q [T, heads, d]` against the cache (after `write_kv` of this step); returns `[T, heads, d]`.
     `deterministic`: batch-invariant (engines/models/invariant.py): on CUDA every row's keys split
-    as a decode row's and merged in order, the softmax's sums by products
-    (engines/kernels/paged_attention.py), on CPU `chunked_attention`."""
+    as a decode row's and merged in order, in decode's query tile (engines/kernels/paged_attention.py),
+    on CPU `chunked_attention`."""
     if q.is_cuda:
         from engines.kernels.paged_attention import deterministic_attention, paged_attention as kernel
         return kernel(q, cache[0], cache[1], meta.cu_q, meta.seq_lens, meta.block_tables, meta.cu_qblocks,
