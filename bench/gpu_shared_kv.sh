@@ -8,13 +8,17 @@
 #                                         # the gap of every stream in flight at each SIGKILL of the
 #                                         # primary, failover_seconds, recomputed tokens, standby back;
 #                                         # shared_kv: false beside it (STREAMS, RUNS change the counts;
-#                                         # COMPARE= runs shared_kv only); each node's logs in $OUT/streams
+#                                         # COMPARE= runs shared_kv only; RESTART_DELAY=S sets
+#                                         # failover.restart_delay_s); each node's logs in $OUT/streams
+#   bash bench/gpu_shared_kv.sh delays    # failover (shared KV only) once per restart delay of $DELAYS
+#                                         # (default "0 1.5"), with the new primaries' first second
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
 config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own ports, dirs and KV mode
   sed "s#preset: 1b#path: $M#; s#port: 8000#port: $2#; s#port: 8001#port: $(($2 + 1))#" configs/h200-1b.yaml \
-    | sed "s#kv_cache_bytes: .*#kv_cache_bytes: $4\n  shared_kv: $3#" > /tmp/$1.yaml
+    | sed "s#kv_cache_bytes: .*#kv_cache_bytes: $4\n  shared_kv: $3#" \
+    | sed "s#startup_timeout_s: 600#startup_timeout_s: 600\n  restart_delay_s: ${RESTART_DELAY:-0}#" > /tmp/$1.yaml
   printf 'runtime_dir: /tmp/rt-%s\ncache_dir: /tmp/cache-%s\n' "$1" "$1" >> /tmp/$1.yaml
 }
 ab() {
@@ -43,12 +47,46 @@ for r in json.load(open(sys.argv[1])):
           f"failover_seconds p50 {f.get('p50')} max {f.get('max')} ms (n={f['n']}); recomputed max "
           f"{rc.get('max')} p50 {rc.get('p50')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} "
           f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "
-          f"{r['client_cpu_share_max']}; promotion in the engine {r.get('promotion_in_engine_ms')}")
+          f"{r['client_cpu_share_max']}; promotion in the engine {r.get('promotion_in_engine_ms')}; router CPU "
+          f"{r['supervisor_cpu_share']}")
+    for name, t in r["continuation_timeline_ms"].items():
+        print(f"  continuations, {name} after the kill: p50 {t.get('p50')} p99 {t.get('p99')} max {t.get('max')} ms "
+              f"(n={t.get('n')})")
 PY
+}
+gc_pauses() {  # gc_pauses LOGS.tgz: the collections over 10 ms (engines/gc_pauses.py) per process and generation
+  python3 - "$1" <<'PY'
+import collections, re, sys, tarfile
+pauses = collections.defaultdict(list)
+with tarfile.open(sys.argv[1]) as tar:
+    for m in tar.getmembers():
+        for line in tar.extractfile(m).read().decode(errors="replace").splitlines():
+            if (g := re.search(r"generation (\d) paused (.+?)(?: \(pid \d+\))? for ([\d.]+) ms", line)):
+                pauses[(g[2].replace("python3", "supervisor"), g[1])].append(float(g[3]))
+print("GC pauses over 10 ms, per process (an engine's core engine-X, its front end engine-X-http) and generation:")
+for (proc, gen), xs in sorted(pauses.items()):
+    print(f"  {proc} gen {gen}: {len(xs)}, max {max(xs):.1f}, total {sum(xs):.0f} ms")
+PY
+}
+delays() {  # failover (shared KV only) once per failover.restart_delay_s in $DELAYS, in one call: does the
+  # replacement's start on the same GPU slow the new primary's first steps? Each one's new primaries'
+  # first second (engines/promotion_trace.py) after its figures
+  local base=$OUT d
+  for d in ${DELAYS:-0 1.5}; do
+    echo "== failover.restart_delay_s: $d"
+    OUT=$base/delay_$d; mkdir -p "$OUT"
+    RESTART_DELAY=$d COMPARE= failover
+    tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
+      | sed 's/.*after the promotion: //' | cut -c1-400 > "$OUT/promotion_trace.txt"
+    head -4 "$OUT/promotion_trace.txt"
+    gc_pauses "$OUT/streams/logs-shared_kv-true.tgz" | tee "$OUT/gc_pauses.txt"
+  done
+  OUT=$base
 }
 case "${1:-}" in
 ab) ab ;;
 failover) failover ;;
+delays) delays ;;
 all) ab > "$OUT/ab.txt" 2>&1; failover; tail -8 "$OUT/ab.txt" ;;
-*) echo "usage: $0 ab|failover|all" >&2; exit 2 ;;
+*) echo "usage: $0 ab|failover|delays|all" >&2; exit 2 ;;
 esac

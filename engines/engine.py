@@ -24,6 +24,7 @@ from daemon.kv_index import FencedError, PreviousWriterAlive
 
 from .control import ControlChannel
 from .inflight import InFlight
+from .promotion_trace import PromotionTrace
 from .block_manager import DETERMINISTIC_ROOT, ROOT, BlockManager
 from .runner import ModelRunner
 from .sample_guard import guarded_sample
@@ -49,6 +50,7 @@ class LLMEngine:
         self.blocks.on_continuation = self._continued
         self.blocks.root = DETERMINISTIC_ROOT if runner.deterministic else ROOT
         self.continuations = self.continuation_reused = self.continuation_recomputed = 0
+        self.trace = PromotionTrace()  # the first second after a promotion, logged
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
         self.sampler = Sampler()
         self.control = control
@@ -235,6 +237,7 @@ class LLMEngine:
         except PreviousWriterAlive as e:
             log.error("promotion refused: %s", e)
             return "promote_failed", {"error": str(e)}
+        self.trace.arm()
         log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined (%.1f ms, "
                  "the claim %.1f, of which waiting for the previous writer %.1f)", report["pool_epoch"],
                  report["adopted_blocks"], report["free_blocks"], report["quarantined_blocks"], report["seconds"] * 1e3,
@@ -261,6 +264,7 @@ class LLMEngine:
         self.continuations += 1
         self.continuation_reused += reused
         self.continuation_recomputed += recomputed
+        self.trace.continued()
         self._reply("continuation", reused=reused, recomputed=recomputed)
 
     def _flush(self) -> None:
@@ -294,7 +298,9 @@ class LLMEngine:
     def step(self) -> None:
         """One scheduler step: launch the scheduled work, then read the previous step's tokens and
         release the sequences that finished."""
+        marks = [time.monotonic()]  # (for the promotion trace: began, scheduled, launched, read back)
         work = self.scheduler.schedule()
+        marks.append(time.monotonic())
         # The scheduled markers of sequences run for the first time go out before the step runs:
         # a request that kills the engine in its first step was seen to run here (by the router).
         self._flush()
@@ -306,7 +312,9 @@ class LLMEngine:
             logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
             self.blocks.launched()
             launch = self._sample([w for w in work if w.samples], logits, picks)
+        marks.append(time.monotonic())
         self._read_back()
+        marks.append(time.monotonic())
         for w in work:  # their input tokens are all known now: key the blocks they filled
             self.blocks.seal(w.seq)
         self.blocks.publish_completed()  # before this step's outputs go out (engines/block_manager.py)
@@ -315,6 +323,7 @@ class LLMEngine:
         self.served += len(self.scheduler.release_finished())
         self.steps += 1
         self._flush()
+        self.trace.step(marks, len(work), sum(w.num_new for w in work))
 
     def _read_back(self) -> None:
         """Apply the last step's tokens to their sequences (dropping those of finished ones)."""

@@ -10,7 +10,7 @@ import os
 import signal
 
 from .config import EngineConfig
-from . import event_loop
+from . import event_loop, gc_pauses
 from .engine_client import EngineClient
 from .first_output import stamp_arrival
 from .guarded_http import guarded_config
@@ -33,6 +33,7 @@ def run_frontend(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
     libc.prctl(_PR_SET_NAME, f"engine-{cfg.name}-http".encode()[:15], 0, 0, 0)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a group signal means "drain": the core decides
         signal.signal(sig, signal.SIG_IGN)
+    gc_pauses.watch()
     return event_loop.run(_serve(cfg, tokenizer, model_names, max_model_len, vocab_size, to_core, to_frontend))
 
 
@@ -64,6 +65,7 @@ async def _serve(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
             raise RuntimeError(f"HTTP server did not start on {cfg.host}:{cfg.port}")
         await asyncio.sleep(0.002)
     client.ready(server.servers[0].sockets[0].getsockname()[1])
+    gc_pauses.freeze_startup()
     await serving
     reader.cancel()
     return 0

@@ -25,6 +25,7 @@ from .config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
+from . import gc_pauses
 from .loopback import free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
@@ -138,6 +139,7 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     allocate_kv_cache(runner, cfg, max_model_len(cfg, args.max_position_embeddings), weights, rank, group)
     if cfg.cuda_graphs and device.type == "cuda":
         runner.capture_graphs()
+    gc_pauses.freeze_startup()
     runner.worker_loop()
     exit_deadline(0)
     leave_group(group)  # with rank 0, at once (NCCL's destroy is collective: engines/teardown.py)
@@ -169,6 +171,7 @@ def run_engine(cfg: EngineConfig) -> int:
     _become_group_leader()
     _set_process_name(f"engine-{cfg.name}")
     _setup_env()
+    gc_pauses.watch()  # (the front end, forked from here, inherits it)
     timer = StartupTimer()
     workers: dict[int, int] = {}
     shutting_down = threading.Event()
@@ -222,6 +225,7 @@ def run_engine(cfg: EngineConfig) -> int:
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching, SharedPool(pool, cfg.kv_slot) if pool else None)
         link = CoreLink(engine, *link_eps)
+        gc_pauses.freeze_startup()
         rc = _serve(cfg, engine, link, frontend, timer, control)
     except BOOT_ERRORS as e:
         print(f"engine {cfg.name}: failed to start: {e}", file=sys.stderr, flush=True)

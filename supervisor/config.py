@@ -164,6 +164,10 @@ class FailoverSection(_Section):
     retry_after_s: int = Field(default=5, ge=1)
     drain_timeout_s: float = Field(default=30.0, gt=0)
     stop_timeout_s: float = Field(default=10.0, gt=0)
+    restart_delay_s: float = Field(default=0.0, ge=0, le=60, description="the wait before an engine that "
+                                   "crashed once after READY starts again (later failures in a row back off "
+                                   "from backoff_base_s); a delay keeps its start off the GPU while the new "
+                                   "primary takes the streams over")
     backoff_base_s: float = Field(default=0.5, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)
     flap_window_s: float = Field(default=120.0, gt=0)

@@ -83,7 +83,9 @@ def serve(config_path: str | None, port: int | None = None, admin_port: int | No
         print(f"understudy: {e}", file=sys.stderr)
         return 2
     log.info("runtime dir %s, model %s on %s, %d engines", sup.rd, sup.model_path, sup.device, len(sup.node.engines))
-    from engines import event_loop
+    from engines import event_loop, gc_pauses
+    gc_pauses.watch()
+    gc_pauses.freeze_startup()
     rc = event_loop.run(sup.run())
     log.debug("event loop closed")
     return rc

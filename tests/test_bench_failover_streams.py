@@ -69,3 +69,17 @@ def test_the_supervisors_cpu_share_is_its_cpu_seconds_per_wall_second():
     time.sleep(0.2)  # then idle: the share falls (a loaded machine makes both the CPU's and the wall's longer)
     got, expected = share.share(), 0.2 / (time.monotonic() - t0)
     assert expected * 0.9 <= got <= expected * 1.3 + 0.02, (got, expected)
+
+
+def test_a_continuations_moments_count_from_the_kill_that_lost_its_primary():
+    from harness.bench.failover_streams import timeline_after_kills
+    events = [{"type": "migration", "result": "continued",
+               "timeline": {"lost": 10.01, "sent": 10.05, "answered": 10.1, "token": 10.2}},
+              {"type": "migration", "result": "continued",
+               "timeline": {"lost": 20.02, "sent": 20.03, "answered": 20.3, "token": 20.4}},
+              {"type": "migration", "result": "continued", "timeline": {"lost": 5.0}},  # before any kill: not counted
+              {"type": "migration", "result": "quarantined", "timeline": {"lost": 10.5}},
+              {"type": "continuation", "recomputed": 3}]
+    t = timeline_after_kills(events, [10.0, 20.0])
+    assert t["lost"]["n"] == 2 and abs(t["lost"]["max"] - 20.0) < 1e-6
+    assert abs(t["token"]["p50"] - 300.0) < 1e-6 and abs(t["answered"]["min"] - 100.0) < 1e-6

@@ -161,6 +161,8 @@ def test_greedy_stream_killed_at_token_k_is_byte_identical(sup, k):
         assert ev["tokens_replayed"] == 0
     else:
         assert ev["tokens_replayed"] >= 1 and ev["stall_s"] > 0
+    t = ev["timeline"]  # the continuation's moments, in order, on the host's monotonic clock
+    assert list(t) == ["lost", "sent", "answered", "token"] and sorted(t.values()) == list(t.values())
 
 
 def test_seeded_sampled_stream_survives(sup):

@@ -50,6 +50,13 @@ def test_backoff_grows_to_its_cap_and_flapping_is_a_verdict_not_an_end():
     assert p.record_failure(now=300.0) == 0.0 and not p.flapping
 
 
+def test_restart_delay_holds_only_the_first_restart_after_ready():
+    p = RestartPolicy(base_s=0.5, max_s=3.0, window_s=60.0, max_failures=5, first_s=1.5)
+    assert [p.record_failure(now=float(i)) for i in range(3)] == [1.5, 0.5, 1.0]
+    p.record_success()
+    assert p.record_failure(now=10.0) == 1.5
+
+
 def test_failures_outside_the_window_are_forgotten_and_success_resets_the_delay():
     p = RestartPolicy(base_s=1.0, max_s=100.0, window_s=10.0, max_failures=3)
     assert p.record_failure(now=0.0) == 0.0

@@ -22,6 +22,7 @@ from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
 from harness.load.processes import ClientProcesses, split
 from harness.load.result import GAP_WINDOW_S
 from harness.stats import bench_summary, tail_text
+from supervisor.router.migrating import TIMELINE
 
 if TYPE_CHECKING:
     from harness.node import Harness
@@ -50,6 +51,7 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
                                    until=[None] * len(k.kills) + k.kills)  # (a quiet window ends by its kill)
         recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
         return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
+                "continuation_timeline_ms": timeline_after_kills(h.events, k.kills),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
                 "supervisor_cpu_share": supervisor_cpu,
                 "primary_front_end_cpu_share": bench_summary(k.front_end_cpu)}
@@ -129,6 +131,21 @@ def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
         say(args, f"  kill {i + 1}/{args.runs}: failover {ev['seconds'] * 1e3:.1f} ms, standby back in "
                   f"{rec['seconds']:.2f} s")
     return k
+
+
+def timeline_after_kills(events: list[dict[str, Any]], kills: list[float]) -> dict[str, dict[str, float]]:
+    """Each moment of the continuations' timelines (supervisor/router/migrating.py TIMELINE), in ms
+    after the kill that lost their primary (the last kill before the loss): where a stall goes."""
+    import bisect
+    after: dict[str, list[float]] = {name: [] for name in TIMELINE}
+    for e in events:
+        t = e.get("timeline") if e["type"] == "migration" and e.get("result") == "continued" else None
+        if not t or "lost" not in t or (i := bisect.bisect_right(kills, t["lost"])) == 0:
+            continue
+        for name, at in t.items():
+            if name in after:
+                after[name].append((at - kills[i - 1]) * 1000)
+    return {name: bench_summary(xs, 2) for name, xs in after.items()}
 
 
 def keep_logs(workdir: Path, dest: Path) -> None:
@@ -212,5 +229,7 @@ def run_streams(args: argparse.Namespace) -> int:
                   f"{rc.get('max')} (n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
                   f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}; "
-                  f"the primary's HTTP front end before a kill: CPU median {r['primary_front_end_cpu_share'].get('p50')}")
+                  f"the primary's HTTP front end before a kill: CPU median {r['primary_front_end_cpu_share'].get('p50')}; "
+                  f"continuations after their kill (ms, median / max): " + ", ".join(
+                      f"{name} {t.get('p50')} / {t.get('max')}" for name, t in r["continuation_timeline_ms"].items()))
     return 0 if all(r["failed"] == 0 for r in results) else 1

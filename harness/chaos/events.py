@@ -57,6 +57,7 @@ class MigrationEvent(_Event):
     tokens_replayed: int | None = None
     stall_s: float | None = None
     chunks_before: int | None = None  # data chunks the client had when the continuation began
+    timeline: dict[str, float] | None = None  # the continuation's moments (supervisor/router/migrating.py TIMELINE)
 
 
 Event = Annotated[Union[TransitionEvent, FailoverEvent, RecoveredEvent, MigrationEvent], Field(discriminator="type")]

@@ -18,20 +18,22 @@ class RestartPolicy:
     max_s: float
     window_s: float
     max_failures: int
+    first_s: float = 0.0  # the delay after a one-off crash (failover.restart_delay_s)
     failures: deque[float] = field(default_factory=deque)
     consecutive: int = 0
 
     def record_failure(self, now: float | None = None) -> float:
-        """Count a failure; the delay before the next start: none for the first since the slot was
-        READY, at boot or since a reset (a one-off crash costs no wait: its standby is back the
-        sooner), unless the slot flaps; then base x 2^(n-2) for the n-th in a row, at most ``max_s``."""
+        """Count a failure; the delay before the next start: ``first_s`` (0 by default) for the first
+        since the slot was READY, at boot or since a reset (a one-off crash costs no backoff: its
+        standby is back the sooner), unless the slot flaps; then base x 2^(n-2) for the n-th in a
+        row, at most ``max_s``."""
         now = time.monotonic() if now is None else now
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.window_s:
             self.failures.popleft()
         self.consecutive += 1
         if self.consecutive == 1 and not self.flapping:  # (a slot that flaps waits even after a READY)
-            return 0.0
+            return self.first_s
         return min(self.base_s * 2.0 ** min(max(self.consecutive - 2, 0), MAX_DOUBLINGS), self.max_s)
 
     @property

@@ -266,10 +266,10 @@ def new_node(settings: Settings, engines: list[str], daemon_sockets: list[str], 
     ``daemon_sockets``: each rank's daemon socket (none: engines load their weights themselves)."""
     f = settings.failover
 
-    def policy() -> RestartPolicy:
-        return RestartPolicy(f.backoff_base_s, f.backoff_max_s, f.flap_window_s, f.flap_max)
+    def policy(first_s: float = 0.0) -> RestartPolicy:
+        return RestartPolicy(f.backoff_base_s, f.backoff_max_s, f.flap_window_s, f.flap_max, first_s)
 
-    node = Node(settings=settings, engines={n: Engine(n, policy()) for n in engines},
+    node = Node(settings=settings, engines={n: Engine(n, policy(f.restart_delay_s)) for n in engines},
                 daemons=[Daemon(f"daemon-rank{r}", policy(), rank=r, socket_path=path)
                          for r, path in enumerate(daemon_sockets)],
                 spawn=SpawnServer("spawn-server", policy()) if settings.spawn_server and not settings.external

@@ -33,6 +33,10 @@ log = logging.getLogger("understudy.router")
 
 Publish = Callable[[dict[str, Any]], None]
 STREAM_END_WAIT_S = 0.25  # [DONE] -> the end of the engine's chunked body (sent right after it)
+# A continuation's moments, as published in its migration event (time.monotonic, the host's clock):
+# the primary was lost, the continuation was sent to the new one, the engine's response head came, the
+# first new token (or the end) came.
+TIMELINE = ("lost", "sent", "answered", "token")
 
 
 class StreamAborted(Exception):
@@ -62,7 +66,7 @@ class Migrator:
         await call.run()
 
     def count(self, result: str, req: Tracked, stall_s: float | None = None, replayed: int | None = None,
-              chunks_before: int | None = None) -> None:
+              chunks_before: int | None = None, timeline: dict[str, float] | None = None) -> None:
         self._results[result].inc()
         if stall_s is not None:
             self.u.metrics.migration_stall.observe(stall_s)
@@ -70,7 +74,7 @@ class Migrator:
             self.publish({"type": "migration", "result": result, "request_id": req.rid or "",
                           "tokens_replayed": req.n_output if replayed is None else replayed, "stall_s": stall_s,
                           "chunks_before": req.chunks_sent if chunks_before is None else chunks_before,
-                          "ts": time.time()})
+                          "timeline": timeline, "ts": time.time()})
 
 
 class _Call:
@@ -86,6 +90,7 @@ class _Call:
         self.replayed = 0  # tokens the current continuation replays
         self.chunks_before = 0  # data chunks our client had when the current continuation began
         self.epoch = 0
+        self.timeline: dict[str, float] = {}  # the current continuation's moments (time.monotonic): TIMELINE
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
 
     async def run(self) -> None:
@@ -120,8 +125,14 @@ class _Call:
             self.migrations += 1
             self.migrating_since, self.replayed = self.last_sent, self.req.n_output
             self.chunks_before = self.req.chunks_sent
+            self.timeline = {"lost": time.monotonic()}
             attempts.hold_again()
         return await self._give_up("failed" if self.migrations else None, 503, attempts.unavailable())
+
+    def _moment(self, name: str, now: float | None = None) -> None:
+        """Note the first `name` moment of the current continuation (none before the first loss)."""
+        if self.migrating_since is not None and name not in self.timeline:
+            self.timeline[name] = time.monotonic() if now is None else now
 
     def _lost_with(self, epoch: int) -> None:
         """The primary of `epoch` failed while working on this request."""
@@ -149,7 +160,9 @@ class _Call:
     async def _attempt(self, up: Upstream) -> None:
         """Send the request (or its continuation) to `up` and relay its stream until [DONE]."""
         u, req = self.m.u, self.req
+        self._moment("sent")
         resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
+        self._moment("answered")
         try:
             if resp.status != 200 or not resp.is_event_stream:
                 raise _Refused(resp.status, resp.headers, await resp.read())
@@ -164,7 +177,9 @@ class _Call:
                 if not had_tokens and req.n_output and not self.migrations:
                     u.metrics.router_first_token.observe(now - req.arrived)
                 if self.migrating_since is not None and (req.progress or req.finish_reason or req.done):
-                    self.m.count("continued", req, now - self.migrating_since, self.replayed, self.chunks_before)
+                    self._moment("token", now)
+                    self.m.count("continued", req, now - self.migrating_since, self.replayed, self.chunks_before,
+                                 self.timeline)
                     self.migrating_since = None
                 if req.client_stream:
                     if out:

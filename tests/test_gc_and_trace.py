@@ -1,0 +1,66 @@
+"""The collector's pauses are timed and logged per process; startup objects are frozen out of its
+reach; a promotion's first second is logged once, with its continued requests and steps."""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import pytest
+
+from engines import gc_pauses, promotion_trace
+from engines.promotion_trace import PromotionTrace
+
+
+def test_every_collection_is_counted_and_a_long_one_logged(monkeypatch, caplog):
+    monkeypatch.setattr(gc_pauses, "_watcher", None)
+    w = gc_pauses.watch()
+    try:
+        assert gc_pauses.watch() is w  # once per process
+        monkeypatch.setattr(gc_pauses, "LOG_OVER_S", 0.0)
+        with caplog.at_level(logging.WARNING, "understudy.gc"):
+            gc.collect()
+    finally:
+        gc.callbacks.remove(w)
+    assert w.count[2] == 1 and w.longest_s[2] > 0
+    assert any("generation 2 paused" in r.getMessage() and "pid" in r.getMessage() for r in caplog.records)
+
+
+def test_freeze_moves_what_exists_out_of_the_collector():
+    made = [[i] for i in range(10_000)]  # tracked containers
+    try:
+        gc_pauses.freeze_startup()
+        assert gc.get_freeze_count() >= len(made)
+    finally:
+        gc.unfreeze()
+
+
+def test_promotion_trace_logs_its_first_second_once(monkeypatch, caplog):
+    monkeypatch.setattr(promotion_trace, "WINDOW_S", 0.05)
+    t = PromotionTrace()
+    t.step([time.monotonic()] * 4, 3, 3)  # not armed: nothing kept
+    assert t.steps == []
+    t.arm()
+    t.continued()
+    with caplog.at_level(logging.INFO, "engines.promotion_trace"):
+        now = time.monotonic()
+        t.step([now, now, now, now], 5, 40)
+        time.sleep(0.06)
+        now = time.monotonic()
+        t.step([now, now + 0.001, now + 0.002, now + 0.003], 7, 7)
+        t.step([now] * 4, 7, 7)  # disarmed once logged
+    lines = [r.getMessage() for r in caplog.records if "after the promotion" in r.getMessage()]
+    assert len(lines) == 1 and "1 continued requests admitted" in lines[0] and "2 steps" in lines[0]
+    assert "5 rows 40 tokens" in lines[0] and t.since is None
+
+
+@pytest.mark.parametrize("arrivals", [0, 2])
+def test_promotion_trace_summary_without_or_with_arrivals(arrivals):
+    t = PromotionTrace()
+    t.arm()
+    for _ in range(arrivals):
+        t.continued()
+    now = time.monotonic()
+    t.steps.append(promotion_trace._Step([now] * 5, 1, 1))
+    text = t.summary()
+    assert ("no continued request" in text) == (arrivals == 0)
