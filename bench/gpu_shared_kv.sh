@@ -12,13 +12,18 @@
 #                                         # failover.restart_delay_s); each node's logs in $OUT/streams
 #   bash bench/gpu_shared_kv.sh delays    # failover (shared KV only) once per restart delay of $DELAYS
 #                                         # (default "0 1.5"), with the new primaries' first second
+#   bash bench/gpu_shared_kv.sh gc_ab     # the collector frozen at startup or not (UNDERSTUDY_GC_FREEZE=0):
+#                                         # bench serve on two nodes in turn, then failover on each
+#   bash bench/gpu_shared_kv.sh batch_ab  # failover with router.migration.batch false, then true (BATCH=
+#                                         # sets it for the other parts)
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
 config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own ports, dirs and KV mode
   sed "s#preset: 1b#path: $M#; s#port: 8000#port: $2#; s#port: 8001#port: $(($2 + 1))#" configs/h200-1b.yaml \
     | sed "s#kv_cache_bytes: .*#kv_cache_bytes: $4\n  shared_kv: $3#" \
-    | sed "s#startup_timeout_s: 600#startup_timeout_s: 600\n  restart_delay_s: ${RESTART_DELAY:-0}#" > /tmp/$1.yaml
+    | sed "s#startup_timeout_s: 600#startup_timeout_s: 600\n  restart_delay_s: ${RESTART_DELAY:-0}#" \
+    | sed "s#^router:#router:\n  migration:\n    batch: ${BATCH:-true}#" > /tmp/$1.yaml
   printf 'runtime_dir: /tmp/rt-%s\ncache_dir: /tmp/cache-%s\n' "$1" "$1" >> /tmp/$1.yaml
 }
 ab() {
@@ -83,10 +88,48 @@ delays() {  # failover (shared KV only) once per failover.restart_delay_s in $DE
   done
   OUT=$base
 }
+batch_ab() {  # failover (shared KV only) with a failover's continuations one request each, then batched
+  # (router.migration.batch false, true), in one call; the new primaries' first second after each
+  local base=$OUT b
+  for b in false true; do
+    echo "== router.migration.batch: $b"
+    OUT=$base/batch_$b; mkdir -p "$OUT"
+    BATCH=$b COMPARE= failover
+    tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
+      | sed 's/.*after the promotion: //' | cut -c1-300 > "$OUT/promotion_trace.txt"
+    head -3 "$OUT/promotion_trace.txt"
+    rm -f "$OUT/failover_streams.log"  # (its lines are in the printed output; fewer files come back)
+  done
+  OUT=$base
+}
+gc_ab() {  # the collector with the objects of startup frozen out (the default) against all in reach
+  # (UNDERSTUDY_GC_FREEZE=0), in one call: two shared-KV nodes at once on GPU 0, bench serve on each in
+  # turn (ABBA), then failover --streams on each in turn (RUNS kills; shared KV only)
+  config frozen 8000 true 34359738368
+  config unfrozen 8100 true 34359738368
+  python3 -m supervisor.cli serve -c /tmp/frozen.yaml > "$OUT/serve_frozen.log" 2>&1 & pid_frozen=$!
+  UNDERSTUDY_GC_FREEZE=0 python3 -m supervisor.cli serve -c /tmp/unfrozen.yaml > "$OUT/serve_unfrozen.log" 2>&1 &
+  pid_unfrozen=$!
+  for u in 8000 8100; do wait_ready http://127.0.0.1:$u || { kill -9 $pid_frozen $pid_unfrozen; exit 1; }; done
+  all_ready /tmp/frozen.yaml && all_ready /tmp/unfrozen.yaml || { kill -9 $pid_frozen $pid_unfrozen; exit 1; }
+  POINTS=${POINTS:-chat:32 nano:256} RUNS=${SERVE_RUNS:-2} load_in_turn unfrozen frozen > "$OUT/serve_ab.txt"
+  kill -TERM $pid_frozen $pid_unfrozen; wait $pid_frozen $pid_unfrozen
+  local base=$OUT
+  for mode in unfrozen frozen; do
+    OUT=$base/failover_$mode; mkdir -p "$OUT"
+    echo "== failover, collector $mode"
+    if [ $mode = unfrozen ]; then UNDERSTUDY_GC_FREEZE=0 COMPARE= failover; else COMPARE= failover; fi
+    gc_pauses "$OUT/streams/logs-shared_kv-true.tgz" | tee "$OUT/gc_pauses.txt"
+  done
+  OUT=$base
+  tail -5 "$OUT/serve_ab.txt"
+}
 case "${1:-}" in
 ab) ab ;;
+gc_ab) gc_ab ;;
+batch_ab) batch_ab ;;
 failover) failover ;;
 delays) delays ;;
 all) ab > "$OUT/ab.txt" 2>&1; failover; tail -8 "$OUT/ab.txt" ;;
-*) echo "usage: $0 ab|failover|delays|all" >&2; exit 2 ;;
+*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|all" >&2; exit 2 ;;
 esac

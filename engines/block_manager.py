@@ -47,6 +47,11 @@ DETERMINISTIC_KERNELS = b"understudy: batch-invariant kernels v3 (K unsplit, att
 DETERMINISTIC_ROOT = hashlib.blake2b(DETERMINISTIC_KERNELS, digest_size=16).digest()
 
 
+def key_root(deterministic: bool) -> bytes:
+    """Where an engine's block keys chain from (the core's and its front end's alike)."""
+    return DETERMINISTIC_ROOT if deterministic else ROOT
+
+
 def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
     """The 128-bit key of a full block: its tokens and, through `prev`, everything before them.
     Stable across processes (not Python's `hash`): another engine computes the same key."""
@@ -66,6 +71,17 @@ def chain_keys(prev: bytes, tokens: list[int], block_size: int) -> list[bytes]:
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def prompt_keys(prompt: list[int], root: bytes, block_size: int) -> bytes:
+    """The keys `match_prefix` looks up for `prompt` (its full blocks before the last token), joined:
+    a continuation's front end hashes them beside the core (engines/engine_client.py), so that the
+    scheduler thread of a new primary does not, for 256 continuations at once."""
+    return b"".join(chain_keys(root, prompt[:(len(prompt) - 1) // block_size * block_size], block_size))
+
+
+def _split_keys(joined: bytes) -> list[bytes]:
+    return [joined[i:i + 16] for i in range(0, len(joined), 16)]
 
 
 def halves_of(keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -177,14 +193,16 @@ class BlockManager:
         prompt = seq.prompt_ids
         self.queried_tokens += len(prompt)
         if self.mode != "parked" and (self.prefix_caching or seq.replayed):
-            prev = self.root
-            for i in range((len(prompt) - 1) // self.block_size):
-                key = block_key(prev, prompt[i * self.block_size:(i + 1) * self.block_size])
+            prev, n = self.root, (len(prompt) - 1) // self.block_size
+            given = seq.prefix_keys if seq.prefix_keys is not None and len(seq.prefix_keys) == 16 * n else None
+            for i in range(n):
+                key = given[16 * i:16 * i + 16] if given is not None else \
+                    block_key(prev, prompt[i * self.block_size:(i + 1) * self.block_size])
                 lo, hi = halves(key)
                 block = self.block_of.get(lo)
                 if block is None or self.key_hi[block] != hi:
                     if self.adopted is not None and self.adopted.count:
-                        self._match_adopted(seq, i, key)
+                        self._match_adopted(seq, i, key, given)
                     break
                 self._hit(seq, block, key)
                 prev = key
@@ -198,11 +216,13 @@ class BlockManager:
         seq.block_table.append(block)
         seq.block_keys.append(key)
 
-    def _match_adopted(self, seq: Sequence, first: int, key: bytes) -> None:
+    def _match_adopted(self, seq: Sequence, first: int, key: bytes, given: bytes | None) -> None:
         """Blocks ``first``.. of the prompt from the adopted ones, looked up at once (a continuation's
-        whole prompt is there); the matched ones become ordinary keyed blocks."""
+        whole prompt is there); the matched ones become ordinary keyed blocks. ``given``: the prompt's
+        keys, hashed by the front end (`prompt_keys`), else hashed here."""
         bs, prompt = self.block_size, seq.prompt_ids
-        keys = [key] + chain_keys(key, prompt[(first + 1) * bs:(len(prompt) - 1) // bs * bs], bs)
+        keys = _split_keys(given[16 * first:]) if given is not None else \
+            [key] + chain_keys(key, prompt[(first + 1) * bs:(len(prompt) - 1) // bs * bs], bs)
         lo, hi = halves_of(keys)
         found = self.adopted.find(lo, hi)
         misses = np.flatnonzero(found < 0)

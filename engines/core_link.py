@@ -136,8 +136,9 @@ class CoreLink:
                 op = msg["op"]
                 if op == "add":
                     params = SamplingParams(**msg["params"])
+                    keys = bytes.fromhex(msg["keys"]) if msg.get("keys") else None
                     self._keys[msg["key"]] = self.engine.submit(msg["prompt"], params, Route(msg["key"]), msg["group"],
-                                                                msg.get("replayed", 0))
+                                                                msg.get("replayed", 0), keys)
                 elif op == "abort":
                     seq_id = self._keys.pop(msg["key"], None)
                     if seq_id is not None:

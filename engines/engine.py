@@ -25,7 +25,7 @@ from daemon.kv_index import FencedError, PreviousWriterAlive
 from .control import ControlChannel
 from .inflight import InFlight
 from .promotion_trace import PromotionTrace
-from .block_manager import DETERMINISTIC_ROOT, ROOT, BlockManager
+from .block_manager import BlockManager, key_root
 from .runner import ModelRunner
 from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, ensure_seed
@@ -48,7 +48,7 @@ class LLMEngine:
         self.blocks = pool.block_manager(prefix_caching) if pool else BlockManager(
             runner.num_blocks, runner.block_size, prefix_caching)
         self.blocks.on_continuation = self._continued
-        self.blocks.root = DETERMINISTIC_ROOT if runner.deterministic else ROOT
+        self.blocks.root = key_root(runner.deterministic)
         self.continuations = self.continuation_reused = self.continuation_recomputed = 0
         self.trace = PromotionTrace()  # the first second after a promotion, logged
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
@@ -79,13 +79,15 @@ class LLMEngine:
 
     # ---- API (any thread) ------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
-               group: int | None = None, replayed: int = 0) -> int:
+               group: int | None = None, replayed: int = 0, prefix_keys: bytes | None = None) -> int:
         """Queue a sequence; `emit` is called with each Output, on the loop thread unless `deliver`
         is set (then once per step, in one batch). Returns its id. Sequences of one request share a
         `group` (they take turns with other requests). `replayed`: the last ids of `prompt_ids` are
-        generated tokens of a continued request."""
+        generated tokens of a continued request; `prefix_keys`: its prompt's block keys, hashed
+        elsewhere (block_manager.prompt_keys; ignored unless they are as many as its full blocks)."""
         seq = Sequence(prompt_ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len,
-                       lambda out: self._outbox.append((emit, out)), group, replayed=replayed)
+                       lambda out: self._outbox.append((emit, out)), group, replayed=replayed,
+                       prefix_keys=prefix_keys)
         self.inbox.put(("add", seq))
         return seq.seq_id
 

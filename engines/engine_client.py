@@ -16,6 +16,7 @@ from typing import Callable
 
 import zmq
 
+from .block_manager import prompt_keys
 from .core_link import decode, encode
 from .sampling import SamplingParams
 from .sequence import Output
@@ -26,7 +27,10 @@ log = logging.getLogger("engines.engine_client")
 class EngineClient:
     """Lives on the front end's event loop; `run()` reads the core's messages until `stop`."""
 
-    def __init__(self, to_core: str, to_frontend: str):
+    def __init__(self, to_core: str, to_frontend: str, key_chain: tuple[bytes, int] | None = None):
+        """``key_chain``: the core's block keys' (root, block size): a continuation's prompt keys
+        are hashed here, beside the core (block_manager.prompt_keys)."""
+        self.key_chain = key_chain
         ctx = zmq.Context()
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
@@ -48,8 +52,11 @@ class EngineClient:
         """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key."""
         key = next(self._keys)
         self._emits[key] = emit
-        self._send({"op": "add", "key": key, "prompt": prompt_ids, "params": dataclasses.asdict(params),
-                    "group": group, "replayed": replayed})
+        msg = {"op": "add", "key": key, "prompt": prompt_ids, "params": dataclasses.asdict(params),
+               "group": group, "replayed": replayed}
+        if replayed and self.key_chain is not None:
+            msg["keys"] = prompt_keys(prompt_ids, *self.key_chain).hex()
+        self._send(msg)
         return key
 
     def abort(self, key: int) -> None:

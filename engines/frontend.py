@@ -11,6 +11,7 @@ import signal
 
 from .config import EngineConfig
 from . import event_loop, gc_pauses
+from .block_manager import key_root
 from .engine_client import EngineClient
 from .first_output import stamp_arrival
 from .guarded_http import guarded_config
@@ -39,7 +40,7 @@ def run_frontend(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
 
 async def _serve(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
                  vocab_size: int, to_core: str, to_frontend: str) -> int:
-    client = EngineClient(to_core, to_frontend)
+    client = EngineClient(to_core, to_frontend, (key_root(cfg.deterministic), cfg.kv_block_size))
     startup: dict = {}
     srv = OpenAIServer(client, tokenizer, model_names, max_model_len, vocab_size, lambda: startup, cfg.limits,
                        cfg.deterministic)

@@ -59,7 +59,7 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
                  eos_ids: set[int], max_model_len: int, emit: Callable[[Output], None], group: int | None = None,
-                 replayed: int = 0):
+                 replayed: int = 0, prefix_keys: bytes | None = None):
         self.seq_id = next(_ids)
         self.group = self.seq_id if group is None else group  # the request it belongs to (fair scheduling)
         self.prompt_ids = prompt_ids
@@ -67,6 +67,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.block_table: list[int] = []  # KV block of each block_size positions
         self.block_keys: list[bytes] = []  # keys of its full blocks, in order (engines/block_manager.py)
+        self.prefix_keys = prefix_keys  # its prompt's keys as the front end hashed them (block_manager.prompt_keys)
         self.num_computed = 0  # positions whose keys and values are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache
         self.unread = 0  # sampled tokens still on their way from the device (0, 1, or 2 mid-step)

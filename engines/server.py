@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from .continuation_batch import Batch, abort_member, serve_batch
 from .engine_client import EngineClient
 from . import sse
 from .interrupt import unless_client_leaves
@@ -100,6 +101,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.accepting = True
         self.first_output = FirstOutputLatency()
+        self.batches: dict[str, Batch] = {}  # running batches of continuations, by id (engines/continuation_batch.py)
 
     # ---- request -> sequences --------------------------------------------------------------
     def _accept(self, name: str) -> None:
@@ -298,24 +300,55 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
            "/v1/chat/completions": (ChatCompletionRequest, srv.chat_completions)}
     limits = srv.limits
 
+    async def start(path: str, data) -> Response:
+        model, endpoint = hot[path]
+        return await answer(path, data, model, endpoint, limits)
+
+    async def batch(data) -> Response:
+        return await serve_batch(data, start, error_response, srv.batches)
+
+    async def abort(data) -> Response:
+        out = abort_member(data, srv.batches, error_response)
+        return out if isinstance(out, Response) else JSONResponse(out)
+    batched = {"/v1/continuations": batch, "/v1/continuations/abort": abort}  # (the router's, at failovers)
+
     async def app(scope: dict, receive, send) -> None:
-        route = hot.get(scope["path"]) if scope["type"] == "http" else None
-        if route is None:
+        path = scope["path"] if scope["type"] == "http" else None
+        route, handler = hot.get(path), batched.get(path)
+        if route is None and handler is None:
             await api(scope, receive, send)
         elif scope["method"] != "POST":
             resp = error_response(405, f"Method Not Allowed ({scope['method']} {scope['path']})")
             resp.headers["allow"] = "POST"
             await resp(scope, receive, send)
-        else:
+        elif route is not None:
             model, endpoint = route
             if (resp := await _generate(scope, receive, model, endpoint, limits)) is not None:
                 await resp(scope, receive, send)
+        elif (body := await read_whole_body(receive)) is not None:
+            try:
+                resp = await handler(request_body.loads(body))
+            except request_body.BodyError as e:
+                resp = error_response(400, e.message, e.param, code=e.code)
+            await resp(scope, receive, send)
     return app
 
 
 async def _generate(scope: dict, receive, model, endpoint, limits: RequestLimits) -> Response | None:
     """One generation request: its body parsed, bounded and validated (engines/request_body.py),
     the endpoint's response or an OpenAI error (None: the client left before sending its body whole)."""
+    body = await read_whole_body(receive)
+    if body is None:
+        return None
+    try:
+        data = request_body.loads(body)
+    except request_body.BodyError as e:
+        return error_response(400, e.message, e.param, code=e.code)
+    return await answer(scope["path"], data, model, endpoint, limits)
+
+
+async def read_whole_body(receive) -> bytes | None:
+    """The request's body (None: the client left before sending it whole)."""
     chunks = []
     while True:
         message = await receive()
@@ -323,9 +356,12 @@ async def _generate(scope: dict, receive, model, endpoint, limits: RequestLimits
             return None
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
-            break
+            return b"".join(chunks)
+
+
+async def answer(path: str, data, model, endpoint, limits: RequestLimits) -> Response:
+    """The endpoint's response to a parsed generation request, or its OpenAI error."""
     try:
-        data = request_body.loads(b"".join(chunks))
         check_body(limits, data, model is ChatCompletionRequest)
         req = request_body.validate(model, data)
     except request_body.BodyError as e:
@@ -339,10 +375,10 @@ async def _generate(scope: dict, receive, model, endpoint, limits: RequestLimits
     except LimitError as e:
         return JSONResponse(e.body(), status_code=e.status)
     except RequestFailed as e:
-        (log.error if e.status == 500 else log.info)("request to %s failed: %s", scope["path"], e)
+        (log.error if e.status == 500 else log.info)("request to %s failed: %s", path, e)
         return JSONResponse(e.body(), status_code=e.status)
     except Exception as e:  # noqa: BLE001 (answered, logged; the engine goes on)
-        return _internal_error(scope["path"], e)
+        return _internal_error(path, e)
 
 
 def _internal_error(path: str, e: Exception) -> JSONResponse:
@@ -421,10 +457,16 @@ class _EventStream:
 
     async def _send_all(self, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+        async for event, last in self.events():
+            await send({"type": "http.response.body", "body": event, "more_body": not last})
+
+    async def events(self) -> AsyncIterator[tuple[bytes, bool]]:
+        """The stream's body, event by event as each comes, with whether it is the last: the
+        stream's end ([DONE], or what ends a stream cut)."""
         end = sse.DONE
         try:
             async for event in self.chunks:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                yield event, False
                 if CHUNK_DELAY_S and event is not sse.SCHEDULED:  # (the test pause is per data chunk)
                     await asyncio.sleep(CHUNK_DELAY_S)
         except HandedOff:
@@ -432,7 +474,7 @@ class _EventStream:
         except RequestFailed as e:
             (log.error if e.status == 500 else log.info)("stream failed: %s", e)
             end = b"data: %s\n\n" % json.dumps(e.body()).encode()
-        await send({"type": "http.response.body", "body": end, "more_body": False})
+        yield end, True
 
 
 def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:

@@ -218,6 +218,9 @@ class MigrationSection(_Section):
                                 "failovers a request may ride (one that kills engines is quarantined after two)")
     max_replay_tokens: int = Field(default=32768, ge=1, description="prompt + emitted tokens a continuation "
                                    "may replay at most; a longer request ends with an explicit error")
+    batch: bool = Field(default=True, description="the continuations of one failover go to the new primary as "
+                        "one request (POST /v1/continuations), their streams in one response; false: a "
+                        "request each")
 
 
 class RouterSection(ListenSection):

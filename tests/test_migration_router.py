@@ -38,6 +38,29 @@ ENGINE = textwrap.dedent('''
         body = json.loads(await request.body())
         seen.append(body)
         peers.append(request.client.port)
+        return StreamingResponse(answer(body, request), media_type="text/event-stream")
+
+    @app.post("/v1/continuations")  # the router's batch: the members' streams, framed (engines/continuation_batch.py)
+    async def continuations(request: Request):
+        members = json.loads(await request.body())["requests"]
+        seen.extend(m["body"] for m in members)
+        peers.append(request.client.port)
+        async def framed():  # members in turn, each frame out before its stream goes on (it may die next)
+            streams = [(i, answer(m["body"], request)) for i, m in enumerate(members)]
+            while streams:
+                for entry in list(streams):
+                    i, events = entry
+                    try:
+                        data = (await events.__anext__()).encode()
+                    except StopAsyncIteration:
+                        streams.remove(entry)
+                        yield b"%d 0 0\\n" % i
+                        continue
+                    yield b"%d 200 %d\\n" % (i, len(data)) + data
+        return StreamingResponse(framed(), media_type="application/x-understudy-frames",
+                                 headers={"x-understudy-batch": "b1"})
+
+    def answer(body, request):
         cont = body.get("continuation") or {}
         start = len(cont.get("output_token_ids", []))
         die_after = body.get("die_after", {}).get(sys.argv[2])
@@ -68,7 +91,7 @@ ENGINE = textwrap.dedent('''
                 except asyncio.CancelledError:  # (the server cancels a stream whose client left)
                     tails.append("left")
                     raise
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return gen()
 
     @app.get("/seen")
     async def get_seen():
@@ -88,6 +111,15 @@ ENGINE = textwrap.dedent('''
 
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 ''')
+
+
+BATCH = True  # router.migration.batch of the routers these tests build (both ways: `batched`)
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["batched", "one-each"])
+def batched(request, monkeypatch):
+    """Every rule holds with a failover's continuations batched (the default) and sent one each."""
+    monkeypatch.setattr(f"{__name__}.BATCH", request.param)
 
 
 @pytest.fixture()
@@ -131,7 +163,7 @@ def request(engines, body: dict, supervisor=follow, **cfg):
         table, metrics = RoutingTable(), Metrics()
         events: list[dict] = []
         app = build_router(table, metrics, hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
-                           migration=MigrationSection(**cfg), publish=events.append)
+                           migration=MigrationSection(**{"batch": BATCH, **cfg}), publish=events.append)
         watcher = asyncio.ensure_future(supervisor(table, engines))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=30) as c:
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "p", **body})

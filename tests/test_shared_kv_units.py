@@ -14,7 +14,8 @@ from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, Previ
                              index_bytes)
 from daemon.kv_layout import KVLayout, plan_layout
 from daemon.kv_pool import KVPool
-from engines.block_manager import DETERMINISTIC_ROOT, BlockManager, block_key, chain_keys, halves, halves_of
+from engines.block_manager import (DETERMINISTIC_ROOT, BlockManager, block_key, chain_keys, halves, halves_of,
+                                  prompt_keys)
 from engines.kv_publish import Publisher
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence
@@ -313,3 +314,23 @@ def test_a_deterministic_writer_takes_no_block_a_default_one_left(pool: KVPool, 
     same = seq_of(tok, list(range(9)))
     c.match_prefix(same)
     assert same.num_cached == 8  # a default writer finds them
+
+
+@pytest.mark.parametrize("given", ["front end's", "wrong length", "none"])
+def test_a_continuation_matches_the_same_blocks_with_its_keys_hashed_by_the_front_end(pool: KVPool, tok: Tokenizer,
+                                                                                       given: str) -> None:
+    """The front end hashes a continuation's prompt keys beside the core (block_manager.prompt_keys):
+    the same keys as the core's own, so the same blocks; keys of another length are not trusted."""
+    ids = list(range(100, 121))  # blocks 0-4 full before the last token
+    old, _ = writer(pool)
+    head = computed(old, seq_of(tok, ids[:9]))  # blocks 0-1 keyed, in the old writer's own cache...
+    s = computed(old, seq_of(tok, ids))  # ... and all five of the full prompt
+    new, _ = writer(pool)
+    new.match_prefix(again := seq_of(tok, ids[:9], replayed=2))  # block 0 moves into the new writer's cache
+    keys = prompt_keys(ids, new.root, new.block_size)
+    assert keys == b"".join(s.block_keys[:5])
+    hint = {"front end's": keys, "wrong length": keys[:-16] + b"x" * 16 + keys[-16:], "none": None}[given]
+    cont = Sequence(ids, GREEDY, tok, set(), 64, lambda o: None, replayed=8, prefix_keys=hint)
+    new.match_prefix(cont)
+    assert cont.block_table == s.block_table[:5] and cont.block_keys == s.block_keys[:5] and cont.num_cached == 20
+    assert head.block_table[:2] == again.block_table[:2] == s.block_table[:2]

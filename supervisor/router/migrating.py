@@ -24,6 +24,7 @@ from typing import Any
 from engines import sse
 from supervisor.config import MigrationSection
 from supervisor.router.attempts import Upstreams
+from supervisor.router.batching import Batcher
 from supervisor.router.continuation import Tracked, error_event
 from supervisor.router.replies import Send
 from supervisor.router.routing import PrimaryLost, Upstream
@@ -54,8 +55,10 @@ class _Refused(Exception):
 class Migrator:
     """Serves Tracked requests (with the table, client, metrics and hold policy of ``upstreams``)."""
 
-    def __init__(self, upstreams: Upstreams, cfg: MigrationSection, publish: Publish | None) -> None:
+    def __init__(self, upstreams: Upstreams, cfg: MigrationSection, publish: Publish | None,
+                 max_body_bytes: int) -> None:
         self.u, self.cfg, self.publish = upstreams, cfg, publish
+        self.batcher = Batcher(upstreams.client, max_body_bytes, upstreams.upstream_timeout_s) if cfg.batch else None
         m = upstreams.metrics
         self._results = {r: m.migrations.labels(result=r) for r in
                          ("continued", "failed", "quarantined", "unsupported", "limit")}
@@ -161,7 +164,11 @@ class _Call:
         """Send the request (or its continuation) to `up` and relay its stream until [DONE]."""
         u, req = self.m.u, self.req
         self._moment("sent")
-        resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
+        batcher = self.m.batcher
+        if self.migrations and batcher is not None:  # (a failover's continuations go together)
+            resp = await batcher.request(up.url, self.target, req.upstream_body())
+        else:
+            resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
         self._moment("answered")
         try:
             if resp.status != 200 or not resp.is_event_stream:

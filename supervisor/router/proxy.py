@@ -35,7 +35,7 @@ class Proxy:
     def __init__(self, upstreams: Upstreams, migration: MigrationSection, publish: Publish | None,
                  limits: RequestLimits | None, body_timeout_s: float) -> None:
         self.u = upstreams
-        self.migrator = Migrator(upstreams, migration, publish)
+        self.migrator = Migrator(upstreams, migration, publish, (limits or DEFAULT_LIMITS).max_body_bytes)
         self.limits, self.body_timeout_s = limits, body_timeout_s
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:

@@ -1,0 +1,178 @@
+"""`POST /v1/continuations`: the streams a failover continues, in one request and one response.
+
+At a failover the router continues at once every stream the dead primary served (256 in the H200
+runs of bench/RESULTS.md). As one HTTP exchange each, they cost the router and this front end a few
+tenths of a millisecond of CPU apiece, one after another, so the last stream of a burst waited
+~100-200 ms longer than the first. Here every member is checked and started as its own
+`/v1/completions` or `/v1/chat/completions` request would be (a bad one gets its own refusal, the
+others go on), and the members' event streams go out framed in one body, whatever has queued up
+in one write:
+
+    b"%d %d %d\\n" % (index, status, len(payload)) + payload
+
+status 200: bytes of member `index`'s event stream, exactly as its own response would carry them;
+status 0: that stream's end (no payload); any other status: the member was refused and the payload
+is the error body its own request would have had. The head goes out at once and the members are
+started in order while the first ones' frames already flow. The head's `x-understudy-batch` names the batch
+for `POST /v1/continuations/abort` (one member's client left). When the router's connection goes,
+every member stops."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .interrupt import unless_client_leaves
+
+log = logging.getLogger("engines.continuation_batch")
+
+MAX_MEMBERS = 4096
+FRAMES_TYPE = b"application/x-understudy-frames"
+BATCH_HEADER = b"x-understudy-batch"
+END = 0  # a frame's status: the member's stream ended
+
+
+class BatchMember(BaseModel):
+    """One continued request: its endpoint and its body, as it would have been sent alone."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: Literal["/v1/completions", "/v1/chat/completions"]
+    body: dict[str, Any]
+
+
+class ContinuationBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: list[BatchMember] = Field(min_length=1, max_length=MAX_MEMBERS)
+
+
+class BatchAbort(BaseModel):
+    """Stop one member of a batch (its client left)."""
+
+    model_config = ConfigDict(extra="forbid")
+    batch: str = Field(max_length=64)
+    index: int = Field(ge=0)
+
+
+def frame(index: int, status: int, payload: bytes = b"") -> bytes:
+    return b"%d %d %d\n" % (index, status, len(payload)) + payload
+
+
+class Batch:
+    """A batch's members, each checked and started in turn as the answer's body already flows (the
+    first members' tokens need not wait for the last member's checks), framed into one body by
+    this ASGI callable. `start(path, body)` answers one member (an event stream: engines/server.py
+    `_EventStream`, with `events()` and `running`; or a refusal: a Response)."""
+
+    def __init__(self, requests: list[BatchMember], start, refuse, registry: dict[str, "Batch"]) -> None:
+        self.id = uuid.uuid4().hex
+        self.requests, self.start, self.refuse, self.registry = requests, start, refuse, registry
+        self.members: list = []  # (started so far, in order)
+        self._out: list[bytes] = []
+        self._wake = asyncio.Event()
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._starting = True
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        self.registry[self.id] = self
+        try:
+            await unless_client_leaves(self._send_all(send), receive)
+        finally:
+            self.registry.pop(self.id, None)
+            self._starting = False
+            for i in list(self._tasks):
+                self.abort(i)
+
+    def abort(self, index: int) -> bool:
+        """Stop member `index` (its sequences aborted); False if it was not running."""
+        task = self._tasks.pop(index, None)
+        if task is None:
+            return False
+        task.cancel()
+        self.members[index].running.abort()
+        return True
+
+    async def _send_all(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", FRAMES_TYPE), (BATCH_HEADER, self.id.encode())]})
+        starting = asyncio.ensure_future(self._start_all())
+        try:
+            while self._starting or self._tasks or self._out:
+                if not self._out:
+                    await self._wake.wait()
+                self._wake.clear()
+                body, self._out = b"".join(self._out), []
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+        finally:
+            starting.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _start_all(self) -> None:
+        """Each member in turn, as its own request would be; a chance for the others' frames after each."""
+        try:
+            for i, m in enumerate(self.requests):
+                if not self._starting:
+                    return
+                if m.body.get("stream") is not True:
+                    answer = self.refuse(400, f"requests.{i}: a batch holds streamed requests only (stream: true)",
+                                         f"requests.{i}.body.stream")
+                else:
+                    answer = await self.start(m.path, m.body)
+                self.members.append(answer)
+                if hasattr(answer, "running"):
+                    self._tasks[i] = asyncio.ensure_future(self._relay(i, answer))
+                else:
+                    self._out.append(frame(i, answer.status_code, bytes(answer.body)))
+                    self._wake.set()
+                await asyncio.sleep(0)
+        finally:
+            self._starting = False
+            self._wake.set()
+
+    async def _relay(self, index: int, stream) -> None:
+        """Member `index`'s events into the shared body, then its end."""
+        try:
+            async for event, _ in stream.events():
+                self._out.append(frame(index, 200, event))
+                self._wake.set()
+        except Exception:  # noqa: BLE001 (its own stream answers errors; anything else ends just it)
+            log.exception("continuation %d of batch %s failed", index, self.id)
+        finally:
+            stream.running.abort()
+            if self._tasks.pop(index, None) is not None:
+                self._out.append(frame(index, END))
+                self._wake.set()
+
+
+Refuse = Any  # a Response (engines/server.py error_response): status_code, body
+
+
+async def serve_batch(data: Any, start, refuse, registry: dict[str, Batch]):
+    """The answer to a batch's parsed body: a Batch whose members `start(path, body)` answers (each
+    an event stream, or its refusal), or `refuse(status, message, param)` for a body that is not a
+    batch. A member is any streamed request: a continuation, or a request the failover re-sends
+    before its first token (the router knew no ids to continue from)."""
+    try:
+        batch = ContinuationBatch.model_validate(data)
+    except ValueError as e:
+        first = e.errors()[0] if hasattr(e, "errors") else {}
+        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
+        return refuse(400, f"not a batch of continuations: {where}: {first.get('msg', e)}", where)
+    return Batch(batch.requests, start, refuse, registry)
+
+
+def abort_member(data: Any, registry: dict[str, Batch], refuse):
+    """`POST /v1/continuations/abort`: (status, body) for stopping one member of a running batch."""
+    try:
+        req = BatchAbort.model_validate(data)
+    except ValueError as e:
+        return refuse(400, f"not an abort of a batch member: {e}", None)
+    batch = registry.get(req.batch)
+    if batch is None:
+        return refuse(404, f"no batch {req.batch!r} is running here (it ended, or never was)", "batch")
+    if req.index >= len(batch.requests):
+        return refuse(400, f"batch {req.batch} has {len(batch.requests)} members; no index {req.index}", "index")
+    return {"aborted": batch.abort(req.index)}

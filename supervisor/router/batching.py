@@ -1,0 +1,208 @@
+"""The continuations of one failover, sent to the new primary as one request (engines/continuation_batch.py
+says why and gives the frames): the requests that ask for the same engine in the same pass of the
+event loop (the streams a failover wakes at once) go together, up to the engines' body limit a
+request, and each gets a Response-like view of its own part of the answer, so that the continuation
+loop (supervisor/router/migrating.py) reads it as it reads a response of its own."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+
+import orjson
+
+from engines.continuation_batch import BATCH_HEADER, END, FRAMES_TYPE
+from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
+from supervisor.router.upstream import Client
+
+log = logging.getLogger("understudy.router")
+
+BATCH_PATH = b"/v1/continuations"
+ABORT_PATH = "/v1/continuations/abort"
+ABORT_TIMEOUT_S = 5.0
+JSON: Headers = [(b"content-type", b"application/json")]
+SSE: Headers = [(b"content-type", b"text/event-stream")]
+
+
+class Member:
+    """One continuation's part of a batch, read as a Response (supervisor/router/upstream_response.py):
+    `status`, `headers`, `read()` (a refusal's body), `stream()` (its event stream), `finish()`, `close()`."""
+
+    def __init__(self, path: bytes, body: bytes, timeout_s: float) -> None:
+        self.path, self.body, self.timeout_s = path, body, timeout_s
+        self.status, self.headers = 0, SSE
+        self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.abort = None  # set by the batch once it runs: stops this member in the engine
+        self.ended = False  # the engine sent all of it (or failed it)
+        self._chunks: deque[bytes] = deque()
+        self._wake = asyncio.Event()
+        self._error: UpstreamError | None = None
+        self._refusal = b""
+        self._closed = False
+
+    @property
+    def is_event_stream(self) -> bool:
+        return self.status == 200
+
+    def take(self, status: int, payload: bytes) -> None:
+        """A frame for this member (from the batch's reader)."""
+        if self.ended:
+            return
+        if status == END:
+            self.ended = True
+        elif status == 200:
+            self._chunks.append(payload)
+        else:
+            self.status, self.headers, self._refusal, self.ended = status, JSON, payload, True
+        if not self.head.done():
+            self.status = self.status or 200
+            self.head.set_result(None)
+        self._wake.set()
+
+    def fail(self, error: UpstreamError) -> None:
+        """The batch's answer broke (or ended) before this member's end."""
+        if self.ended:
+            return
+        self.ended, self._error = True, error
+        if not self.head.done():
+            self.head.set_exception(error)
+        self._wake.set()
+
+    async def read(self) -> bytes:
+        if self.status != 200:
+            return self._refusal
+        return b"".join([chunk async for chunk in self.stream()])
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Its event stream as it arrives (what has arrived, joined); each wait bounded by the timeout."""
+        while True:
+            if self._chunks:
+                chunk = b"".join(self._chunks)
+                self._chunks.clear()
+                yield chunk
+                continue
+            if self.ended:
+                if self._error is not None:
+                    raise self._error
+                return
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                self.close()
+                raise UpstreamTimeout(f"no bytes of this continuation within {self.timeout_s:g}s") from None
+
+    async def finish(self, timeout_s: float) -> None:
+        """After [DONE]: its end is the engine's to frame; nothing to wait for."""
+
+    def close(self) -> None:
+        """Done with it: an unfinished member is stopped in the engine (its client left, or it was fenced)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.ended and self.abort is not None:
+            self.abort()
+        self.ended = True
+
+
+class Batcher:
+    """``await batcher.request(url, target, body)``: a Member once its first frame is in (as
+    ``Client.request`` returns once a response head is in)."""
+
+    def __init__(self, client: Client, max_bytes: int, timeout_s: float) -> None:
+        self.client, self.max_bytes, self.timeout_s = client, max_bytes, timeout_s
+        self._pending: dict[str, list[Member]] = {}
+        self._running: set[asyncio.Task] = set()
+
+    async def request(self, url: str, target: bytes, body: bytes) -> Member:
+        member = Member(target.partition(b"?")[0], body, self.timeout_s)
+        pending = self._pending.get(url)
+        if pending is None:
+            pending = self._pending[url] = []
+            asyncio.get_running_loop().call_soon(self._send, url)  # after the others woken in this pass
+        pending.append(member)
+        try:
+            await member.head
+        except BaseException:
+            member.close()
+            raise
+        return member
+
+    def _send(self, url: str) -> None:
+        for members in self._split(self._pending.pop(url)):
+            task = asyncio.ensure_future(self._run(url, members))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    def _split(self, members: list[Member]) -> list[list[Member]]:
+        """Batches whose bodies fit the engines' limit (a member over it alone: refused as it would be alone)."""
+        out: list[list[Member]] = [[]]
+        size = 0
+        for m in members:
+            n = len(m.body) + len(m.path) + 32
+            if out[-1] and size + n > self.max_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(m)
+            size += n
+        return out
+
+    async def _run(self, url: str, members: list[Member]) -> None:
+        """One batch: sent, its frames dealt to its members; any failure fails those not ended."""
+        body = b'{"requests":[' + b",".join(b'{"path":%s,"body":%s}' % (orjson.dumps(m.path.decode()), m.body)
+                                             for m in members) + b"]}"
+        resp = None
+        try:
+            resp = await self.client.request("POST", url, BATCH_PATH, JSON, body)
+            if resp.status != 200 or resp.header(b"content-type") != FRAMES_TYPE:
+                content = await resp.read()
+                for m in members:  # (the engine refused the batch: each member as its own request would be)
+                    m.take(resp.status if resp.status != 200 else 502, content)
+                return
+            batch = (resp.header(BATCH_HEADER) or b"").decode()
+            for i, m in enumerate(members):
+                m.abort = lambda i=i: self._abort(url, batch, i)
+            await self._deal(resp, members)
+            error: UpstreamError = RemoteProtocolError("the batch's answer ended before this continuation's end")
+        except UpstreamError as e:
+            error = e
+        except ValueError as e:  # a malformed frame
+            error = RemoteProtocolError(f"malformed batch frame: {e}")
+        except BaseException:  # (the router is stopping)
+            for m in members:
+                m.fail(UpstreamError("the router stopped this batch of continuations"))
+            raise
+        finally:
+            if resp is not None:
+                resp.close()
+        for m in members:
+            m.fail(error)
+
+    async def _deal(self, resp, members: list[Member]) -> None:
+        """Read frames until the body ends or every member is done."""
+        buf = bytearray()
+        async for chunk in resp.stream():
+            buf += chunk
+            while (nl := buf.find(b"\n")) >= 0:
+                index, status, length = (int(x) for x in bytes(buf[:nl]).split(b" "))
+                if len(buf) < nl + 1 + length:
+                    break
+                if not 0 <= index < len(members) or length < 0:
+                    raise ValueError(f"frame for member {index} of {len(members)}, {length} bytes")
+                members[index].take(status, bytes(buf[nl + 1:nl + 1 + length]))
+                del buf[:nl + 1 + length]
+            if all(m.ended for m in members):
+                return
+
+    def _abort(self, url: str, batch: str, index: int) -> None:
+        task = asyncio.ensure_future(self._send_abort(url, batch, index))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _send_abort(self, url: str, batch: str, index: int) -> None:
+        try:
+            await self.client.fetch("POST", url, ABORT_PATH, {"batch": batch, "index": index}, ABORT_TIMEOUT_S)
+        except UpstreamError as e:  # (its engine is gone: so is the member)
+            log.debug("abort of continuation %d of batch %s: %s", index, batch, e)

@@ -1,0 +1,150 @@
+"""`POST /v1/continuations` on a real engine process (tiny model, weights `off`): each member answers
+as its own request would, byte for byte in its tokens; a bad member gets its own refusal; a bad
+batch is refused whole, naming what is wrong; one member is stopped by its abort, every member by
+the router's leaving."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from engines.config import EngineConfig
+from harness.engine_process import EngineProcess
+
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batch")
+    cfg = EngineConfig(name="batch", model_path=str(tiny_model), port=0, runtime_dir=str(tmp / "rt"),
+                       weight_cache_mode="off", max_model_len=MAX_LEN, max_num_seqs=8)
+    proc = EngineProcess(cfg, tmp / "engine.log")
+    proc.wait_ready(60)
+    yield proc
+    proc.stop()
+
+
+def continued(model: str, prompt: list[int], done: list[int], max_tokens: int, **kw) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "seed": 5, **kw,
+            "continuation": {"prompt_token_ids": prompt, "output_token_ids": done}}
+
+
+def frames(raw: bytes) -> dict[int, list[tuple[int, bytes]]]:
+    """A batch body's frames by member: [(status, payload)]."""
+    out: dict[int, list[tuple[int, bytes]]] = {}
+    while raw:
+        head, _, rest = raw.partition(b"\n")
+        index, status, length = (int(x) for x in head.split(b" "))
+        out.setdefault(index, []).append((status, rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+def token_ids(sse: bytes) -> list[int]:
+    ids = []
+    for line in sse.decode().splitlines():
+        if line.startswith("data: {"):
+            for ch in json.loads(line[6:])["choices"]:
+                ids += ch.get("token_ids") or []
+    return ids
+
+
+def test_members_answer_as_their_own_requests_and_a_bad_one_alone_is_refused(engine, tiny_model):
+    model = tiny_model.name
+    a = continued(model, [5, 6, 7, 8, 9], [11, 12], 12)
+    b = continued(model, list(range(20, 60)), [3], 8)
+    bad = continued(model, [5, 6], [10 ** 9], 4)  # an id outside the vocabulary
+    plain = {**a, "stream": False}
+    r = httpx.post(engine.url + "/v1/continuations", timeout=60, json={"requests": [
+        {"path": "/v1/completions", "body": a}, {"path": "/v1/completions", "body": bad},
+        {"path": "/v1/completions", "body": b}, {"path": "/v1/completions", "body": plain}]})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-understudy-frames"
+    got = frames(r.content)
+    for i, body in ((0, a), (2, b)):
+        alone = httpx.post(engine.url + "/v1/completions", json=body, timeout=60).content
+        mine = b"".join(p for s, p in got[i] if s == 200)
+        assert got[i][-1] == (0, b"") and mine.endswith(b"data: [DONE]\n\n")
+        assert token_ids(mine) == token_ids(alone) and len(token_ids(mine)) == body["max_tokens"] - 1 - (i == 0)
+    assert got[1][0][0] == 400 and "outside the vocabulary" in json.loads(got[1][0][1])["error"]["message"]
+    assert got[3][0][0] == 400 and "stream" in json.loads(got[3][0][1])["error"]["message"]
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"requests": []}, "requests"),
+    ({"requests": [{"path": "/v1/embeddings", "body": {}}]}, "requests.0.path"),
+    ({"requests": [{"path": "/v1/completions"}]}, "requests.0.body"),
+    ({"members": []}, "requests"),
+])
+def test_a_malformed_batch_is_refused_naming_what_is_wrong(engine, body, says):
+    r = httpx.post(engine.url + "/v1/continuations", json=body, timeout=30)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_not_json_and_the_wrong_method_are_refused(engine):
+    r = httpx.post(engine.url + "/v1/continuations", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert httpx.get(engine.url + "/v1/continuations", timeout=30).status_code == 405
+
+
+def running(engine) -> int:
+    return httpx.get(engine.url + "/health", timeout=30).json()["running"]
+
+
+def wait_idle(engine, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while running(engine):
+        assert time.monotonic() < deadline, "the batch's sequences were not stopped"
+        time.sleep(0.05)
+
+
+def test_an_abort_stops_one_member_and_the_others_finish(engine, tiny_model):
+    model = tiny_model.name
+    long, short = continued(model, [5, 6, 7], [8], 400), continued(model, [9, 10, 11], [12], 30)
+    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations", json={"requests": [
+            {"path": "/v1/completions", "body": long}, {"path": "/v1/completions", "body": short}]}) as r:
+        batch = r.headers["x-understudy-batch"]
+        raw = b""
+        stream = r.iter_bytes()
+        while len(token_ids(b"".join(p for s, p in frames(raw).get(0, []) if s == 200))) < 3:
+            raw += next(stream)
+        assert c.post(engine.url + "/v1/continuations/abort", json={"batch": batch, "index": 0}).json() == \
+            {"aborted": True}
+        raw += b"".join(stream)  # the body ends once the short one has: the aborted one ends with no frame
+    got = frames(raw)
+    assert got[1][-1] == (0, b"") and len(token_ids(b"".join(p for s, p in got[1]))) == 29
+    assert (0, b"") not in got[0] and len(token_ids(b"".join(p for s, p in got[0] if s == 200))) < 399
+    wait_idle(engine)
+    r = httpx.post(engine.url + "/v1/continuations/abort", json={"batch": batch, "index": 0}, timeout=30)
+    assert r.status_code == 404 and "no batch" in r.json()["error"]["message"]
+
+
+def test_an_abort_out_of_range_or_malformed_is_refused(engine, tiny_model):
+    body = continued(tiny_model.name, [5, 6, 7], [8], 200)
+    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations", json={"requests": [
+            {"path": "/v1/completions", "body": body}]}) as r:
+        batch = r.headers["x-understudy-batch"]
+        r1 = c.post(engine.url + "/v1/continuations/abort", json={"batch": batch, "index": 3})
+        r2 = c.post(engine.url + "/v1/continuations/abort", json={"batch": batch})
+    assert r1.status_code == 400 and "no index 3" in r1.json()["error"]["message"]
+    assert r2.status_code == 400
+    wait_idle(engine)  # (the client left: every member stopped)
+
+
+def generated(engine) -> int:
+    time.sleep(1.0)  # (the front end's view of the core is a heartbeat late)
+    return httpx.get(engine.url + "/health", timeout=30).json()["generated_tokens"]
+
+
+def test_when_the_router_leaves_every_member_stops(engine, tiny_model):
+    model = tiny_model.name
+    members = [{"path": "/v1/completions", "body": continued(model, [5 + i, 6, 7], [8], 500)} for i in range(3)]
+    before = generated(engine)
+    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations",
+                                                  json={"requests": members}) as r:
+        next(r.iter_bytes())
+    wait_idle(engine)
+    assert generated(engine) - before < 3 * 499 // 2, "the members ran on after the router left"
