@@ -31,22 +31,29 @@ class Scheduled:
 
 
 class FairQueue:
-    """Waiting sequences, taken round-robin across requests (FIFO inside a request)."""
+    """Waiting sequences, taken round-robin across requests (FIFO inside a request); before them the
+    preempted ones, then continued ones (a stream another engine began: its client is waiting
+    mid-answer, so it never queues behind a request that arrived during the failover)."""
 
     def __init__(self) -> None:
         self._groups: OrderedDict[int, deque[Sequence]] = OrderedDict()
         self._front: deque[Sequence] = deque()  # preempted: served before anyone else
+        self._continued: deque[Sequence] = deque()  # then continuations, in arrival order
 
     def __len__(self) -> int:
-        return len(self._front) + sum(len(q) for q in self._groups.values())
+        return len(self._front) + len(self._continued) + sum(len(q) for q in self._groups.values())
 
     def __iter__(self):
         yield from self._front
+        yield from self._continued
         for q in self._groups.values():
             yield from q
 
     def push(self, seq: Sequence) -> None:
-        self._groups.setdefault(seq.group, deque()).append(seq)
+        if seq.replayed:
+            self._continued.append(seq)
+        else:
+            self._groups.setdefault(seq.group, deque()).append(seq)
 
     def push_front(self, seq: Sequence) -> None:
         self._front.appendleft(seq)
@@ -54,6 +61,8 @@ class FairQueue:
     def peek(self) -> Sequence | None:
         if self._front:
             return self._front[0]
+        if self._continued:
+            return self._continued[0]
         for q in self._groups.values():
             return q[0]
         return None
@@ -62,6 +71,8 @@ class FairQueue:
         """Take the head; its request then goes to the back of the turn order."""
         if self._front:
             return self._front.popleft()
+        if self._continued:
+            return self._continued.popleft()
         group, q = next(iter(self._groups.items()))
         seq = q.popleft()
         del self._groups[group]
@@ -70,9 +81,10 @@ class FairQueue:
         return seq
 
     def remove(self, seq: Sequence) -> bool:
-        if seq in self._front:
-            self._front.remove(seq)
-            return True
+        for line in (self._front, self._continued):
+            if seq in line:
+                line.remove(seq)
+                return True
         q = self._groups.get(seq.group)
         if q is None or seq not in q:
             return False

@@ -281,3 +281,20 @@ def test_coalescing_for_a_slow_reader_keeps_the_scheduled_marker_first():
     got = _coalesce([(0, marker), (0, a), (0, b)])
     assert got[0] == (0, marker) and got[0][1].is_scheduled
     assert [(i, o.delta, o.token_ids) for i, o in got[1:]] == [(0, "hello", [1, 2])]
+
+
+def test_a_continued_sequence_waits_behind_preempted_ones_only(tok: Tokenizer) -> None:
+    """A stream another engine began never queues behind a request that arrived during the
+    failover: the waiting order is preempted, continued (in arrival order), then the fair queue."""
+    from engines.scheduler import FairQueue
+    q = FairQueue()
+    new = [Sequence([1, 2], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None) for _ in range(2)]
+    cont = [Sequence([1, 2, 3], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None, replayed=1)
+            for _ in range(2)]
+    preempted = Sequence([4, 5], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None)
+    for s in (new[0], cont[0], new[1], cont[1]):
+        q.push(s)
+    q.push_front(preempted)
+    assert list(q) == [preempted, *cont, *new] and len(q) == 5
+    assert q.remove(cont[1]) and not q.remove(cont[1])
+    assert [q.pop() for _ in range(4)] == [preempted, cont[0], *new] and q.peek() is None

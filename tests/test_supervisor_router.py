@@ -125,6 +125,16 @@ def test_forwards_to_the_primary_and_passes_errors_through(upstreams):
     run(go())
 
 
+def test_the_engines_batch_endpoints_are_not_served_to_clients(upstreams):
+    async def go():
+        table, metrics, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+        for path in ("/v1/continuations", "/v1/continuations/abort"):
+            r = await c.post(path, json={"requests": []})
+            assert r.status_code == 404 and "router's own endpoint" in r.json()["error"]["message"], r.text
+    run(go())
+
+
 def test_streams_are_passed_through(upstreams):
     async def go():
         table, _, c = make()

@@ -26,6 +26,9 @@ from supervisor.router.upstream import Response as UpstreamResponse
 log = logging.getLogger("understudy.router")
 
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})  # no HEAD: the FastAPI route had none
+# The engines' endpoints for the router itself (engines/continuation_batch.py): a batch would let one
+# client request carry thousands of streams past the router's limits; no client reaches them.
+ROUTER_ONLY = frozenset({"/v1/continuations", "/v1/continuations/abort"})
 DEFAULT_LIMITS = RequestLimits()
 
 
@@ -40,6 +43,12 @@ class Proxy:
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
+        if scope["path"] in ROUTER_ONLY:
+            self.u.count_status(404)
+            await send_whole(send, json_reply(404, error_body(f"{scope['path']} is the router's own endpoint on its "
+                                                              f"engines, not served here", "invalid_request_error",
+                                                              404)))
+            return
         if scope["method"] not in METHODS:  # as FastAPI answered for the old route
             await send_whole(send, json_reply(405, error_body(f"method {scope['method']} is not allowed",
                                                               "invalid_request_error", 405),
