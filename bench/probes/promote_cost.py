@@ -1,6 +1,8 @@
 """What a failover costs the new primary's scheduler thread with a full shared pool, part by part, on
 this host's CPU (no GPU: a memfd pool): the index claim (read and check every entry), the block
-manager's adoption, then the admission of every continued stream (its Sequence and its prefix match).
+manager's adoption, then the admission of every continued stream (its Sequence and its prefix match),
+with its block keys hashed on the scheduler thread, then given as the front end hashes them
+(block_manager.prompt_keys), in the same run.
 
 The pool holds `--streams` sequences' blocks keyed as an engine keys them (blake2b: keys in random
 order, as a real pool's are), the rest filled with other random keys.
@@ -21,7 +23,7 @@ import torch
 from daemon.kv_index import BlockIndex
 from daemon.kv_layout import KVLayout
 from daemon.kv_pool import KVPool
-from engines.block_manager import BlockManager, block_key, halves
+from engines.block_manager import ROOT, BlockManager, block_key, halves, prompt_keys
 from engines.kv_publish import Publisher
 from engines.make_model import make_model
 from engines.sampling import SamplingParams
@@ -66,7 +68,8 @@ def main() -> None:
     index.claim(lay, FP)
     fill(index, lay, streams, rng)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
-    claims, adopts, admits, reused = [], [], [], 0
+    claims, adopts, admits, hinted, reused = [], [], [], [], 0
+    keys = [prompt_keys(ids, ROOT, 16) for ids in streams]  # (as the front end hashes them)
     for _ in range(a.runs):
         t = time.perf_counter()
         adoption = index.claim(lay, FP)
@@ -82,9 +85,19 @@ def main() -> None:
             bm.match_prefix(seq)
         admits.append(time.perf_counter() - t)
         reused = sum(s.num_cached for s in seqs)
+        bm = BlockManager(lay.num_blocks, 16, scratch=lay.scratch(0), shared=lay.shared_blocks)  # again, hinted
+        bm.become_writer(index.claim(lay, FP), index, Publisher(index, bm.gens, torch.device("cpu")))
+        t = time.perf_counter()
+        seqs = [Sequence(ids, greedy, tokenizer, set(), 4096, lambda o: None, replayed=len(ids) // 2, prefix_keys=k)
+                for ids, k in zip(streams, keys)]
+        for seq in seqs:
+            bm.match_prefix(seq)
+        hinted.append(time.perf_counter() - t)
+        assert sum(s.num_cached for s in seqs) == reused
     ms = lambda xs: f"median {statistics.median(xs) * 1e3:.1f} ms (first {xs[0] * 1e3:.1f})"  # noqa: E731
     print(f"{a.blocks} blocks, {len(adoption.sealed)} keyed, runs {a.runs}: claim {ms(claims)}, adopt {ms(adopts)}, "
-          f"{a.streams} continuations admitted {ms(admits)}, {reused} of {sum(map(len, streams))} tokens reused")
+          f"{a.streams} continuations admitted {ms(admits)}, with their keys hashed by the front end {ms(hinted)}, "
+          f"{reused} of {sum(map(len, streams))} tokens reused")
 
 
 if __name__ == "__main__":
