@@ -125,13 +125,17 @@ def test_forwards_to_the_primary_and_passes_errors_through(upstreams):
     run(go())
 
 
-def test_the_engines_batch_endpoints_are_not_served_to_clients(upstreams):
+def test_the_engines_batch_endpoints_and_the_continuation_field_are_not_for_clients(upstreams):
     async def go():
         table, metrics, c = make()
         table.set_primary(Upstream(upstreams[0], "a", 1))
         for path in ("/v1/continuations", "/v1/continuations/abort"):
             r = await c.post(path, json={"requests": []})
             assert r.status_code == 404 and "router's own endpoint" in r.json()["error"]["message"], r.text
+        for path in ("/v1/completions", "/v1/chat/completions"):  # nor the field that jumps the engine's queue
+            r = await c.post(path, json={"prompt": "x", "continuation": {"prompt_token_ids": [1],
+                                                                          "output_token_ids": [2]}})
+            assert r.status_code == 400 and "router's own field" in r.json()["error"]["message"], r.text
     run(go())
 
 

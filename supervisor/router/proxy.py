@@ -15,7 +15,7 @@ from engines.interrupt import unless_client_leaves
 from engines.limits import RequestLimits
 from supervisor.config import MigrationSection
 from supervisor.router.attempts import Upstreams
-from supervisor.router.continuation import Tracked, error_event, parse_request
+from supervisor.router.continuation import PATHS, Tracked, error_event, parse_request
 from supervisor.router.limits import Refusal, check_request, read_body
 from supervisor.router.migrating import Migrator, Publish, StreamAborted
 from supervisor.router.replies import Receive, Reply, Send, cut, error_body, json_reply, send_whole, target_of
@@ -58,6 +58,10 @@ class Proxy:
             limits = self.limits
             body = await read_body(scope, receive, (limits or DEFAULT_LIMITS).max_body_bytes, self.body_timeout_s)
             req = parse_request(scope["path"], body) if body is not None else None
+            if isinstance(req, dict) and "continuation" in req and scope["path"] in PATHS:
+                raise Refusal(400, error_body("`continuation` is the router's own field (a stream it continues on "
+                                              "a new primary, which then waits behind no new request); a client "
+                                              "may not send it", "invalid_request_error", 400))
             if limits is not None:
                 check_request(scope["path"], req, limits)
         except Refusal as e:
