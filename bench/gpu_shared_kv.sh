@@ -73,34 +73,33 @@ for (proc, gen), xs in sorted(pauses.items()):
     print(f"  {proc} gen {gen}: {len(xs)}, max {max(xs):.1f}, total {sum(xs):.0f} ms")
 PY
 }
-delays() {  # failover (shared KV only) once per failover.restart_delay_s in $DELAYS, in one call: does the
-  # replacement's start on the same GPU slow the new primary's first steps? Each one's new primaries'
-  # first second (engines/promotion_trace.py) after its figures
-  local base=$OUT d
-  for d in ${DELAYS:-0 1.5}; do
-    echo "== failover.restart_delay_s: $d"
-    OUT=$base/delay_$d; mkdir -p "$OUT"
-    RESTART_DELAY=$d COMPARE= failover
-    tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
-      | sed 's/.*after the promotion: //' | cut -c1-400 > "$OUT/promotion_trace.txt"
-    head -4 "$OUT/promotion_trace.txt"
-    gc_pauses "$OUT/streams/logs-shared_kv-true.tgz" | tee "$OUT/gc_pauses.txt"
-  done
+failover_in() {  # failover_in DIR: failover with $OUT/DIR as its $OUT; the new primaries' first second
+  # (engines/promotion_trace.py) in DIR/promotion_trace.txt, its first lines printed
+  local base=$OUT
+  OUT=$base/$1; mkdir -p "$OUT"
+  failover
+  tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
+    | sed 's/.*after the promotion: //' | cut -c1-400 > "$OUT/promotion_trace.txt"
+  head -3 "$OUT/promotion_trace.txt"
   OUT=$base
 }
+delays() {  # failover (shared KV only) once per failover.restart_delay_s in $DELAYS, in one call: does the
+  # replacement's start on the same GPU slow the new primary's first steps?
+  local d
+  for d in ${DELAYS:-0 1.5}; do
+    echo "== failover.restart_delay_s: $d"
+    RESTART_DELAY=$d COMPARE= failover_in delay_$d
+    gc_pauses "$OUT/delay_$d/streams/logs-shared_kv-true.tgz" | tee "$OUT/delay_$d/gc_pauses.txt"
+  done
+}
 batch_ab() {  # failover (shared KV only) with a failover's continuations one request each, then batched
-  # (router.migration.batch false, true), in one call; the new primaries' first second after each
-  local base=$OUT b
+  # (router.migration.batch false, true), in one call
+  local b
   for b in false true; do
     echo "== router.migration.batch: $b"
-    OUT=$base/batch_$b; mkdir -p "$OUT"
-    BATCH=$b COMPARE= failover
-    tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
-      | sed 's/.*after the promotion: //' | cut -c1-300 > "$OUT/promotion_trace.txt"
-    head -3 "$OUT/promotion_trace.txt"
-    rm -f "$OUT/failover_streams.log"  # (its lines are in the printed output; fewer files come back)
+    BATCH=$b COMPARE= failover_in batch_$b
+    rm -f "$OUT/batch_$b/failover_streams.log"  # (its lines are in the printed output; fewer files come back)
   done
-  OUT=$base
 }
 gc_ab() {  # the collector with the objects of startup frozen out (the default) against all in reach
   # (UNDERSTUDY_GC_FREEZE=0), in one call: two shared-KV nodes at once on GPU 0, bench serve on each in
@@ -114,14 +113,13 @@ gc_ab() {  # the collector with the objects of startup frozen out (the default) 
   all_ready /tmp/frozen.yaml && all_ready /tmp/unfrozen.yaml || { kill -9 $pid_frozen $pid_unfrozen; exit 1; }
   POINTS=${POINTS:-chat:32 nano:256} RUNS=${SERVE_RUNS:-2} load_in_turn unfrozen frozen > "$OUT/serve_ab.txt"
   kill -TERM $pid_frozen $pid_unfrozen; wait $pid_frozen $pid_unfrozen
-  local base=$OUT
+  local mode
   for mode in unfrozen frozen; do
-    OUT=$base/failover_$mode; mkdir -p "$OUT"
     echo "== failover, collector $mode"
-    if [ $mode = unfrozen ]; then UNDERSTUDY_GC_FREEZE=0 COMPARE= failover; else COMPARE= failover; fi
-    gc_pauses "$OUT/streams/logs-shared_kv-true.tgz" | tee "$OUT/gc_pauses.txt"
+    if [ $mode = unfrozen ]; then UNDERSTUDY_GC_FREEZE=0 COMPARE= failover_in failover_$mode
+    else COMPARE= failover_in failover_$mode; fi
+    gc_pauses "$OUT/failover_$mode/streams/logs-shared_kv-true.tgz" | tee "$OUT/failover_$mode/gc_pauses.txt"
   done
-  OUT=$base
   tail -5 "$OUT/serve_ab.txt"
 }
 case "${1:-}" in

@@ -23,7 +23,7 @@ import logging
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .interrupt import unless_client_leaves
 
@@ -147,9 +147,6 @@ class Batch:
                 self._wake.set()
 
 
-Refuse = Any  # a Response (engines/server.py error_response): status_code, body
-
-
 async def serve_batch(data: Any, start, refuse, registry: dict[str, Batch]):
     """The answer to a batch's parsed body: a Batch whose members `start(path, body)` answers (each
     an event stream, or its refusal), or `refuse(status, message, param)` for a body that is not a
@@ -157,10 +154,10 @@ async def serve_batch(data: Any, start, refuse, registry: dict[str, Batch]):
     before its first token (the router knew no ids to continue from)."""
     try:
         batch = ContinuationBatch.model_validate(data)
-    except ValueError as e:
-        first = e.errors()[0] if hasattr(e, "errors") else {}
-        where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-        return refuse(400, f"not a batch of continuations: {where}: {first.get('msg', e)}", where)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        return refuse(400, f"not a batch of continuations: {where}: {first['msg']}", where)
     return Batch(batch.requests, start, refuse, registry)
 
 

@@ -34,7 +34,6 @@ def run_frontend(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
     libc.prctl(_PR_SET_NAME, f"engine-{cfg.name}-http".encode()[:15], 0, 0, 0)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a group signal means "drain": the core decides
         signal.signal(sig, signal.SIG_IGN)
-    gc_pauses.watch()
     return event_loop.run(_serve(cfg, tokenizer, model_names, max_model_len, vocab_size, to_core, to_frontend))
 
 

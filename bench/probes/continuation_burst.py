@@ -2,12 +2,12 @@
 (prompt + already generated ids, as the router sends them) arrive at once, on fresh connections.
 
     python3 bench/probes/continuation_burst.py MODEL_DIR [--n 256] [--prompt 600] [--done 300]
-        [--device cpu|cuda] [--rounds 3] [--py-spy OUT.txt]
+        [--device cpu|cuda] [--rounds 3] [--py-spy OUT]
 
 Per round: the moment each request was written, its response head came, its first token came (ms
 after the burst began; median and max over the N), and the front end's CPU seconds over the round
-(per request: its cost). With --py-spy, the front end is sampled through the last round (the top
-functions go to OUT.txt). No supervisor: the engine alone, as the router's new primary sees it."""
+(per request: its cost). With --py-spy, the front end is sampled through the last round (py-spy's
+raw stacks go to OUT.raw). No supervisor: the engine alone, as the router's new primary sees it."""
 from __future__ import annotations
 
 import argparse
