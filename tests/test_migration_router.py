@@ -355,3 +355,15 @@ def test_an_engine_that_never_ends_its_stream_after_done_costs_only_its_connecti
     assert tails == ["left", "left"], "the router waited for the end of a body whose answer was whole"
     peers = httpx.get(engines[0][1] + "/peers").json()
     assert len(peers) == 2 and peers[0] != peers[1], "the stalled connection must not be reused"
+
+
+def test_a_failovers_batch_is_split_to_fit_the_engines_body_limit():
+    """Members go together while their bodies fit `limits.max_body_bytes`; one over it goes alone
+    (and is refused 413 by the engine, as it would be alone)."""
+    from supervisor.router.batching import Batcher, Member
+
+    async def go():
+        b = Batcher(None, max_bytes=250, timeout_s=1)  # (splitting sends nothing; a member counts ~47 bytes more)
+        members = [Member(b"/v1/completions", b"x" * n, 1) for n in (60, 60, 60, 500, 10)]
+        return [[len(m.body) for m in batch] for batch in b._split(members)]
+    assert asyncio.run(go()) == [[60, 60], [60], [500], [10]]
