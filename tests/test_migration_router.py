@@ -367,3 +367,23 @@ def test_a_failovers_batch_is_split_to_fit_the_engines_body_limit():
         members = [Member(b"/v1/completions", b"x" * n, 1) for n in (60, 60, 60, 500, 10)]
         return [[len(m.body) for m in batch] for batch in b._split(members)]
     assert asyncio.run(go()) == [[60, 60], [60], [500], [10]]
+
+
+def test_a_members_scheduled_marker_says_it_ran_as_it_arrives():
+    """The batch's reader tells the continuation that its engine began running it the moment the
+    marker comes, not when the continuation's task reads it: a loss in between still counts."""
+    from engines import sse
+    from supervisor.router.batching import Member
+
+    async def go():
+        calls = []
+        m = Member(b"/v1/completions", b"{}", 1, ran=lambda: calls.append(1))
+        m.take(200, b'data: {"x": 1}\n\n')
+        before = len(calls)
+        m.take(200, sse.SCHEDULED)
+        m.take(200, sse.SCHEDULED)
+        late = Member(b"/v1/completions", b"{}", 1, ran=lambda: calls.append(2))
+        late.close()  # (interrupted first: what comes after is not this attempt's)
+        late.take(200, sse.SCHEDULED)
+        return before, calls
+    assert asyncio.run(go()) == (0, [1])

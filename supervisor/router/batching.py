@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 
+from engines import sse
 from engines.continuation_batch import BATCH_HEADER, END, FRAMES_TYPE
 from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
 from supervisor.router.upstream import Client
@@ -29,8 +30,9 @@ class Member:
     """One continuation's part of a batch, read as a Response (supervisor/router/upstream_response.py):
     `status`, `headers`, `read()` (a refusal's body), `stream()` (its event stream), `finish()`, `close()`."""
 
-    def __init__(self, path: bytes, body: bytes, timeout_s: float) -> None:
+    def __init__(self, path: bytes, body: bytes, timeout_s: float, ran: Callable[[], None] | None = None) -> None:
         self.path, self.body, self.timeout_s = path, body, timeout_s
+        self._ran = ran  # called when the engine's scheduled marker arrives (it began running this one)
         self.status, self.headers = 0, SSE
         self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.abort = None  # set by the batch once it runs: stops this member in the engine
@@ -53,6 +55,11 @@ class Member:
             self.ended = True
         elif status == 200:
             self._chunks.append(payload)
+            if self._ran is not None and sse.SCHEDULED in payload:
+                # Said at once, not when the continuation's task reads it: a loss of this primary in
+                # the same pass of the loop must count it as run there (quarantine).
+                self._ran()
+                self._ran = None
         else:
             self.status, self.headers, self._refusal, self.ended = status, JSON, payload, True
         if not self.head.done():
@@ -116,8 +123,9 @@ class Batcher:
         self._pending: dict[str, list[Member]] = {}
         self._running: set[asyncio.Task] = set()
 
-    async def request(self, url: str, target: bytes, body: bytes) -> Member:
-        member = Member(target.partition(b"?")[0], body, self.timeout_s)
+    async def request(self, url: str, target: bytes, body: bytes, ran: Callable[[], None] | None = None) -> Member:
+        """``ran``: called as the engine's scheduled marker for this member arrives."""
+        member = Member(target.partition(b"?")[0], body, self.timeout_s, ran)
         pending = self._pending.get(url)
         if pending is None:
             pending = self._pending[url] = []
