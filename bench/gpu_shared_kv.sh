@@ -16,6 +16,7 @@
 #                                         # bench serve on two nodes in turn, then failover on each
 #   bash bench/gpu_shared_kv.sh batch_ab  # failover with router.migration.batch false, then true (BATCH=
 #                                         # sets it for the other parts)
+#   bash bench/gpu_shared_kv.sh profile   # failover with py-spy sampling the node's processes (PROFILE_S)
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
@@ -93,9 +94,9 @@ delays() {  # failover (shared KV only) once per failover.restart_delay_s in $DE
   done
 }
 batch_ab() {  # failover (shared KV only) with a failover's continuations one request each, then batched
-  # (router.migration.batch false, true), in one call
+  # (router.migration.batch false, true: BATCHES= names others), in one call
   local b
-  for b in false true; do
+  for b in ${BATCHES:-false true}; do
     echo "== router.migration.batch: $b"
     BATCH=$b COMPARE= failover_in batch_$b
     rm -f "$OUT/batch_$b/failover_streams.log"  # (its lines are in the printed output; fewer files come back)
@@ -122,12 +123,26 @@ gc_ab() {  # the collector with the objects of startup frozen out (the default) 
   done
   tail -5 "$OUT/serve_ab.txt"
 }
+profile() {  # failover (shared KV only, RUNS kills, default 5) with py-spy sampling every process of the
+  # node meanwhile (PROFILE_S seconds from PROFILE_AFTER_S after the node starts; --nonblocking: the
+  # processes are not paused); per process, the functions holding the most samples in profile_top.txt
+  RUNS=${RUNS:-5} COMPARE= failover_in profile &
+  local bench=$! sup="" _
+  for _ in $(seq 240); do sup=$(pgrep -f "supervisor serve -c" | head -1); [ -n "$sup" ] && break; sleep 0.5; done
+  sleep "${PROFILE_AFTER_S:-15}"
+  /tmp/site/bin/py-spy record --pid "$sup" --subprocesses --nonblocking -r 200 -f raw -d "${PROFILE_S:-20}" \
+    -o "$OUT/profile.raw" > "$OUT/py-spy.log" 2>&1 || tail -3 "$OUT/py-spy.log"
+  wait $bench
+  python3 bench/probes/spy_top.py "$OUT/profile.raw" --top 30 > "$OUT/profile_top.txt"
+  head -100 "$OUT/profile_top.txt"
+}
 case "${1:-}" in
+profile) profile ;;
 ab) ab ;;
 gc_ab) gc_ab ;;
 batch_ab) batch_ab ;;
 failover) failover ;;
 delays) delays ;;
 all) ab > "$OUT/ab.txt" 2>&1; failover; tail -8 "$OUT/ab.txt" ;;
-*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|all" >&2; exit 2 ;;
+*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|profile|all" >&2; exit 2 ;;
 esac

@@ -6,7 +6,8 @@ detokenizes. Apart, neither one's Python work waits for the other's GIL: serving
 streams no longer slows the steps, and a huge request being tokenized never delays a heartbeat.
 
 Messages are JSON (never pickle). Front end -> core: `add` (key, prompt ids, sampling params,
-group, replayed), `abort` (key), `ready` (port). Core -> front end: `out` (one step's outputs: key and the
+group, replayed, and a continuation's prompt block keys), `abort` (key), `together` (adds and
+aborts taken between the same two steps: a failover's batch of continuations), `ready` (port). Core -> front end: `out` (one step's outputs: key and the
 Output fields; and the stats after the step), `stats` (every heartbeat), `serve` (start listening; the startup summary),
 `drain` (refuse new requests), `stop` (finish and exit).
 
@@ -135,14 +136,14 @@ class CoreLink:
                 msg = decode(self._pull.recv())
                 op = msg["op"]
                 if op == "add":
-                    params = SamplingParams(**msg["params"])
-                    keys = bytes.fromhex(msg["keys"]) if msg.get("keys") else None
-                    self._keys[msg["key"]] = self.engine.submit(msg["prompt"], params, Route(msg["key"]), msg["group"],
-                                                                msg.get("replayed", 0), keys)
+                    seq = self._sequence(msg)
+                    self.engine.inbox.put(("add", seq))
                 elif op == "abort":
                     seq_id = self._keys.pop(msg["key"], None)
                     if seq_id is not None:
                         self.engine.abort(seq_id)
+                elif op == "together":
+                    self.engine.put_together(self._together(msg["msgs"]))
                 elif op == "ready":  # the front end is connected both ways: the files are not needed
                     self.close()
                     self.port = int(msg["port"])
@@ -153,3 +154,23 @@ class CoreLink:
                 return
             except Exception:  # a bad message must not stop the link
                 log.exception("bad message from the front end")
+
+    def _sequence(self, msg: dict):  # noqa: ANN202 (a Sequence)
+        params = SamplingParams(**msg["params"])
+        keys = bytes.fromhex(msg["keys"]) if msg.get("keys") else None
+        seq = self.engine.sequence(msg["prompt"], params, Route(msg["key"]), msg["group"], msg.get("replayed", 0), keys)
+        self._keys[msg["key"]] = seq.seq_id
+        return seq
+
+    def _together(self, msgs: list[dict]) -> list[tuple[str, object]]:
+        """`together`'s adds and aborts, as one inbox item's (a bad one is logged and left out)."""
+        items: list[tuple[str, object]] = []
+        for msg in msgs:
+            try:
+                if msg["op"] == "add":
+                    items.append(("add", self._sequence(msg)))
+                elif msg["op"] == "abort" and (seq_id := self._keys.pop(msg["key"], None)) is not None:
+                    items.append(("abort", seq_id))
+            except Exception:  # noqa: BLE001 (the others go on)
+                log.exception("bad message from the front end, in a group")
+        return items

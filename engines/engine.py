@@ -85,11 +85,21 @@ class LLMEngine:
         `group` (they take turns with other requests). `replayed`: the last ids of `prompt_ids` are
         generated tokens of a continued request; `prefix_keys`: its prompt's block keys, hashed
         elsewhere (block_manager.prompt_keys; ignored unless they are as many as its full blocks)."""
-        seq = Sequence(prompt_ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len,
-                       lambda out: self._outbox.append((emit, out)), group, replayed=replayed,
-                       prefix_keys=prefix_keys)
+        seq = self.sequence(prompt_ids, params, emit, group, replayed, prefix_keys)
         self.inbox.put(("add", seq))
         return seq.seq_id
+
+    def sequence(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
+                 group: int | None = None, replayed: int = 0, prefix_keys: bytes | None = None) -> Sequence:
+        """The Sequence `submit` queues, not queued yet (for `put_together`)."""
+        return Sequence(prompt_ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len,
+                        lambda out: self._outbox.append((emit, out)), group, replayed=replayed,
+                        prefix_keys=prefix_keys)
+
+    def put_together(self, items: list[tuple[str, object]]) -> None:
+        """Inbox items (("add", Sequence), ("abort", seq_id)) taken in order between the same two
+        steps: a failover's continuations, sent together, start in the same step."""
+        self.inbox.put(("together", items))
 
     def abort(self, seq_id: int) -> None:
         self.inbox.put(("abort", seq_id))
@@ -181,21 +191,28 @@ class LLMEngine:
             return
         while True:
             kind, obj = item
-            if kind == "add":
-                self._admit(obj)  # type: ignore[arg-type]
-            elif kind == "abort":
-                seq = self.scheduler.abort(obj)  # type: ignore[arg-type]
-                if seq is not None:
-                    seq.abort()
-            elif kind == "cmd":
-                self.command(obj)  # type: ignore[arg-type]
-            elif kind == "drain":
-                self._start_draining()
+            if kind == "together":
+                for one in obj:  # type: ignore[attr-defined]
+                    self._take(*one)
+            else:
+                self._take(kind, obj)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 self._flush()
                 return
+
+    def _take(self, kind: str, obj: object) -> None:
+        if kind == "add":
+            self._admit(obj)  # type: ignore[arg-type]
+        elif kind == "abort":
+            seq = self.scheduler.abort(obj)  # type: ignore[arg-type]
+            if seq is not None:
+                seq.abort()
+        elif kind == "cmd":
+            self.command(obj)  # type: ignore[arg-type]
+        elif kind == "drain":
+            self._start_draining()
 
     def _admit(self, seq: Sequence) -> None:
         """Queue a sequence, unless it could never fit a parked standby's scratch blocks."""

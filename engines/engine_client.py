@@ -8,11 +8,11 @@ round sooner than through a task's wake-up, and with no future per message."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import itertools
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import zmq
 
@@ -42,6 +42,7 @@ class EngineClient:
         self._emits: dict[int, Callable[[Output], None]] = {}
         self._stats: dict = {}
         self._stats_at = time.monotonic()
+        self._held: list[dict] | None = None  # adds and aborts of a `together` block, in order
         self.on_serve: Callable[[dict], None] | None = None
         self.on_drain: Callable[[], None] | None = None
         self.on_stop: Callable[[], None] | None = None
@@ -52,16 +53,32 @@ class EngineClient:
         """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key."""
         key = next(self._keys)
         self._emits[key] = emit
-        msg = {"op": "add", "key": key, "prompt": prompt_ids, "params": dataclasses.asdict(params),
+        msg = {"op": "add", "key": key, "prompt": prompt_ids, "params": params.wire(),
                "group": group, "replayed": replayed}
         if replayed and self.key_chain is not None:
             msg["keys"] = prompt_keys(prompt_ids, *self.key_chain).hex()
-        self._send(msg)
+        self._request(msg)
         return key
 
     def abort(self, key: int) -> None:
         if self._emits.pop(key, None) is not None:
-            self._send({"op": "abort", "key": key})
+            self._request({"op": "abort", "key": key})
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """The submits and aborts made inside (by any request, while the block runs) reach the core
+        in one message, taken between the same two steps: a failover's batch of continuations
+        starts in one step, not one step per continuation as each came (engines/continuation_batch.py)."""
+        if self._held is not None:  # (nested: the outer block sends)
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self._send({"op": "together", "msgs": held})
 
     def stats(self) -> dict:
         return dict(self._stats)
@@ -122,6 +139,12 @@ class EngineClient:
             if self.on_stop:
                 self.on_stop()
             self._stopped.set_result(None)
+
+    def _request(self, msg: dict) -> None:
+        if self._held is not None:
+            self._held.append(msg)
+        else:
+            self._send(msg)
 
     def _send(self, msg: dict) -> None:
         self._push.send(encode(msg), zmq.NOBLOCK)  # no high-water mark: zmq queues it

@@ -35,6 +35,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
+    def wire(self) -> dict:
+        """Its fields as JSON takes them (for the core link; `dataclasses.asdict` deep-copies)."""
+        return dict(vars(self))
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5 or self.top_k == 1

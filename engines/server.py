@@ -305,7 +305,7 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
         return await answer(path, data, model, endpoint, limits)
 
     async def batch(data) -> Response:
-        return await serve_batch(data, start, error_response, srv.batches)
+        return await serve_batch(data, start, error_response, srv.batches, srv.engine.together)
 
     async def abort(data) -> Response:
         out = abort_member(data, srv.batches, error_response)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from engines.config import EngineConfig
+from engines.continuation_batch import GROUP
 from harness.engine_process import EngineProcess
 
 MAX_LEN = 512
@@ -71,6 +72,23 @@ def test_members_answer_as_their_own_requests_and_a_bad_one_alone_is_refused(eng
         assert token_ids(mine) == token_ids(alone) and len(token_ids(mine)) == body["max_tokens"] - 1 - (i == 0)
     assert got[1][0][0] == 400 and "outside the vocabulary" in json.loads(got[1][0][1])["error"]["message"]
     assert got[3][0][0] == 400 and "stream" in json.loads(got[3][0][1])["error"]["message"]
+
+
+def test_members_past_the_first_group_answer_as_their_own_requests(engine, tiny_model):
+    """More members than one group (GROUP go to the core in one message), a bad one at the boundary:
+    every good member's tokens are its own request's."""
+    model = tiny_model.name
+    bodies = [continued(model, [7 + i % 50, 8, 9 + i % 7], [11], 4) for i in range(GROUP + 3)]
+    bodies[GROUP] = continued(model, [5, 6], [10 ** 9], 4)
+    r = httpx.post(engine.url + "/v1/continuations", timeout=120, json={"requests": [
+        {"path": "/v1/completions", "body": b} for b in bodies]})
+    got = frames(r.content)
+    assert got[GROUP][0][0] == 400
+    for i in (0, GROUP - 1, GROUP + 1, GROUP + 2):
+        alone = httpx.post(engine.url + "/v1/completions", json=bodies[i], timeout=60).content
+        mine = b"".join(p for s, p in got[i] if s == 200)
+        assert got[i][-1] == (0, b"") and token_ids(mine) == token_ids(alone) and len(token_ids(mine)) == 3
+    assert all(got[i][-1] == (0, b"") for i in range(len(bodies)) if i != GROUP)
 
 
 @pytest.mark.parametrize("body, says", [

@@ -298,3 +298,16 @@ def test_a_continued_sequence_waits_behind_preempted_ones_only(tok: Tokenizer) -
     assert list(q) == [preempted, *cont, *new] and len(q) == 5
     assert q.remove(cont[1]) and not q.remove(cont[1])
     assert [q.pop() for _ in range(4)] == [preempted, cont[0], *new] and q.peek() is None
+
+
+def test_sequences_put_together_start_in_one_step_and_an_abort_among_them_holds(tiny_model) -> None:
+    """`put_together` (a failover's batch, engines/core_link.py `together`): every add is taken
+    before the next step, in order, so an abort after its add stops it."""
+    engine = make_engine(tiny_model)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    seqs = [engine.sequence([5 + i, 6, 7], SamplingParams(**params.wire()), lambda o: None) for i in range(5)]
+    engine.put_together([("add", s) for s in seqs] + [("abort", seqs[2].seq_id)])
+    engine._take_inbox(block=False)
+    engine.step()
+    assert [s.num_computed > 0 for s in seqs] == [True, True, False, True, True]
+    assert seqs[2].finish_reason == "abort"
