@@ -90,13 +90,21 @@ class Adoption:
     sealed: np.ndarray  # block ids, by key_lo
     key_lo: np.ndarray
     key_hi: np.ndarray
-    by_age: np.ndarray  # positions in `sealed`, oldest stamp first
+    stamps: np.ndarray  # their stamps (the order they were sealed in: eviction goes oldest first)
     free: np.ndarray
     quarantined: np.ndarray
     gens: np.ndarray  # the generation of every shared block, from layout.shared_start on
     next_stamp: int
     reset_reason: str | None = None  # why the index was distrusted and emptied, if it was
     waited_s: float = 0.0  # how long the claim waited for the previous writer to stop running
+
+
+def _key_order(lo: np.ndarray) -> np.ndarray:
+    """The order that sorts ``lo`` (random 64-bit halves): a radix pass on the top 16 bits, then a
+    stable sort of what is then nearly sorted (timsort's runs). 1.4 ms for 65k keys on the dev VM,
+    where one quicksort took 3.7 and a lexsort of three 15: a promotion waits for it."""
+    by_top = np.argsort((lo >> np.uint64(48)).astype(np.uint16), kind="stable")
+    return by_top[np.argsort(lo[by_top], kind="stable")]
 
 
 def _repeated_keys(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -217,7 +225,7 @@ class BlockIndex:
         torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
             raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
-        order = np.argsort(lo)  # (a quicksort: 1 ms for 65k random keys, where a lexsort of three took 15)
+        order = _key_order(lo)
         if len(lo) > 1 and (lo[order][1:] == lo[order][:-1]).any():  # a key sealed twice (by two writers,
             order = np.lexsort((stamp, hi, lo))  # both whole) or halves that clash: equal keys adjacent, newest last
         dup = _repeated_keys(lo[order], hi[order])
@@ -226,7 +234,7 @@ class BlockIndex:
         if dup.any():
             free = np.sort(np.concatenate([free, sealed_ids[order[dup]]]))
         next_stamp = int(stamp.max()) + 1 if s.any() else 1
-        return Adoption(sealed_ids[keep], lo[keep], hi[keep], np.argsort(stamp[keep]), free, ids[state == OWNED],
+        return Adoption(sealed_ids[keep], lo[keep], hi[keep], stamp[keep], free, ids[state == OWNED],
                         e["gen"].copy(), next_stamp)
 
     def _check(self) -> None:

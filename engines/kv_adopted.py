@@ -12,12 +12,18 @@ import numpy as np
 from daemon.kv_index import Adoption
 
 
+AGE_CHUNK = 4096  # blocks put in age order at a time: a partial sort each, none at promotion
+
+
 class AdoptedCache:
-    """Adopted, not yet used blocks: found by key (sorted arrays), evicted by age (a cursor)."""
+    """Adopted, not yet used blocks: found by key (sorted arrays), evicted by age (the next
+    AGE_CHUNK oldest, found when needed: sorting all 65k stamps at promotion cost 4 ms on the dev VM)."""
 
     def __init__(self, adoption: Adoption, num_blocks: int) -> None:
         self._lo, self._hi, self._block = adoption.key_lo, adoption.key_hi, adoption.sealed  # by key_lo
-        self._by_age = adoption.sealed[adoption.by_age]  # oldest stamp first
+        self._stamps = adoption.stamps
+        self._aged = np.zeros(len(self._stamps), dtype=bool)  # put in `_by_age` already
+        self._by_age = np.empty(0, dtype=self._block.dtype)  # the next oldest blocks, oldest first
         self._cursor = 0
         self.live = np.zeros(num_blocks, dtype=bool)
         self.live[adoption.sealed] = True
@@ -39,7 +45,7 @@ class AdoptedCache:
 
     def evict(self) -> int | None:
         """The oldest live block (its key is dropped by the caller), or None when none is left."""
-        while self._cursor < len(self._by_age):
+        while self._cursor < len(self._by_age) or self._age_next():
             block = int(self._by_age[self._cursor])
             self._cursor += 1
             if self.live[block]:  # (take, for one block: no array on the allocation path)
@@ -47,3 +53,17 @@ class AdoptedCache:
                 self.count -= 1
                 return block
         return None
+
+    def _age_next(self) -> bool:
+        """The next AGE_CHUNK oldest blocks into `_by_age` (False: none is left)."""
+        left = np.flatnonzero(~self._aged)
+        if not len(left) or not self.count:
+            return False
+        stamps = self._stamps[left]
+        if len(left) > AGE_CHUNK:
+            part = np.argpartition(stamps, AGE_CHUNK - 1)[:AGE_CHUNK]
+            left, stamps = left[part], stamps[part]
+        chosen = left[np.argsort(stamps, kind="stable")]
+        self._aged[chosen] = True
+        self._by_age, self._cursor = self._block[chosen], 0
+        return True

@@ -7,15 +7,17 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
-from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, PreviousWriterAlive, checksum,
-                             index_bytes)
+from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, PreviousWriterAlive, _key_order,
+                             checksum, index_bytes)
 from daemon.kv_layout import KVLayout, plan_layout
 from daemon.kv_pool import KVPool
 from engines.block_manager import (DETERMINISTIC_ROOT, BlockManager, block_key, chain_keys, halves, halves_of,
                                   prompt_keys)
+from engines.kv_adopted import AdoptedCache
 from engines.kv_publish import Publisher
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence
@@ -115,7 +117,34 @@ def test_adoption_sorts_keys_for_lookup_and_stamps_for_eviction(pool: KVPool) ->
     adoption = open_index(pool).claim(pool.layout, FP)
     assert adoption.key_lo.tolist() == [100, 300, 900, 900] and sorted(adoption.sealed.tolist()) == [7, 9, 10, 11]
     assert 8 in adoption.free  # the older of the twice-sealed key
-    assert adoption.sealed[adoption.by_age].tolist() == [10, 7, 11, 9]
+    cache = AdoptedCache(adoption, pool.layout.num_blocks)
+    assert [cache.evict() for _ in range(5)] == [10, 7, 11, 9, None]
+
+
+def test_adopted_blocks_are_evicted_oldest_first_a_chunk_at_a_time(pool: KVPool, monkeypatch) -> None:
+    """Eviction order is found a few blocks at a time (kv_adopted.AGE_CHUNK), never all at the
+    promotion: across chunks it is still oldest stamp first, and blocks taken meanwhile are skipped."""
+    import engines.kv_adopted as kv_adopted
+    monkeypatch.setattr(kv_adopted, "AGE_CHUNK", 3)
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    blocks = list(pool.layout.shared_blocks)[:20]
+    stamps = [(i * 7) % 20 + 1 for i in range(20)]  # (a permutation of 1..20)
+    for i, (block, stamp) in enumerate(zip(blocks, stamps)):
+        a.owned(block, 1)
+        a.sealed(block, 1, 1000 + 17 * i, i, stamp=stamp)
+    cache = AdoptedCache(open_index(pool).claim(pool.layout, FP), pool.layout.num_blocks)
+    oldest_first = [b for _, b in sorted(zip(stamps, blocks))]
+    cache.take(np.array(oldest_first[4:6]))
+    assert [cache.evict() for _ in range(19)] == oldest_first[:4] + oldest_first[6:] + [None]
+
+
+def test_the_key_order_sorts_random_halves() -> None:
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 1000, 70_000):
+        lo = rng.integers(1, 2**63, n, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+        lo[: n // 10] = lo[n // 10: 2 * (n // 10)]  # (some halves twice)
+        assert (lo[_key_order(lo)] == np.sort(lo)).all()
 
 
 def test_a_continuations_keys_hashed_at_once_equal_the_block_by_block_keys() -> None:

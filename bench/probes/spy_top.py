@@ -3,7 +3,7 @@
 
     python3 bench/probes/spy_top.py OUT.raw [--top 25] [--match TEXT]
 
-Per process (its first frame, when py-spy gave one): samples, then the functions holding the most
+Per process (the innermost `process PID:"command"` frame py-spy gave, a child's below its parent's): samples, then the functions holding the most
 samples with everything they called (inclusive) and by themselves (self). --match keeps the
 processes whose first frame holds TEXT."""
 from __future__ import annotations
@@ -31,13 +31,15 @@ def main() -> int:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        proc = frames[0] if frames[0].startswith("process ") else "(one process)"
-        if a.match not in proc:
+        marks = [i for i, f in enumerate(frames) if f.startswith("process ")]  # (a child's below its parent's)
+        proc = frames[marks[-1]] if marks else "(one process)"
+        frames = frames[marks[-1] + 1:] if marks else frames
+        if a.match not in proc or not frames:
             continue
         inclusive, own, total = procs.setdefault(proc, (collections.Counter(), collections.Counter(), [0]))
         n = int(count)
         total[0] += n
-        for f in {name(f) for f in frames[1 if proc != "(one process)" else 0:]}:
+        for f in {name(f) for f in frames}:
             inclusive[f] += n
         own[name(frames[-1])] += n
     for proc, (inclusive, own, total) in sorted(procs.items(), key=lambda kv: -kv[1][2][0]):
