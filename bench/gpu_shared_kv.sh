@@ -17,6 +17,7 @@
 #   bash bench/gpu_shared_kv.sh batch_ab  # failover with router.migration.batch false, then true (BATCH=
 #                                         # sets it for the other parts)
 #   bash bench/gpu_shared_kv.sh profile   # failover with py-spy sampling the node's processes (PROFILE_S)
+#   BASE=DIR bash bench/gpu_shared_kv.sh tree_ab  # failover on an older tree (DIR) and on this one, in turn
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
@@ -136,7 +137,25 @@ profile() {  # failover (shared KV only, RUNS kills, default 5) with py-spy samp
   python3 bench/probes/spy_top.py "$OUT/profile.raw" --top 30 > "$OUT/profile_top.txt"
   head -100 "$OUT/profile_top.txt"
 }
+tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in $BASE (git archive of a commit,
+  # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
+  # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
+  # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) on both
+  local side
+  for side in base this; do
+    echo "== $side"
+    if [ $side = base ]; then (cd "$BASE" && PYTHONPATH=/tmp/site:$PWD COMPARE= failover_in $side)
+    else COMPARE= failover_in $side; fi
+    rm -f "$OUT/$side/failover_streams.log"  # (its lines are in the printed output)
+    tar czf "$OUT/$side.tgz" -C "$OUT" "$side" && rm -rf "${OUT:?}/$side"
+  done
+  for side in base this; do
+    echo "== promote_cost, $side: $( (cd "$([ $side = base ] && echo "$BASE" || echo .)" && \
+      PYTHONPATH=/tmp/site:$PWD python3 bench/probes/promote_cost.py --runs 7) 2>&1 | tail -1)"
+  done
+}
 case "${1:-}" in
+tree_ab) tree_ab ;;
 profile) profile ;;
 ab) ab ;;
 gc_ab) gc_ab ;;
@@ -144,5 +163,5 @@ batch_ab) batch_ab ;;
 failover) failover ;;
 delays) delays ;;
 all) ab > "$OUT/ab.txt" 2>&1; failover; tail -8 "$OUT/ab.txt" ;;
-*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|profile|all" >&2; exit 2 ;;
+*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|profile|tree_ab|all" >&2; exit 2 ;;
 esac

@@ -99,12 +99,21 @@ class Adoption:
     waited_s: float = 0.0  # how long the claim waited for the previous writer to stop running
 
 
-def _key_order(lo: np.ndarray) -> np.ndarray:
-    """The order that sorts ``lo`` (random 64-bit halves): a radix pass on the top 16 bits, then a
-    stable sort of what is then nearly sorted (timsort's runs). 1.4 ms for 65k keys on the dev VM,
-    where one quicksort took 3.7 and a lexsort of three 15: a promotion waits for it."""
+def _key_order(lo: np.ndarray, hi: np.ndarray, stamp: np.ndarray) -> np.ndarray:
+    """The order that sorts keys by (lo, hi, stamp): equal keys adjacent, the newest last. ``lo``
+    (random 64-bit halves) is sorted by a radix pass on its top 16 bits, then a stable sort of what
+    is then nearly sorted (timsort's runs); only runs of equal lo (a key sealed twice, by two writers
+    both whole, or halves that clash: a few blocks a failover) are sorted by (hi, stamp). A promotion
+    waits for this: 1.4 ms for 65k keys on the dev VM, where one quicksort took 3.7 and a lexsort of
+    the three, done whenever one lo was repeated (most failovers), 15 (~15 ms of the H200's ~27 ms claims)."""
     by_top = np.argsort((lo >> np.uint64(48)).astype(np.uint16), kind="stable")
-    return by_top[np.argsort(lo[by_top], kind="stable")]
+    order = by_top[np.argsort(lo[by_top], kind="stable")]
+    repeated = np.flatnonzero(lo[order][1:] == lo[order][:-1])
+    if len(repeated):
+        at = np.union1d(repeated, repeated + 1)  # (the places of each run, in lo order)
+        run = order[at]
+        order[at] = run[np.lexsort((stamp[run], hi[run], lo[run]))]
+    return order
 
 
 def _repeated_keys(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -225,9 +234,7 @@ class BlockIndex:
         torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
             raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
-        order = _key_order(lo)
-        if len(lo) > 1 and (lo[order][1:] == lo[order][:-1]).any():  # a key sealed twice (by two writers,
-            order = np.lexsort((stamp, hi, lo))  # both whole) or halves that clash: equal keys adjacent, newest last
+        order = _key_order(lo, hi, stamp)
         dup = _repeated_keys(lo[order], hi[order])
         keep = order[~dup]
         sealed_ids, free = ids[s], ids[state == FREE]

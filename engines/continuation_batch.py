@@ -31,10 +31,10 @@ from .interrupt import unless_client_leaves
 log = logging.getLogger("engines.continuation_batch")
 
 MAX_MEMBERS = 4096
-# Members started together (one message to the core, one step): a group takes the front end about
-# 64 x 0.1 ms of CPU on the dev VM, so the first group's tokens are on their way while the next is
-# checked.
-GROUP = 64
+# Members started together (one message to the core, one step). A member takes the front end 0.1 ms
+# of CPU on the dev VM and ~0.3 on the H200 hosts: in groups of 64 the first reached the core ~20 ms
+# later than one by one (bench/RESULTS.md, sixth session); 16 keep that under 5 ms.
+GROUP = 16
 FRAMES_TYPE = b"application/x-understudy-frames"
 BATCH_HEADER = b"x-understudy-batch"
 END = 0  # a frame's status: the member's stream ended

@@ -139,12 +139,16 @@ def test_adopted_blocks_are_evicted_oldest_first_a_chunk_at_a_time(pool: KVPool,
     assert [cache.evict() for _ in range(19)] == oldest_first[:4] + oldest_first[6:] + [None]
 
 
-def test_the_key_order_sorts_random_halves() -> None:
+def test_the_key_order_is_the_lexsort_of_lo_hi_and_stamp() -> None:
+    """Random halves, some lo halves repeated (with other or equal hi halves, other stamps)."""
     rng = np.random.default_rng(3)
     for n in (0, 1, 2, 1000, 70_000):
         lo = rng.integers(1, 2**63, n, dtype=np.int64).astype(np.uint64) * np.uint64(2)
-        lo[: n // 10] = lo[n // 10: 2 * (n // 10)]  # (some halves twice)
-        assert (lo[_key_order(lo)] == np.sort(lo)).all()
+        hi = rng.integers(0, 4, n).astype(np.uint64)
+        stamp = rng.permutation(n).astype(np.uint64)
+        lo[: n // 10] = lo[n // 10: 2 * (n // 10)]
+        want = np.lexsort((stamp, hi, lo))
+        assert (_key_order(lo, hi, stamp) == want).all()
 
 
 def test_a_continuations_keys_hashed_at_once_equal_the_block_by_block_keys() -> None:

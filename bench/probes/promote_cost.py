@@ -7,7 +7,7 @@ with its block keys hashed on the scheduler thread, then given as the front end 
 The pool holds `--streams` sequences' blocks keyed as an engine keys them (blake2b: keys in random
 order, as a real pool's are), the rest filled with other random keys.
 
-    python bench/probes/promote_cost.py [--blocks 65536] [--streams 256] [--runs 5]
+    python bench/probes/promote_cost.py [--blocks 65536] [--streams 256] [--runs 5] [--twice 20]
 """
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ from engines.tokenizer import Tokenizer
 FP = b"f" * 32
 
 
-def fill(index: BlockIndex, lay: KVLayout, streams: list[list[int]], rng: random.Random) -> None:
-    """Seal every full block of `streams`, then random keys in the blocks left, stamps shuffled."""
+def fill(index: BlockIndex, lay: KVLayout, streams: list[list[int]], rng: random.Random, twice: int = 0) -> None:
+    """Seal every full block of `streams`, then random keys in the blocks left, stamps shuffled;
+    the last `twice` blocks hold keys of others (sealed twice: by the dead primary and the one
+    before, as the H200's pools held 0-40 after each failover)."""
     keys = []
     for ids in streams:
         prev = None
@@ -42,7 +44,8 @@ def fill(index: BlockIndex, lay: KVLayout, streams: list[list[int]], rng: random
             prev = block_key(prev, ids[i * lay.block_size:(i + 1) * lay.block_size])
             keys.append(halves(prev))
     blocks = list(lay.shared_blocks)
-    keys += [(rng.getrandbits(63) | 1, rng.getrandbits(64)) for _ in range(len(blocks) - len(keys))]
+    keys += [(rng.getrandbits(63) | 1, rng.getrandbits(64)) for _ in range(len(blocks) - len(keys) - twice)]
+    keys += rng.sample(keys, twice)
     stamps = list(range(1, len(blocks) + 1))
     rng.shuffle(stamps)
     for block, (lo, hi), stamp in zip(blocks, keys, stamps):
@@ -56,6 +59,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=65536)
     p.add_argument("--streams", type=int, default=256, help="continued streams (prompt + answer 200-2048 tokens)")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--twice", type=int, default=0, help="blocks whose key another block holds too")
     a = p.parse_args()
     rng = random.Random(0)
     tokenizer = Tokenizer(make_model(Path(tempfile.mkdtemp()), "tiny", "llama", seed=0))
@@ -66,7 +70,7 @@ def main() -> None:
     pool = KVPool(lay, FP, torch.device("cpu"), 0)
     index = BlockIndex(pool.fds()[1], pool.index_bytes)
     index.claim(lay, FP)
-    fill(index, lay, streams, rng)
+    fill(index, lay, streams, rng, a.twice)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     claims, adopts, admits, hinted, reused = [], [], [], [], 0
     keys = [prompt_keys(ids, ROOT, 16) for ids in streams]  # (as the front end hashes them)
