@@ -6,15 +6,21 @@
 
 
 def preload() -> None:
-    """Import the kernels and compute what Triton hashes once per process (its own sources,
-    ~0.3 s, and each kernel's source) without touching CUDA: the spawn server calls this before
-    it forks engines, so a restarted engine skips it."""
-    from . import attention, gemv
+    """Import the kernels and what Triton imports at a process's first launch, and compute what it
+    hashes once per process (its own sources, ~0.3 s, and each kernel's source), without touching
+    CUDA: the spawn server calls this before it forks engines, so a restarted engine skips it."""
+    from . import attention, gemv, invariant_matmul, paged_attention, rope_cache, row_ops
 
     try:
         from triton.runtime.cache import triton_key
     except ImportError:  # older Triton
         from triton.compiler.compiler import triton_key
     triton_key()
-    for kernel in (gemv._fused_gemv_kernel, attention._decode_attention_kernel):
-        getattr(kernel, "cache_key", None)  # a cached property (none in interpreter mode)
+    try:  # (Triton 3.5+ imports it at the first launch: ~0.1 s of each restart on the H200 host, its
+        import triton.experimental.gluon.language  # noqa: F401  sources compiled there, no .pyc kept)
+    except ImportError:
+        pass
+    for module in (attention, gemv, invariant_matmul, paged_attention, rope_cache, row_ops):
+        for kernel in vars(module).values():
+            if type(kernel).__name__ == "JITFunction":
+                getattr(kernel, "cache_key", None)  # a cached property (none in interpreter mode)
