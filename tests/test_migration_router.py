@@ -387,3 +387,35 @@ def test_a_members_scheduled_marker_says_it_ran_as_it_arrives():
         late.take(200, sse.SCHEDULED)
         return before, calls
     assert asyncio.run(go()) == (0, [1])
+
+
+def test_a_member_waiting_longer_than_its_timeout_fails_and_one_fed_in_time_does_not():
+    """A batch member's stream is bounded per wait (batching.Member `_idle_guard`): bytes that keep
+    coming within the timeout keep it going past several timeouts in all; a silence of the whole
+    timeout ends it with UpstreamTimeout, and stops it in the engine."""
+    from supervisor.router.batching import Member
+    from supervisor.router.http_wire import UpstreamTimeout
+
+    async def go():
+        fed = Member(b"/v1/completions", b"{}", 0.2)
+        fed.take(200, b"data: 0\n\n")
+
+        async def feed():
+            for i in range(1, 8):  # 0.7 s in all, every wait 0.1 s
+                await asyncio.sleep(0.1)
+                fed.take(200, b"data: %d\n\n" % i)
+            fed.take(0, b"")
+        feeder = asyncio.ensure_future(feed())
+        got = [chunk async for chunk in fed.stream()]
+        await feeder
+        silent = Member(b"/v1/completions", b"{}", 0.2)
+        silent.take(200, b"data: 0\n\n")
+        aborted = []
+        silent.abort = lambda: aborted.append(True)
+        try:
+            async for _ in silent.stream():
+                pass
+        except UpstreamTimeout as e:
+            return b"".join(got).count(b"data:"), str(e), aborted
+    count, error, aborted = asyncio.run(go())
+    assert count == 8 and "within 0.2s" in error and aborted == [True]

@@ -42,6 +42,9 @@ class Member:
         self._error: UpstreamError | None = None
         self._refusal = b""
         self._closed = False
+        self._waiting_since: float | None = None  # (loop time) the stream waits for bytes since
+        self._guard: asyncio.TimerHandle | None = None  # `_idle_guard`'s timer
+        self._timed_out = False
 
     @property
     def is_event_stream(self) -> bool:
@@ -82,7 +85,10 @@ class Member:
         return b"".join([chunk async for chunk in self.stream()])
 
     async def stream(self) -> AsyncIterator[bytes]:
-        """Its event stream as it arrives (what has arrived, joined); each wait bounded by the timeout."""
+        """Its event stream as it arrives (what has arrived, joined); each wait bounded by the
+        timeout through `_idle_guard` (a timer per timeout period: `asyncio.timeout` per wait took
+        ~4% of the router's CPU at 256 streams on the H200 host)."""
+        loop = asyncio.get_running_loop()
         while True:
             if self._chunks:
                 chunk = b"".join(self._chunks)
@@ -90,16 +96,36 @@ class Member:
                 yield chunk
                 continue
             if self.ended:
+                self._stop_guard()
                 if self._error is not None:
                     raise self._error
                 return
             self._wake.clear()
+            self._waiting_since = loop.time()
+            if self._guard is None:
+                self._guard = loop.call_later(self.timeout_s, self._idle_guard)
             try:
-                async with asyncio.timeout(self.timeout_s):
-                    await self._wake.wait()
-            except TimeoutError:
+                await self._wake.wait()
+            finally:
+                self._waiting_since = None
+            if self._timed_out:
                 self.close()
-                raise UpstreamTimeout(f"no bytes of this continuation within {self.timeout_s:g}s") from None
+                raise UpstreamTimeout(f"no bytes of this continuation within {self.timeout_s:g}s")
+
+    def _idle_guard(self) -> None:
+        """Fires once per timeout period: ends a wait that has lasted the whole timeout, else re-arms."""
+        loop = asyncio.get_running_loop()
+        since = self._waiting_since
+        if since is not None and loop.time() - since >= self.timeout_s - 0.001:  # (timers fire within ~1 ms)
+            self._guard, self._timed_out = None, True
+            self._wake.set()
+        else:
+            self._guard = loop.call_at((loop.time() if since is None else since) + self.timeout_s, self._idle_guard)
+
+    def _stop_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+            self._guard = None
 
     async def finish(self, timeout_s: float) -> None:
         """After [DONE]: its end is the engine's to frame; nothing to wait for."""
@@ -109,6 +135,7 @@ class Member:
         if self._closed:
             return
         self._closed = True
+        self._stop_guard()
         if not self.ended and self.abort is not None:
             self.abort()
         self.ended = True
@@ -189,18 +216,21 @@ class Batcher:
             m.fail(error)
 
     async def _deal(self, resp, members: list[Member]) -> None:
-        """Read frames until the body ends or every member is done."""
-        buf = bytearray()
+        """Read frames until the body ends or every member is done. (A chunk holds a frame per
+        running member per step: each is cut at an offset, what is left kept once per chunk.)"""
+        buf = b""
         async for chunk in resp.stream():
-            buf += chunk
-            while (nl := buf.find(b"\n")) >= 0:
-                index, status, length = (int(x) for x in bytes(buf[:nl]).split(b" "))
-                if len(buf) < nl + 1 + length:
+            buf, at = buf + chunk if buf else chunk, 0
+            while (nl := buf.find(b"\n", at)) >= 0:
+                index, status, length = map(int, buf[at:nl].split(b" "))
+                end = nl + 1 + length
+                if end > len(buf):
                     break
                 if not 0 <= index < len(members) or length < 0:
                     raise ValueError(f"frame for member {index} of {len(members)}, {length} bytes")
-                members[index].take(status, bytes(buf[nl + 1:nl + 1 + length]))
-                del buf[:nl + 1 + length]
+                members[index].take(status, buf[nl + 1:end])
+                at = end
+            buf = buf[at:]
             if all(m.ended for m in members):
                 return
 
