@@ -1,3 +1,8 @@
+"""What a batch member costs the router per chunk (supervisor/router/batching.py Member): the batch reader's
+take() of one frame, then the continuation's next chunk from stream(). CPU only.
+
+    python bench/probes/member_stream.py
+"""
 import asyncio, time
 from supervisor.router.batching import Member
 async def main():
