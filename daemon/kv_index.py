@@ -97,6 +97,7 @@ class Adoption:
     next_stamp: int
     reset_reason: str | None = None  # why the index was distrusted and emptied, if it was
     waited_s: float = 0.0  # how long the claim waited for the previous writer to stop running
+    sort_s: float = 0.0  # of the claim, putting the keys in order (`_key_order`)
 
 
 def _key_order(lo: np.ndarray, hi: np.ndarray, stamp: np.ndarray) -> np.ndarray:
@@ -234,7 +235,9 @@ class BlockIndex:
         torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
             raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
+        sorting = time.perf_counter()
         order = _key_order(lo, hi, stamp)
+        sort_s = time.perf_counter() - sorting
         dup = _repeated_keys(lo[order], hi[order])
         keep = order[~dup]
         sealed_ids, free = ids[s], ids[state == FREE]
@@ -242,7 +245,7 @@ class BlockIndex:
             free = np.sort(np.concatenate([free, sealed_ids[order[dup]]]))
         next_stamp = int(stamp.max()) + 1 if s.any() else 1
         return Adoption(sealed_ids[keep], lo[keep], hi[keep], stamp[keep], free, ids[state == OWNED],
-                        e["gen"].copy(), next_stamp)
+                        e["gen"].copy(), next_stamp, sort_s=sort_s)
 
     def _check(self) -> None:
         h = self.header

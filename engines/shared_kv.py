@@ -81,6 +81,7 @@ class SharedPool:
         return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
                 "quarantined_blocks": len(adoption.quarantined), "index_reset": adoption.reset_reason,
                 "claim_seconds": claimed - t0, "claim_wait_seconds": adoption.waited_s,
+                "claim_sort_seconds": adoption.sort_s,
                 "seconds": time.perf_counter() - t0}
 
     def demote(self, blocks: BlockManager) -> None:
