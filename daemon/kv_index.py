@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 import time
 from dataclasses import dataclass
 
@@ -98,6 +99,17 @@ class Adoption:
     reset_reason: str | None = None  # why the index was distrusted and emptied, if it was
     waited_s: float = 0.0  # how long the claim waited for the previous writer to stop running
     sort_s: float = 0.0  # of the claim, putting the keys in order (`_key_order`)
+    sort_cpu_s: float = 0.0  # of that, this thread's CPU time (the rest it waited: off CPU, or for the GIL)
+    sort_faults: int = 0  # page faults it took
+
+
+def _faults() -> int:
+    """Page faults this thread has taken (minor and major; 0 where the system cannot say)."""
+    try:
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+    except (AttributeError, OSError):
+        return 0
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def _key_order(lo: np.ndarray, hi: np.ndarray, stamp: np.ndarray) -> np.ndarray:
@@ -235,9 +247,10 @@ class BlockIndex:
         torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
             raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
-        sorting = time.perf_counter()
+        sorting, cpu, faults = time.perf_counter(), time.thread_time(), _faults()
         order = _key_order(lo, hi, stamp)
-        sort_s = time.perf_counter() - sorting
+        sort = {"sort_s": time.perf_counter() - sorting, "sort_cpu_s": time.thread_time() - cpu,
+                "sort_faults": _faults() - faults}
         dup = _repeated_keys(lo[order], hi[order])
         keep = order[~dup]
         sealed_ids, free = ids[s], ids[state == FREE]
@@ -245,7 +258,7 @@ class BlockIndex:
             free = np.sort(np.concatenate([free, sealed_ids[order[dup]]]))
         next_stamp = int(stamp.max()) + 1 if s.any() else 1
         return Adoption(sealed_ids[keep], lo[keep], hi[keep], stamp[keep], free, ids[state == OWNED],
-                        e["gen"].copy(), next_stamp, sort_s=sort_s)
+                        e["gen"].copy(), next_stamp, **sort)
 
     def _check(self) -> None:
         h = self.header

@@ -25,7 +25,7 @@ from .config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
-from . import gc_pauses
+from . import gc_pauses, heap
 from .loopback import free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
@@ -222,6 +222,8 @@ def run_engine(cfg: EngineConfig) -> int:
                  "fused decode kernels: %s; deterministic: %s", runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml,
                  runner.max_rows, runner.graph_sizes if use_graphs else "off", runner.fused_decode_status,
                  runner.deterministic_status)
+        if pool:
+            heap.keep_freed_memory()  # (before the pool's first read: a promotion then touches no new page)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching, SharedPool(pool, cfg.kv_slot) if pool else None)
         link = CoreLink(engine, *link_eps)

@@ -61,6 +61,10 @@ class SharedPool:
         log.info("KV pool %s: %s", self.mapping.pool_id[:8], found if isinstance(found, str) else
                  f"{len(found.sealed)} keyed blocks, {len(found.free)} free")
 
+    def rehearse(self) -> None:
+        """Read the index as a promotion would (no claim; what it finds is dropped)."""
+        self.mapping.index.peek(self.mapping.layout, self.mapping.fingerprint)
+
     def block_manager(self, prefix_caching: bool) -> BlockManager:
         """A parked block manager: this slot's scratch blocks until promoted."""
         layout = self.mapping.layout
@@ -81,7 +85,8 @@ class SharedPool:
         return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
                 "quarantined_blocks": len(adoption.quarantined), "index_reset": adoption.reset_reason,
                 "claim_seconds": claimed - t0, "claim_wait_seconds": adoption.waited_s,
-                "claim_sort_seconds": adoption.sort_s,
+                "claim_sort_seconds": adoption.sort_s, "claim_sort_cpu_seconds": adoption.sort_cpu_s,
+                "claim_sort_faults": adoption.sort_faults,
                 "seconds": time.perf_counter() - t0}
 
     def demote(self, blocks: BlockManager) -> None:
