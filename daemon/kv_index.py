@@ -117,8 +117,8 @@ def _key_order(lo: np.ndarray, hi: np.ndarray, stamp: np.ndarray) -> np.ndarray:
     (random 64-bit halves) is sorted by a radix pass on its top 16 bits, then a stable sort of what
     is then nearly sorted (timsort's runs); only runs of equal lo (a key sealed twice, by two writers
     both whole, or halves that clash: a few blocks a failover) are sorted by (hi, stamp). A promotion
-    waits for this: 1.4 ms for 65k keys on the dev VM, where one quicksort took 3.7 and a lexsort of
-    the three, done whenever one lo was repeated (most failovers), 15 (~15 ms of the H200's ~27 ms claims)."""
+    waits for this: 1.4 ms for 65k keys on the dev VM, where one quicksort took 3.7, and a lexsort of
+    the three (done whenever one lo was repeated: most failovers) 15."""
     by_top = np.argsort((lo >> np.uint64(48)).astype(np.uint16), kind="stable")
     order = by_top[np.argsort(lo[by_top], kind="stable")]
     repeated = np.flatnonzero(lo[order][1:] == lo[order][:-1])

@@ -136,8 +136,7 @@ class CoreLink:
                 msg = decode(self._pull.recv())
                 op = msg["op"]
                 if op == "add":
-                    seq = self._sequence(msg)
-                    self.engine.inbox.put(("add", seq))
+                    self._keys[msg["key"]] = self.engine.submit(*self._add_args(msg))
                 elif op == "abort":
                     seq_id = self._keys.pop(msg["key"], None)
                     if seq_id is not None:
@@ -155,12 +154,12 @@ class CoreLink:
             except Exception:  # a bad message must not stop the link
                 log.exception("bad message from the front end")
 
-    def _sequence(self, msg: dict):  # noqa: ANN202 (a Sequence)
-        params = SamplingParams(**msg["params"])
+    @staticmethod
+    def _add_args(msg: dict) -> tuple:
+        """An `add`'s arguments for LLMEngine.submit (and .sequence)."""
         keys = bytes.fromhex(msg["keys"]) if msg.get("keys") else None
-        seq = self.engine.sequence(msg["prompt"], params, Route(msg["key"]), msg["group"], msg.get("replayed", 0), keys)
-        self._keys[msg["key"]] = seq.seq_id
-        return seq
+        return (msg["prompt"], SamplingParams(**msg["params"]), Route(msg["key"]), msg["group"],
+                msg.get("replayed", 0), keys)
 
     def _together(self, msgs: list[dict]) -> list[tuple[str, object]]:
         """`together`'s adds and aborts, as one inbox item's (a bad one is logged and left out)."""
@@ -168,7 +167,9 @@ class CoreLink:
         for msg in msgs:
             try:
                 if msg["op"] == "add":
-                    items.append(("add", self._sequence(msg)))
+                    seq = self.engine.sequence(*self._add_args(msg))
+                    self._keys[msg["key"]] = seq.seq_id
+                    items.append(("add", seq))
                 elif msg["op"] == "abort" and (seq_id := self._keys.pop(msg["key"], None)) is not None:
                     items.append(("abort", seq_id))
             except Exception:  # noqa: BLE001 (the others go on)

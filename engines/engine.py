@@ -311,8 +311,7 @@ class LLMEngine:
 
     def _rehearse(self) -> None:
         """A parked standby with no work reads the pool's index as its promotion will, once a
-        REHEARSAL_S: the memory that read needs is then this process's already (two H200 claims in
-        ten took 60-80 ms sorting the keys, against 2 ms: bench/RESULTS.md, sixth session)."""
+        REHEARSAL_S: the memory that read needs is then this process's already (engines/heap.py)."""
         now = time.monotonic()
         if self.pool is not None and self.blocks.mode == "parked" and not self.has_work \
                 and now - self._rehearsed >= REHEARSAL_S:

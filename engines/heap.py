@@ -4,9 +4,11 @@ new page.
 A promotion's claim reads the whole shared pool's index into arrays of a few MB (daemon/kv_index.py
 `_read`). Under glibc's defaults each read's arrays were handed back to the kernel when freed, and
 the next read faulted them in again: 735 page faults a read of 65k blocks on the dev VM. On the H200
-host some claims spent 60-80 ms sorting the keys, against 2 ms in the others (bench/RESULTS.md,
+host 5 claims in 20 spent 56-79 ms sorting the keys, against 2 ms in the others (bench/RESULTS.md,
 sixth session). With mmap's threshold and the trim threshold raised, the memory of a parked
-standby's rehearsals (engines/engine.py `_rehearse`) stays in place for its claim: 0 faults there.
+standby's rehearsals (engines/engine.py `_rehearse`) stays in place for its claim: on the dev VM
+16 faults in the claim, none in its sort. On the H200, 2 claims in 20 still took ~3,900 faults
+there (47 and 76 ms, all on CPU): fewer slow claims, not none.
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ def preload() -> None:
     except ImportError:  # older Triton
         from triton.compiler.compiler import triton_key
     triton_key()
-    try:  # (Triton 3.5+ imports it at the first launch: ~0.1 s of each restart on the H200 host, its
-        import triton.experimental.gluon.language  # noqa: F401  sources compiled there, no .pyc kept)
+    try:  # (Triton 3.5+ imports it at a process's first launch; the H200 profile of restarts showed
+        import triton.experimental.gluon.language  # noqa: F401  its sources compiled there each time)
     except ImportError:
         pass
     for module in (attention, gemv, invariant_matmul, paged_attention, rope_cache, row_ops):
