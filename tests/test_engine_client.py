@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
 import zmq
 
@@ -70,3 +71,27 @@ def test_messages_that_arrive_while_it_waits_are_read_and_a_failing_emit_stops_n
         assert client.stats() == {"steps": 2}
         return got
     assert asyncio.run(main()) == ["1:0", "1:1", "1:2"]
+
+
+def test_submits_and_aborts_inside_together_reach_the_core_as_one_message_in_order(tmp_path: Path) -> None:
+    """`together` (a failover's batch, engines/continuation_batch.py): what is submitted and aborted
+    inside goes out as one `together` message when the block ends, in order; outside, one each."""
+    to_core, to_frontend = f"ipc://{tmp_path}/in2.sock", f"ipc://{tmp_path}/out2.sock"
+    ctx = zmq.Context()
+    core_in = ctx.socket(zmq.PULL)
+    core_in.bind(to_core)
+    ctx.socket(zmq.PUSH).bind(to_frontend)
+    try:
+        client = EngineClient(to_core, to_frontend)
+        with client.together():
+            a = client.submit([1, 2], SamplingParams(max_tokens=4), lambda out: None)
+            b = client.submit([3], SamplingParams(max_tokens=4), lambda out: None)
+            client.abort(a)
+            assert not core_in.poll(100)  # (nothing sent before the block ends)
+        c = client.submit([4], SamplingParams(max_tokens=4), lambda out: None)
+        first, second = orjson.loads(core_in.recv()), orjson.loads(core_in.recv())
+    finally:
+        ctx.destroy(linger=0)
+    assert first["op"] == "together"
+    assert [(m["op"], m["key"]) for m in first["msgs"]] == [("add", a), ("add", b), ("abort", a)]
+    assert second["op"] == "add" and second["key"] == c and second["prompt"] == [4]

@@ -311,3 +311,21 @@ def test_sequences_put_together_start_in_one_step_and_an_abort_among_them_holds(
     engine.step()
     assert [s.num_computed > 0 for s in seqs] == [True, True, False, True, True]
     assert seqs[2].finish_reason == "abort"
+
+
+def test_a_bad_add_in_a_together_group_is_left_out_and_the_rest_is_kept(tiny_model, tmp_path) -> None:
+    """engines/core_link.py `_together`: one malformed add (no prompt) is logged and left out; the
+    group's other adds and aborts become inbox items, in order."""
+    from engines.core_link import CoreLink
+
+    engine = make_engine(tiny_model)
+    link = CoreLink(engine, f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock")
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0).wire()
+        items = link._together([{"op": "add", "key": 1, "params": params, "group": 1},
+                                {"op": "add", "key": 2, "prompt": [5, 6], "params": params, "group": 2},
+                                {"op": "abort", "key": 2}, {"op": "abort", "key": 1}])
+    finally:
+        link.close()
+    assert [kind for kind, _ in items] == ["add", "abort"]
+    assert items[0][1].prompt_ids == [5, 6] and items[1][1] == items[0][1].seq_id
