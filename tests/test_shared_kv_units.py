@@ -371,7 +371,7 @@ def test_a_continuation_matches_the_same_blocks_with_its_keys_hashed_by_the_fron
 
 def test_with_the_heap_keeping_freed_memory_a_rehearsed_claim_takes_no_page_fault() -> None:
     """engines/heap.py: after one read of the index (a parked standby's rehearsal), a claim of a
-    pool of 65k keyed blocks touches almost no new page: the sort none (its own process: the
+    pool of 65k keyed blocks touches almost no new page (its own process: the
     allocator policy is global)."""
     child = textwrap.dedent("""
         import random, sys, torch
@@ -399,4 +399,4 @@ def test_with_the_heap_keeping_freed_memory_a_rehearsed_claim_takes_no_page_faul
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     adopted, faults, sort_faults = map(int, out.stdout.split())
-    assert adopted > 65000 and faults <= 64 and sort_faults == 0, out.stdout  # (unwarmed: ~1,700; each read ~735)
+    assert adopted > 65000 and faults <= 64 and sort_faults <= 16, out.stdout  # (without: ~735, the sort ~127)
