@@ -121,7 +121,8 @@ def _key_order(lo: np.ndarray, hi: np.ndarray, stamp: np.ndarray) -> np.ndarray:
     the three (done whenever one lo was repeated: most failovers) 15."""
     by_top = np.argsort((lo >> np.uint64(48)).astype(np.uint16), kind="stable")
     order = by_top[np.argsort(lo[by_top], kind="stable")]
-    repeated = np.flatnonzero(lo[order][1:] == lo[order][:-1])
+    ordered = lo[order]
+    repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
     if len(repeated):
         at = np.union1d(repeated, repeated + 1)  # (the places of each run, in lo order)
         run = order[at]

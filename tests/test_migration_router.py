@@ -390,7 +390,7 @@ def test_a_members_scheduled_marker_says_it_ran_as_it_arrives():
 
 
 def test_a_member_waiting_longer_than_its_timeout_fails_and_one_fed_in_time_does_not():
-    """A batch member's stream is bounded per wait (batching.Member `_idle_guard`): bytes that keep
+    """A batch member's stream is bounded per wait (batching.Member, supervisor/router/idle_guard.py): bytes that keep
     coming within the timeout keep it going past several timeouts in all; a silence of the whole
     timeout ends it with UpstreamTimeout, and stops it in the engine."""
     from supervisor.router.batching import Member

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from supervisor.router.http_wire import (NETWORK_ERRORS, Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout,
                                          take_chunks, upstream_error)
+from supervisor.router.idle_guard import IdleGuard
 
 
 class Connection:
@@ -42,10 +43,8 @@ class Response:
         self._length: int | None = None  # None: until the connection closes (unless chunked)
         self._keep_alive = version == b"HTTP/1.1"
         self._raw = bytearray()  # chunked: body bytes read but not yet taken as chunks
-        self._guard: asyncio.TimerHandle | None = None  # _idle_guard's timer
         self._task: asyncio.Task | None = None  # the task reading the body
-        self._waiting_since: float | None = None  # when the read in progress began (loop time)
-        self._timed_out = False
+        self._guard = IdleGuard(timeout_s, lambda: self._task.cancel())  # type: ignore[union-attr]
         for name, value in headers:
             if name == b"content-length":
                 self._length = int(value)
@@ -61,11 +60,6 @@ class Response:
             self._keep_alive = False
         if self._length is not None and self._length < 0:
             raise ValueError(f"content-length {self._length}")
-
-    def _stop_guard(self) -> None:
-        if self._guard is not None:
-            self._guard.cancel()
-            self._guard = None
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case)."""
@@ -109,14 +103,14 @@ class Response:
 
     def close(self) -> None:
         """Drop the connection unless the body was read whole (then it is back in the pool)."""
-        self._stop_guard()
+        self._guard.stop()
         if self._conn is not None:
             conn, self._conn = self._conn, None
             self._release(conn, False)
 
     def _done(self) -> None:
         """The body was read whole: the connection can serve another request."""
-        self._stop_guard()
+        self._guard.stop()
         if self._conn is not None:
             conn, self._conn = self._conn, None
             self._release(conn, self._keep_alive)
@@ -145,15 +139,13 @@ class Response:
 
     async def _read_some(self) -> bytes:
         """What the connection has (waiting for something), bounded by the client's timeout through
-        `_idle_guard`: a timer per timeout period, not per read."""
-        loop = asyncio.get_running_loop()
-        self._task, self._waiting_since = asyncio.current_task(), loop.time()
-        if self._guard is None:
-            self._guard = loop.call_later(self._timeout_s, self._idle_guard)
+        the idle guard: a timer per timeout period, not per read."""
+        self._task = asyncio.current_task()
+        self._guard.begin()
         try:
             data = await self._conn.reader.read(1 << 16)  # type: ignore[union-attr]
         except asyncio.CancelledError:
-            if self._timed_out and self._task.uncancel() == 0:  # type: ignore[union-attr]
+            if self._guard.timed_out and self._task.uncancel() == 0:  # type: ignore[union-attr]
                 self.close()
                 raise UpstreamTimeout("body cut short within the timeout") from None
             raise
@@ -161,22 +153,11 @@ class Response:
             self.close()
             raise upstream_error(e, "body cut short") from None
         finally:
-            self._waiting_since = None
+            self._guard.end()
         if not data:
             self.close()
             raise RemoteProtocolError("server disconnected: body cut short")
         return data
-
-    def _idle_guard(self) -> None:
-        """Fires once per timeout period: cancels a read that has waited the whole timeout, else re-arms."""
-        loop = asyncio.get_running_loop()
-        since = self._waiting_since
-        if since is not None and loop.time() - since >= self._timeout_s - 0.001:  # (timers fire within ~1 ms)
-            self._guard, self._timed_out = None, True
-            self._task.cancel()  # type: ignore[union-attr]
-        else:
-            start = loop.time() if since is None else since
-            self._guard = loop.call_at(start + self._timeout_s, self._idle_guard)
 
     def _body_wait(self) -> "_BodyWait":
         """One bounded wait for body bytes; on any failure the connection is dropped, and network
