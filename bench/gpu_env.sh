@@ -45,21 +45,22 @@ serve_pair() {  # serve_pair A B: `understudy serve` of /tmp/A.yaml (router 8000
   done
 }
 
-load_in_turn() {  # load_in_turn A B: bench serve on /tmp/A.yaml and /tmp/B.yaml in turn (A first on odd runs,
-  # B first on even ones: ABBA), for each workload:clients of $POINTS, $RUNS times; rows in $OUT/ab_rows.txt,
-  # then the medians per workload and node
+load_in_turn() {  # load_in_turn A B [C ...]: bench serve on /tmp/A.yaml, /tmp/B.yaml ... in turn, the order
+  # rotated by one each run (two nodes: ABBA), for each workload:clients of $POINTS, $RUNS times; rows in
+  # $OUT/ab_rows.txt, then the medians per workload and node
   local B="python3 -m supervisor.cli bench serve --client-procs 8 --no-static --duration ${DURATION:-15}"
+  local nodes=("$@")
   for point in $POINTS; do
     local w=${point%:*} c=${point#*:}
     for i in $(seq "$RUNS"); do
-      local order="$1 $2"; [ $((i % 2)) = 0 ] && order="$2 $1"
+      local order="${nodes[*]:$((i % $#))} ${nodes[*]:0:$((i % $#))}"
       for n in $order; do
         row=$(timeout 150 $B --workload $w -c /tmp/$n.yaml --concurrency $c 2>>"$OUT/bench.err" | grep -E "^ +$c ")
         echo "$n $w $i $row" | tee -a "$OUT/ab_rows.txt"
       done
     done
   done
-  python3 - "$OUT/ab_rows.txt" "$1" "$2" <<'PY'
+  python3 - "$OUT/ab_rows.txt" "$@" <<'PY'
 import statistics, sys
 rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11]
 print("workload       clients node    runs  TTFT p50 ms  TTFT p99 ms  out tok/s  ITL p50 ms   (medians of bench serve's rows)")

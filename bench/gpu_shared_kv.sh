@@ -3,7 +3,8 @@
 #   bash bench/gpu_shared_kv.sh ab        # two nodes at once on GPU 0: shared_kv (one 32 GiB pool) on
 #                                         # 8000/8001 and shared_kv: false (16 GiB per engine: the same
 #                                         # memory) on 8100/8101; GPU memory per process; bench serve
-#                                         # chat:32 and nano:256 on each in turn (ABBA), medians last
+#                                         # chat:32 and nano:256 on each in turn (ABBA), medians last;
+#                                         # then chat:32 once more on the shared node with the static decode
 #   bash bench/gpu_shared_kv.sh failover  # understudy bench failover --streams 256 --runs 20 --compare:
 #                                         # the gap of every stream in flight at each SIGKILL of the
 #                                         # primary, failover_seconds, recomputed tokens, standby back;
@@ -17,6 +18,8 @@
 #   bash bench/gpu_shared_kv.sh batch_ab  # failover with router.migration.batch false, then true (BATCH=
 #                                         # sets it for the other parts)
 #   bash bench/gpu_shared_kv.sh profile   # failover with py-spy sampling the node's processes (PROFILE_S)
+#   bash bench/gpu_shared_kv.sh serve_diag # bench serve nano:256 on shared_kv false / true / true without the
+#                                         # heap's thresholds and rehearsals, in turn; py-spy on two primaries
 #   BASE=DIR bash bench/gpu_shared_kv.sh tree_ab  # failover on an older tree (DIR) and on this one, in turn
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
@@ -35,7 +38,12 @@ ab() {
   for n in shared own; do echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml; done > "$OUT/memory.txt" 2>&1
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
   POINTS=${POINTS:-chat:32 nano:256} RUNS=${RUNS:-2} load_in_turn own shared
-  kill -TERM $pid_shared $pid_own; wait $pid_shared $pid_own
+  kill -TERM $pid_own; wait $pid_own
+  # the static decode beside the live figures, in the same call: one more chat:32 run on the shared node
+  timeout 300 python3 -m supervisor.cli bench serve --client-procs 8 --duration ${DURATION:-15} --workload chat \
+    -c /tmp/shared.yaml --concurrency 32 > "$OUT/static_chat32.txt" 2>>"$OUT/bench.err"
+  kill -TERM $pid_shared; wait $pid_shared
+  tail -6 "$OUT/static_chat32.txt"
   cat "$OUT/memory.txt"
 }
 failover() {
@@ -137,6 +145,40 @@ profile() {  # failover (shared KV only, RUNS kills, default 5) with py-spy samp
   python3 bench/probes/spy_top.py "$OUT/profile.raw" --top 30 > "$OUT/profile_top.txt"
   head -100 "$OUT/profile_top.txt"
 }
+serve_diag() {  # bench serve (nano:256, RUNS) on three nodes at once, in turn: shared_kv: false, shared_kv, and
+  # shared_kv on a copy of this tree without the heap's thresholds and the parked standby's rehearsals (the
+  # two things a shared-KV engine does since 2026-12-02 that no other does); then py-spy on the primary
+  # during one more run on the own and the shared node (spy_<node>_top.txt)
+  rm -rf /tmp/patched && mkdir /tmp/patched && tar cf - --exclude=.whl . | tar xf - -C /tmp/patched
+  sed -i 's/^\( *\)heap.keep_freed_memory().*/\1pass/' /tmp/patched/engines/main.py
+  sed -i 's/^REHEARSAL_S = .*/REHEARSAL_S = 1e9/' /tmp/patched/engines/engine.py
+  grep -c "keep_freed_memory()" /tmp/patched/engines/main.py; grep "^REHEARSAL_S" /tmp/patched/engines/engine.py
+  config own 8100 false 17179869184; config shared 8000 true 34359738368; config patched 8200 true 34359738368
+  python3 -m supervisor.cli serve -c /tmp/own.yaml > "$OUT/serve_own.log" 2>&1 & local p1=$!
+  python3 -m supervisor.cli serve -c /tmp/shared.yaml > "$OUT/serve_shared.log" 2>&1 & local p2=$!
+  (cd /tmp/patched && PYTHONPATH=/tmp/site:/tmp/patched exec python3 -m supervisor.cli serve -c /tmp/patched.yaml) \
+    > "$OUT/serve_patched.log" 2>&1 & local p3=$!
+  local n port
+  for n in own:8100 shared:8000 patched:8200; do
+    wait_ready http://127.0.0.1:${n#*:} && all_ready /tmp/${n%:*}.yaml || { tail -20 "$OUT/serve_${n%:*}.log"; kill -9 $p1 $p2 $p3; exit 1; }
+  done
+  POINTS=${POINTS:-nano:256} RUNS=${RUNS:-4} load_in_turn own shared patched > "$OUT/serve_diag.txt"
+  for n in own shared; do
+    local pid
+    pid=$(python3 -m supervisor.cli status -c /tmp/$n.yaml --json | python3 -c "import json,sys
+print([e['pid'] for e in json.load(sys.stdin)['engines'] if e['role'] == 'primary'][0])")
+    python3 -m supervisor.cli bench serve --client-procs 8 --no-static --workload nano -c /tmp/$n.yaml \
+      --concurrency 256 > "$OUT/spy_${n}_serve.txt" 2>&1 & local b=$!
+    sleep 3
+    /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --nonblocking -r 200 -f raw -d 6 -o "$OUT/spy_$n.raw" \
+      > /dev/null 2>&1 || echo "py-spy failed on $n"
+    wait $b
+    python3 bench/probes/spy_top.py "$OUT/spy_$n.raw" --top 40 > "$OUT/spy_${n}_top.txt" && rm -f "$OUT/spy_$n.raw"
+    grep -E "^ +256 " "$OUT/spy_${n}_serve.txt"
+  done
+  kill -TERM $p1 $p2 $p3; wait $p1 $p2 $p3
+  cat "$OUT/serve_diag.txt"
+}
 tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in $BASE (git archive of a commit,
   # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
   # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
@@ -158,6 +200,7 @@ case "${1:-}" in
 tree_ab) tree_ab ;;
 profile) profile ;;
 ab) ab ;;
+serve_diag) serve_diag ;;
 gc_ab) gc_ab ;;
 batch_ab) batch_ab ;;
 failover) failover ;;

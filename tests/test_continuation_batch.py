@@ -5,6 +5,7 @@ the router's leaving."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -166,3 +167,56 @@ def test_when_the_router_leaves_every_member_stops(engine, tiny_model):
         next(r.iter_bytes())
     wait_idle(engine)
     assert generated(engine) - before < 3 * 499 // 2, "the members ran on after the router left"
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_oversized_batch_is_refused_and_the_engine_serves_on(engine, tiny_model, chunked):
+    """A batch over limits.max_body_bytes (8 MiB) gets a 413 naming the limit, by its length or as it
+    arrives; the next request is served."""
+    body = json.dumps({"requests": [{"path": "/v1/completions", "body": {"prompt": "x" * (9 << 20)}}]}).encode()
+    content = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body
+    r = httpx.post(engine.url + "/v1/continuations", content=content, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limits.max_body_bytes" in r.json()["error"]["message"], r.text
+    ok = httpx.post(engine.url + "/v1/completions", timeout=60,
+                    json={"model": tiny_model.name, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_slow_batch_body_holds_no_one_else_up(engine, tiny_model):
+    """A batch whose body arrives over a second, in pieces: other requests are answered meanwhile,
+    and the batch runs once its body is whole."""
+    model = tiny_model.name
+    member = continued(model, [5, 6, 7, 8], [9], 6)
+    body = json.dumps({"requests": [{"path": "/v1/completions", "body": member}]}).encode()
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/continuations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        for i in range(0, len(body) - 1, 40):  # the body but its last byte, over ~1 s
+            s.sendall(body[i:min(i + 40, len(body) - 1)])
+            time.sleep(1.0 / (len(body) // 40 + 1))
+        meanwhile = httpx.post(engine.url + "/v1/completions", timeout=30,
+                               json={"model": model, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})
+        assert meanwhile.status_code == 200
+        s.sendall(body[-1:])
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    got = frames(_unchunk(rest) if b"transfer-encoding: chunked" in head.lower() else rest)
+    mine = b"".join(p for st, p in got[0] if st == 200)
+    assert got[0][-1] == (0, b"") and len(token_ids(mine)) == member["max_tokens"] - 1
+
+
+def _unchunk(raw: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's bytes."""
+    out = b""
+    while raw:
+        size, _, raw = raw.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, raw = out + raw[:n], raw[n + 2:]
+    return out
