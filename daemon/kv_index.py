@@ -185,12 +185,20 @@ class BlockIndex:
         return None
 
     def peek(self, layout: KVLayout, fingerprint: bytes) -> Adoption | str:
-        """What a claim would adopt now (or why it would distrust the index), without claiming."""
+        """What a claim would adopt now (or why it would distrust the index), without claiming.
+
+        A peek reads beside a running writer, so it sees some SEALED entries mid-write (a bad
+        checksum: half of the standbys' first reads under load on the H200 did): it leaves those out
+        and goes on, where a claim would distrust the index. It then runs the claim's whole path,
+        sort included, and a parked standby's rehearsal (engines/engine.py `_rehearse`) warms
+        what its claim will use. Rehearsals that stopped at the first torn entry left one claim in
+        20 to sort on memory it had never touched: 74 ms, 4,030 page faults (bench/RESULTS.md,
+        2026-12-03)."""
         reason = self.problem(layout, fingerprint)
         if reason is not None:
             return reason
         try:
-            return self._read(layout, int(self.header["writer_epoch"]) + 1)
+            return self._read(layout, int(self.header["writer_epoch"]) + 1, strict=False)
         except UntrustedIndex as e:
             return str(e)
 
@@ -232,8 +240,9 @@ class BlockIndex:
         self.header["writer_pid"] = self.header["writer_start"] = 0
         self.epoch = 0
 
-    def _read(self, layout: KVLayout, epoch: int) -> Adoption:
-        """Every shared block's state, checked (vectorised: a pool of 100k blocks reads in ms)."""
+    def _read(self, layout: KVLayout, epoch: int, strict: bool = True) -> Adoption:
+        """Every shared block's state, checked (vectorised: a pool of 100k blocks reads in ms). Not
+        `strict` (a peek): SEALED entries with a bad checksum are left out instead of distrusted."""
         e = self.entries[layout.shared_start:layout.num_blocks]
         ids = np.arange(layout.shared_start, layout.num_blocks)
         word = e["word"]
@@ -247,7 +256,10 @@ class BlockIndex:
         lo, hi, gen, ep, stamp = e["key_lo"][s], e["key_hi"][s], e["gen"][s], e["epoch"][s], e["stamp"][s]
         torn = ((word[s] >> np.uint64(32)) != checksum(lo, hi, gen, ep)) | (lo == 0)  # (lo 0: no key)
         if torn.any():
-            raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
+            if strict:
+                raise UntrustedIndex(f"block {int(ids[s][torn][0])} is SEALED with a bad checksum")
+            s[np.flatnonzero(s)[torn]] = False
+            lo, hi, gen, ep, stamp = (x[~torn] for x in (lo, hi, gen, ep, stamp))
         sorting, cpu, faults = time.perf_counter(), time.thread_time(), _faults()
         order = _key_order(lo, hi, stamp)
         sort = {"sort_s": time.perf_counter() - sorting, "sort_cpu_s": time.thread_time() - cpu,

@@ -83,6 +83,21 @@ def test_a_corrupt_index_is_distrusted_and_emptied(pool: KVPool, corrupt, why: s
     assert len(adoption.sealed) == 0 and len(adoption.quarantined) == 0 and 9 in adoption.free
 
 
+def test_a_peek_leaves_an_entry_mid_write_out_where_a_claim_distrusts_the_index(pool: KVPool) -> None:
+    """A standby's peek reads beside the running writer: a SEALED entry with a bad checksum (being
+    rewritten) is left out and the rest is read whole, sort included; a claim would distrust it."""
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    for block in (9, 10, 11):
+        a.owned(block, 1)
+        a.sealed(block, 1, 70 + block, 0, stamp=block)
+    a.entries[10]["key_lo"] = 5  # (as if `sealed` were rewriting it: its word not stored yet)
+    seen = open_index(pool).peek(pool.layout, FP)
+    assert not isinstance(seen, str) and seen.sealed.tolist() == [9, 11] and seen.reset_reason is None
+    assert 10 not in seen.free and seen.sort_s > 0
+    assert "block 10 is SEALED with a bad checksum" in open_index(pool).claim(pool.layout, FP).reset_reason
+
+
 def test_an_index_of_other_weights_or_layout_is_distrusted(pool: KVPool) -> None:
     a = open_index(pool)
     a.claim(pool.layout, FP)
