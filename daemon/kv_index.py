@@ -191,9 +191,9 @@ class BlockIndex:
         checksum: half of the standbys' first reads under load on the H200 did): it leaves those out
         and goes on, where a claim would distrust the index. It then runs the claim's whole path,
         sort included, and a parked standby's rehearsal (engines/engine.py `_rehearse`) warms
-        what its claim will use. Rehearsals that stopped at the first torn entry left one claim in
-        20 to sort on memory it had never touched: 74 ms, 4,030 page faults (bench/RESULTS.md,
-        2026-12-03)."""
+        what its claim will use. Rehearsals that stopped at the first torn entry are the likely
+        reason why one claim in 20 still sorted on memory it had never touched (74 ms, 4,030 page
+        faults; bench/RESULTS.md, 2026-12-03)."""
         reason = self.problem(layout, fingerprint)
         if reason is not None:
             return reason
