@@ -158,7 +158,7 @@ serve_diag() {  # bench serve (nano:256, RUNS) on three nodes at once, in turn: 
   python3 -m supervisor.cli serve -c /tmp/shared.yaml > "$OUT/serve_shared.log" 2>&1 & local p2=$!
   (cd /tmp/patched && PYTHONPATH=/tmp/site:/tmp/patched exec python3 -m supervisor.cli serve -c /tmp/patched.yaml) \
     > "$OUT/serve_patched.log" 2>&1 & local p3=$!
-  local n port
+  local n
   for n in own:8100 shared:8000 patched:8200; do
     wait_ready http://127.0.0.1:${n#*:} && all_ready /tmp/${n%:*}.yaml || { tail -20 "$OUT/serve_${n%:*}.log"; kill -9 $p1 $p2 $p3; exit 1; }
   done

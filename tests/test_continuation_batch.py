@@ -14,6 +14,7 @@ import pytest
 from engines.config import EngineConfig
 from engines.continuation_batch import GROUP
 from harness.engine_process import EngineProcess
+from supervisor.router.http_wire import take_chunks
 
 MAX_LEN = 512
 
@@ -205,18 +206,11 @@ def test_a_slow_batch_body_holds_no_one_else_up(engine, tiny_model):
             raw += chunk
     head, _, rest = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
-    got = frames(_unchunk(rest) if b"transfer-encoding: chunked" in head.lower() else rest)
+    if b"transfer-encoding: chunked" in head.lower():
+        chunks, _, ended = take_chunks(rest)
+        assert ended, "the batch's chunked body was cut short"
+        rest = b"".join(chunks)
+    got = frames(rest)
     mine = b"".join(p for st, p in got[0] if st == 200)
     assert got[0][-1] == (0, b"") and len(token_ids(mine)) == member["max_tokens"] - 1
 
-
-def _unchunk(raw: bytes) -> bytes:
-    """An HTTP/1.1 chunked body's bytes."""
-    out = b""
-    while raw:
-        size, _, raw = raw.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            return out
-        out, raw = out + raw[:n], raw[n + 2:]
-    return out
