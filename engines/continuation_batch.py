@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -65,6 +67,24 @@ def frame(index: int, status: int, payload: bytes = b"") -> bytes:
     return b"%d %d %d\n" % (index, status, len(payload)) + payload
 
 
+@dataclass
+class BodyTiming:
+    """When a batch's request arrived (its head), its body was whole and parsed (time.monotonic): with
+    the moment its last member went to the core, one log line a batch (a failover's), which says how
+    much of the wait across a kill this front end took."""
+
+    arrived: float
+    read: float
+    parsed: float
+    size: int
+
+    def log(self, batch: str, started: int, members: int) -> None:
+        ms = lambda t: (t - self.arrived) * 1e3  # noqa: E731
+        log.info("batch %s: %d of %d continuations started; its %d-byte body whole at +%.1f ms, parsed at +%.1f, "
+                 "the last member to the core at +%.1f ms after its head", batch[:8], started, members, self.size,
+                 ms(self.read), ms(self.parsed), ms(time.monotonic()))
+
+
 class Batch:
     """A batch's members, each checked and started in turn as the answer's body already flows (the
     first members' tokens need not wait for the last member's checks), framed into one body by
@@ -72,8 +92,9 @@ class Batch:
     `_EventStream`, with `events()` and `running`; or a refusal: a Response)."""
 
     def __init__(self, requests: list[BatchMember], start, refuse, registry: dict[str, "Batch"],
-                 together: Callable[[], ContextManager[None]]) -> None:
+                 together: Callable[[], ContextManager[None]], timing: "BodyTiming | None" = None) -> None:
         self.id = uuid.uuid4().hex
+        self.timing = timing
         self.requests, self.start, self.refuse, self.registry = requests, start, refuse, registry
         self.together = together
         self.members: list = []  # (started so far, in order)
@@ -132,6 +153,8 @@ class Batch:
         finally:
             self._starting = False
             self._wake.set()
+            if self.timing is not None:
+                self.timing.log(self.id, len(self.members), len(self.requests))
 
     async def _start_one(self, i: int, m: BatchMember) -> None:
         if m.body.get("stream") is not True:
@@ -161,7 +184,8 @@ class Batch:
                 self._wake.set()
 
 
-async def serve_batch(data: Any, start, refuse, registry: dict[str, Batch], together):
+async def serve_batch(data: Any, start, refuse, registry: dict[str, Batch], together,
+                      timing: BodyTiming | None = None):
     """The answer to a batch's parsed body: a Batch whose members `start(path, body)` answers (each
     an event stream, or its refusal), or `refuse(status, message, param)` for a body that is not a
     batch. A member is any streamed request: a continuation, or a request the failover re-sends
@@ -173,7 +197,7 @@ async def serve_batch(data: Any, start, refuse, registry: dict[str, Batch], toge
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "body"
         return refuse(400, f"not a batch of continuations: {where}: {first['msg']}", where)
-    return Batch(batch.requests, start, refuse, registry, together)
+    return Batch(batch.requests, start, refuse, registry, together, timing)
 
 
 def abort_member(data: Any, registry: dict[str, Batch], refuse):

@@ -51,6 +51,7 @@ class LLMEngine:
         self.blocks.on_continuation = self._continued
         self.blocks.root = key_root(runner.deterministic)
         self.continuations = self.continuation_reused = self.continuation_recomputed = 0
+        self._continued_now: list[list[int]] = []  # this step's continuations: [reused, recomputed] each
         self.trace = PromotionTrace()  # the first second after a promotion, logged
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
         self.sampler = Sampler()
@@ -284,12 +285,20 @@ class LLMEngine:
         return {"handed_off": len(seqs)}
 
     def _continued(self, reused: int, recomputed: int) -> None:
-        """A continued request found `reused` of its tokens' KV in the pool and recomputes the rest."""
+        """A continued request found `reused` of its tokens' KV in the pool and recomputes the rest
+        (reported after the step: `_report_continued`)."""
         self.continuations += 1
         self.continuation_reused += reused
         self.continuation_recomputed += recomputed
         self.trace.continued()
-        self._reply("continuation", reused=reused, recomputed=recomputed)
+        self._continued_now.append([reused, recomputed])
+
+    def _report_continued(self) -> None:
+        """This step's continuations, in one message (a failover's 256 are a few steps' worth, not
+        256 messages through the supervisor's loop while it continues their streams)."""
+        if self._continued_now:
+            each, self._continued_now = self._continued_now, []
+            self._reply("continuations", each=each)
 
     def _flush(self) -> None:
         """Hand this step's outputs over: in one batch to `deliver`, else one by one."""
@@ -356,6 +365,7 @@ class LLMEngine:
         self.served += len(self.scheduler.release_finished())
         self.steps += 1
         self._flush()
+        self._report_continued()
         self.trace.step(marks, len(work), sum(w.num_new for w in work))
 
     def _read_back(self) -> None:

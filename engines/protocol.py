@@ -140,6 +140,27 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
+class ContinuedCompletion(CompletionRequest):
+    """A completion the router continues on a new primary: `continuation.prompt_token_ids` is its
+    prompt, so `prompt` may be left out (a failover's batch then carries each prompt's ids once,
+    not twice)."""
+
+    prompt: Ids | str | Texts | Annotated[list[Ids], Field(fail_fast=True)] | None = None
+    continuation: Continuation
+
+
+class ContinuedChat(ChatCompletionRequest):
+    """A chat completion the router continues: its templated prompt is `continuation.prompt_token_ids`
+    (the messages are not rendered again), so `messages` may be left out."""
+
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, fail_fast=True)
+    continuation: Continuation
+
+
+CONTINUED: dict[type[BaseModel], type[BaseModel]] = {CompletionRequest: ContinuedCompletion,
+                                                     ChatCompletionRequest: ContinuedChat}
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -20,7 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from .continuation_batch import Batch, abort_member, serve_batch
+from .continuation_batch import Batch, BodyTiming, abort_member, serve_batch
 from .engine_client import EngineClient
 from . import sse
 from .interrupt import unless_client_leaves
@@ -29,8 +30,9 @@ from .limits import LimitError, RequestLimits, check_body
 from .first_output import FirstOutputLatency
 from .metrics import render as render_metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
-from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                       CompletionRequest, CompletionResponse, ErrorBody, ErrorResponse, ModelCard, ModelList, Usage)
+from .protocol import (CONTINUED, AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                       CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody, ErrorResponse, ModelCard,
+                       ModelList, Usage)
 from .sampling import SamplingParams, ensure_seed
 from .sequence import Output
 from .stream_chunks import ChunkWriter
@@ -86,6 +88,18 @@ def error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+class ResponseIds:
+    """Response ids, unique across processes: a random prefix drawn once, then a counter (a uuid4 per
+    request read the system's random source each time: ~8% of a continuation's start at a failover)."""
+
+    def __init__(self) -> None:
+        self._prefix = uuid.uuid4().hex[:16]
+        self._n = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._n):016x}"
+
+
 class OpenAIServer:
     """Binds the HTTP routes to one engine, its tokenizer and the served model name(s)."""
 
@@ -101,6 +115,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.accepting = True
         self.first_output = FirstOutputLatency()
+        self._ids = ResponseIds()
         self.batches: dict[str, Batch] = {}  # running batches of continuations, by id (engines/continuation_batch.py)
 
     # ---- request -> sequences --------------------------------------------------------------
@@ -152,8 +167,8 @@ class OpenAIServer:
 
     def _continued(self, req, cont, param: str) -> list[tuple[list[int], SamplingParams, int]]:
         """The one job of a continuation: the original prompt's limits, minus the replayed tokens."""
-        prompt, done = list(cont.prompt_token_ids), list(cont.output_token_ids)
-        self._check_ids([prompt + done], "continuation")
+        prompt, done = cont.prompt_token_ids, cont.output_token_ids
+        self._check_ids([prompt, done], "continuation")
         params = ensure_seed(self._params(req, len(prompt), param))
         if len(done) >= params.max_tokens:
             raise APIError(400, f"continuation.output_token_ids holds {len(done)} tokens: max_tokens="
@@ -184,14 +199,14 @@ class OpenAIServer:
         self._accept(req.model)
         if req.continuation is not None:
             jobs = self._continued(req, req.continuation, "prompt")
-            prompts = [list(req.continuation.prompt_token_ids)]
+            prompts = [req.continuation.prompt_token_ids]
         else:
             prompts = await completion_prompt_ids(self.tokenizer, req.prompt, req.n, self.limits, self.max_model_len)
             self._check_ids(prompts, "prompt")
             jobs = [(p, _nth_seed(ensure_seed(self._params(req, len(p), "prompt")), j), 0)
                     for p in prompts for j in range(req.n)]
         prompt_tokens = sum(len(p) for p in prompts)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{self._ids.next()}", int(time.time())
         ids = req.return_token_ids
         prompt_of = [prompts[i // req.n] for i in range(len(jobs))]
         if req.stream:  # handed to the core before the response starts: the head costs it no time
@@ -234,7 +249,7 @@ class OpenAIServer:
     async def chat_completions(self, req: ChatCompletionRequest):
         self._accept(req.model)
         if req.continuation is not None:
-            prompt = list(req.continuation.prompt_token_ids)
+            prompt = req.continuation.prompt_token_ids
             jobs = self._continued(req, req.continuation, "messages")
         else:
             try:
@@ -248,7 +263,7 @@ class OpenAIServer:
             self._check_ids([prompt], "messages")
             params = ensure_seed(self._params(req, len(prompt), "messages"))
             jobs = [(prompt, _nth_seed(params, j), 0) for j in range(req.n)]
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{self._ids.next()}", int(time.time())
         ids = req.return_token_ids
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -304,15 +319,16 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
         model, endpoint = hot[path]
         return await answer(path, data, model, endpoint, limits)
 
-    async def batch(data) -> Response:
-        return await serve_batch(data, start, error_response, srv.batches, srv.engine.together)
+    async def batch(data, timing: BodyTiming) -> Response:
+        return await serve_batch(data, start, error_response, srv.batches, srv.engine.together, timing)
 
-    async def abort(data) -> Response:
+    async def abort(data, _timing: BodyTiming) -> Response:
         out = abort_member(data, srv.batches, error_response)
         return out if isinstance(out, Response) else JSONResponse(out)
     batched = {"/v1/continuations": batch, "/v1/continuations/abort": abort}  # (the router's, at failovers)
 
     async def app(scope: dict, receive, send) -> None:
+        arrived = time.monotonic()
         path = scope["path"] if scope["type"] == "http" else None
         route, handler = hot.get(path), batched.get(path)
         if route is None and handler is None:
@@ -326,8 +342,10 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
             if (resp := await _generate(scope, receive, model, endpoint, limits)) is not None:
                 await resp(scope, receive, send)
         elif (body := await read_whole_body(receive)) is not None:
+            read = time.monotonic()
             try:
-                resp = await handler(request_body.loads(body))
+                data = request_body.loads(body)
+                resp = await handler(data, BodyTiming(arrived, read, time.monotonic(), len(body)))
             except request_body.BodyError as e:
                 resp = error_response(400, e.message, e.param, code=e.code)
             await resp(scope, receive, send)
@@ -363,6 +381,8 @@ async def answer(path: str, data, model, endpoint, limits: RequestLimits) -> Res
     """The endpoint's response to a parsed generation request, or its OpenAI error."""
     try:
         check_body(limits, data, model is ChatCompletionRequest)
+        if isinstance(data, dict) and "continuation" in data:  # (its prompt may be left out)
+            model = CONTINUED[model]
         req = request_body.validate(model, data)
     except request_body.BodyError as e:
         return error_response(400, e.message, e.param, code=e.code)

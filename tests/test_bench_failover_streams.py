@@ -79,7 +79,7 @@ def test_a_continuations_moments_count_from_the_kill_that_lost_its_primary():
                "timeline": {"lost": 20.02, "sent": 20.03, "answered": 20.3, "token": 20.4}},
               {"type": "migration", "result": "continued", "timeline": {"lost": 5.0}},  # before any kill: not counted
               {"type": "migration", "result": "quarantined", "timeline": {"lost": 10.5}},
-              {"type": "continuation", "recomputed": 3}]
+              {"type": "continuations", "engine": "a", "reused": [16], "recomputed": [3]}]
     t = timeline_after_kills(events, [10.0, 20.0])
     assert t["lost"]["n"] == 2 and abs(t["lost"]["max"] - 20.0) < 1e-6
     assert abs(t["token"]["p50"] - 300.0) < 1e-6 and abs(t["answered"]["min"] - 100.0) < 1e-6

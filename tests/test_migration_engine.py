@@ -141,6 +141,34 @@ def test_non_streaming_token_ids_and_continuation(engine):
     assert bad.status_code == 400 and "continuation needs n=1" in bad.json()["error"]["message"]
 
 
+def test_a_continuation_may_leave_its_prompt_out(engine):
+    """The router sends a continuation without the client's prompt or messages (its ids are in
+    `continuation.prompt_token_ids`): the same rest comes, for both endpoints; without a
+    continuation the prompt is still required, and the ids are still checked."""
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                **body}
+        whole = httpx.post(engine.url + path, json=body, timeout=60).json()
+        ids = whole["choices"][0]["token_ids"]
+        prompt_ids = whole["choices"][0].get("prompt_token_ids") or whole.get("prompt_token_ids")
+        cont = {"prompt_token_ids": prompt_ids, "output_token_ids": ids[:3]}
+        bare = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
+        with_prompt = httpx.post(engine.url + path, json={**body, "continuation": cont}, timeout=60)
+        without = httpx.post(engine.url + path, json={**bare, "continuation": cont}, timeout=60)
+        assert without.status_code == 200 == with_prompt.status_code, without.text
+        assert without.json()["choices"][0]["token_ids"] == ids[3:] == with_prompt.json()["choices"][0]["token_ids"]
+        missing = httpx.post(engine.url + path, json=bare, timeout=60)
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == \
+            ("prompt" if "prompt" in body else "messages"), missing.text
+        bad = httpx.post(engine.url + path, timeout=60, json={**bare, "continuation": {
+            "prompt_token_ids": prompt_ids, "output_token_ids": [10 ** 9]}})
+        assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"], bad.text
+    empty = httpx.post(engine.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [], "continuation": {"prompt_token_ids": [1, 2]}})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages", empty.text
+
+
 def raw_events(url: str, path: str, body: dict) -> list[str]:
     """The events of a stream as sent (comments included), in order."""
     with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:

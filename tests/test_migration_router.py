@@ -222,6 +222,7 @@ def test_a_request_making_progress_between_failures_keeps_migrating(engines):
     assert [(e["result"], e["tokens_replayed"]) for e in events] == [("continued", 2), ("continued", 4)]
     third = seen(engines[2][1])[0]
     assert third["continuation"] == {"prompt_token_ids": [7, 8], "output_token_ids": [0, 1, 2, 3]}
+    assert "prompt" not in third  # (continuation.prompt_token_ids is its prompt: sent once)
     assert third["stream"] is True and third["return_token_ids"] is True and isinstance(third["seed"], int)
     assert 'understudy_migrations_total{result="continued"} 2.0' in metrics
     assert "understudy_migration_stall_seconds_count 2.0" in metrics

@@ -158,6 +158,8 @@ def test_a_continuation_after_a_sigkill_mid_step_is_exact_and_recomputes_at_most
     cont = complete(c, {**{k: v for k, v in body.items() if k != "stream"},
                         "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
     assert cont.status_code == 200, cont.text
+    report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "c")
+    assert len(report["each"]) == 1 and report["each"][0][1] <= BS  # (one step's: [reused, recomputed] each)
     node.router.msgs.clear()
     whole = complete(c, {k: v for k, v in body.items() if k != "stream"}).json()["choices"][0]["token_ids"]
     assert len(ids) >= 40 and ids + cont.json()["choices"][0]["token_ids"] == whole  # the uninterrupted answer

@@ -148,3 +148,16 @@ def test_a_crash_during_a_switchover_stays_one_even_when_its_promotion_fails() -
     p.play(("said", "a", "promoted", {"adopted_blocks": 3}))
     ev = p.published("failover")[-1]
     assert (ev["reason"], ev.get("during"), ev["from"], ev["to"]) == ("exit", "promote", "a", "a"), ev
+
+
+def test_a_steps_continuations_are_one_event_and_a_malformed_report_none() -> None:
+    """The new primary reports the continued requests of a step in one message (engines/engine.py
+    `_report_continued`): one event for the status page and the bench, one item per request; a
+    report that is not [[reused, recomputed], ...] of counts is dropped, not published."""
+    p = serving(**KV)
+    p.play(("said", "a", "continuations", {"each": [[48, 3], [96, 16]]}))
+    assert p.published("continuations") == [{"type": "continuations", "engine": "a", "reused": [48, 96],
+                                              "recomputed": [3, 16]}]
+    for bad in ([[1]], [["1", 2]], [[1, -2]], "x", None, [[True, 1]]):
+        p.play(("said", "a", "continuations", {"each": bad}))
+    assert len(p.published("continuations")) == 1

@@ -49,7 +49,7 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             load.stop()
             reports = load.collect(marks=k.kills + k.whole, within=args.gap_window,
                                    until=[None] * len(k.kills) + k.kills)  # (a quiet window ends by its kill)
-        recomputed = [e["recomputed"] for e in h.events if e["type"] == "continuation"]
+        recomputed = [n for e in h.events if e["type"] == "continuations" for n in e["recomputed"]]
         return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
                 "continuation_timeline_ms": timeline_after_kills(h.events, k.kills),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),

@@ -54,9 +54,15 @@ def said(node: Node, e: Engine, ev: Said) -> None:
                                  "kv_source": ev.fields.get("kv_source")})
     elif ev.type in kv_handover.ANSWERS:
         kv_handover.said(node, e, ev)
-    elif ev.type == "continuation":  # a continued request found `reused` tokens' KV, computed `recomputed`
-        fields = {"engine": e.name, "reused": ev.fields.get("reused"), "recomputed": ev.fields.get("recomputed")}
-        node.emit(Publish({"type": "continuation", **fields}))
+    elif ev.type == "continuations":  # one step's continued requests: [reused, recomputed] tokens each
+        each = ev.fields.get("each")
+        if not isinstance(each, list) or not all(isinstance(x, list) and len(x) == 2 and
+                                                 all(type(n) is int and n >= 0 for n in x) for x in each):
+            log.warning("%s: malformed continuations report ignored (want each: [[reused, recomputed], ...]): %.200r",
+                        e.name, each)
+            return
+        node.emit(Publish({"type": "continuations", "engine": e.name, "reused": [x[0] for x in each],
+                           "recomputed": [x[1] for x in each]}))
 
 
 def record_startup(node: Node, e: Engine, data: dict[str, Any]) -> None:

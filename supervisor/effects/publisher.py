@@ -32,8 +32,9 @@ class Publisher:
             self.metrics.fatal_retries.labels(engine=ev["engine"]).inc()
         elif kind == "recovered":
             self.metrics.recovery_seconds.observe(ev["seconds"])
-        elif kind == "continuation" and isinstance(ev.get("recomputed"), int):
-            self.metrics.continuation_recomputed.observe(ev["recomputed"])
+        elif kind == "continuations":
+            for n in ev["recomputed"]:
+                self.metrics.continuation_recomputed.observe(n)
         self.bus.publish(dict(ev))
 
     def measure(self, a: Measure) -> None:

@@ -4,9 +4,9 @@ sent so far (prompt ids, emitted ids, text), read from the engine's event stream
 The router always asks the engine for a stream with token ids (`stream: true`,
 `return_token_ids: true`, a seed), whatever the client asked; it gives the client the shape it
 asked for (a stream without the extension fields it did not ask for, or one whole response). When
-the primary is lost, `upstream_body()` is the continuation for the new one: the original request
-plus `continuation: {prompt_token_ids, output_token_ids}` (engines/protocol.py), whose stream is
-spliced in (same id and `created`, its chat role chunk dropped).
+the primary is lost, `upstream_body()` is the continuation for the new one: the original request,
+its prompt (or messages) replaced by `continuation: {prompt_token_ids, output_token_ids}`
+(engines/protocol.py `ContinuedCompletion`, `ContinuedChat`), whose stream is spliced in (same id and `created`, its chat role chunk dropped).
 
 Every engine chunk is a consistent snapshot (engines/sequence.py Output): its ids are all the
 tokens generated up to it, its text all the text released up to it; ids are recorded only from
@@ -112,7 +112,8 @@ class Tracked:
         body = {**self.req, "stream": True, "return_token_ids": True}
         if not self.client_stream:
             body.pop("stream_options", None)
-        if self.prompt_ids is not None:
+        if self.prompt_ids is not None:  # (the engine's prompt: what the client's was is not sent again)
+            body.pop("messages" if self.kind == "chat" else "prompt", None)
             body["continuation"] = {"prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids}
         return _dump(body)
 
