@@ -6,12 +6,9 @@ stream sees such a pause as a stall.
 
 `watch()` once per process times every collection and logs one over LOG_OVER_S; `freeze_startup()`,
 once a process is about to serve, moves everything it made so far out of the collector's reach
-(`gc.freeze`): later collections walk only what serving made. `collect_steadily()` (the router's
-process) collects the oldest generation once a second, so that the cyclic garbage of finished
-requests never piles up into one long pause."""
+(`gc.freeze`): later collections walk only what serving made."""
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import os
@@ -21,8 +18,6 @@ from dataclasses import dataclass, field
 log = logging.getLogger("understudy.gc")
 LOG_OVER_S = 0.010
 FREEZE_ENV = "UNDERSTUDY_GC_FREEZE"
-STEADY_ENV = "UNDERSTUDY_GC_STEADY"
-STEADY_EVERY_S = 1.0
 
 
 @dataclass
@@ -76,18 +71,3 @@ def freeze_startup() -> None:
         return
     gc.freeze()
     log.debug("%d objects of startup frozen out of the garbage collector", gc.get_freeze_count())
-
-
-async def collect_steadily(every_s: float = STEADY_EVERY_S) -> None:
-    """Collect the oldest generation every `every_s`, on this event loop. A request's objects live as
-    long as its stream (seconds): they outlive the young collections, and those in reference cycles
-    (uvicorn's per-request cycle, ours) are then garbage only a full collection frees. Left to the
-    collector's own schedule, the router's full collections came every ~20 s at 256 streams on an
-    H200 host and paused it 26-80 ms, 3 of 100 kills' failovers with them (bench/RESULTS.md); once a
-    second, each has a second's garbage to free. UNDERSTUDY_GC_STEADY=0 leaves the schedule to the
-    collector (for an A/B run)."""
-    if os.environ.get(STEADY_ENV, "1") == "0":
-        return
-    while True:
-        await asyncio.sleep(every_s)
-        gc.collect(2)

@@ -28,7 +28,6 @@ from supervisor.core.events import Event, StopAsked
 from supervisor.core.model import Node, Settings, new_node
 from supervisor.core.reconcile import reconcile, wake_in
 from supervisor.core.why import not_ready_text
-from engines import gc_pauses
 from supervisor.effects.bus import EventBus
 from supervisor.effects.canary import GoldenStore, model_fingerprint
 from supervisor.effects.checks import Checks
@@ -165,7 +164,6 @@ class Supervisor:
         self.effects = self._effects()
         self._essential_task(self._passes(), "passes")
         self._essential_task(control_messages(self.control, self.record), "control")
-        self._collector = self.loop.create_task(gc_pauses.collect_steadily(), name="gc")  # (not essential)
         if self.cfg.failover.exit_poll_ms > 0:
             self._essential_task(primary_exit_poll(self.node, self.cfg.failover.exit_poll_ms / 1000, self.record),
                                  "primary-exit")
