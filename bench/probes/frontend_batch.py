@@ -1,8 +1,8 @@
 """What a failover's batch of continuations costs the engine's front end alone, in its own process:
 the body of N continuations (prompt + generated ids, built as the router builds them) goes through the
-front end's ASGI app (engines/server.py build_app), whose members reach a core socket that only
-counts them. Prints the CPU from the body to the last member handed to the core, per member, and
-with --profile the functions that took it.
+front end's ASGI app (engines/server.py build_app), whose members reach a core socket (in a process
+of its own) that only counts them. Prints the wall time from the body's arrival to the last member
+at the core, per member, and with --profile the front end's functions that took it.
 
     python3 bench/probes/frontend_batch.py MODEL_DIR [--n 256] [--prompt 600] [--done 300] [--rounds 5] [--profile]
 """
