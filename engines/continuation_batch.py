@@ -78,11 +78,11 @@ class BodyTiming:
     parsed: float
     size: int
 
-    def log(self, batch: str, started: int, members: int) -> None:
+    def log(self, batch: str, answered: int, members: int) -> None:
         ms = lambda t: (t - self.arrived) * 1e3  # noqa: E731
-        log.info("batch %s: %d of %d continuations started; its %d-byte body whole at +%.1f ms, parsed at +%.1f, "
-                 "the last member to the core at +%.1f ms after its head", batch[:8], started, members, self.size,
-                 ms(self.read), ms(self.parsed), ms(time.monotonic()))
+        log.info("batch %s: %d of %d members answered (started or refused); its %d-byte body whole at +%.1f ms, "
+                 "parsed at +%.1f, the last member to the core at +%.1f ms after its head", batch[:8], answered,
+                 members, self.size, ms(self.read), ms(self.parsed), ms(time.monotonic()))
 
 
 class Batch:
@@ -92,7 +92,7 @@ class Batch:
     `_EventStream`, with `events()` and `running`; or a refusal: a Response)."""
 
     def __init__(self, requests: list[BatchMember], start, refuse, registry: dict[str, "Batch"],
-                 together: Callable[[], ContextManager[None]], timing: "BodyTiming | None" = None) -> None:
+                 together: Callable[[], ContextManager[None]], timing: BodyTiming | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.timing = timing
         self.requests, self.start, self.refuse, self.registry = requests, start, refuse, registry

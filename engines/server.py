@@ -90,7 +90,8 @@ def error_response(status: int, message: str, param: str | None = None,
 
 class ResponseIds:
     """Response ids, unique across processes: a random prefix drawn once, then a counter (a uuid4 per
-    request read the system's random source each time: ~8% of a continuation's start at a failover)."""
+    request read the system's random source each time: 8% of the samples of a continuation's
+    `completions` in a failover's batch, on the dev VM)."""
 
     def __init__(self) -> None:
         self._prefix = uuid.uuid4().hex[:16]
@@ -381,7 +382,7 @@ async def answer(path: str, data, model, endpoint, limits: RequestLimits) -> Res
     """The endpoint's response to a parsed generation request, or its OpenAI error."""
     try:
         check_body(limits, data, model is ChatCompletionRequest)
-        if isinstance(data, dict) and "continuation" in data:  # (its prompt may be left out)
+        if isinstance(data, dict) and data.get("continuation") is not None:  # (its prompt may be left out)
             model = CONTINUED[model]
         req = request_body.validate(model, data)
     except request_body.BodyError as e:

@@ -144,7 +144,8 @@ def test_non_streaming_token_ids_and_continuation(engine):
 def test_a_continuation_may_leave_its_prompt_out(engine):
     """The router sends a continuation without the client's prompt or messages (its ids are in
     `continuation.prompt_token_ids`): the same rest comes, for both endpoints; without a
-    continuation the prompt is still required, and the ids are still checked."""
+    continuation (or with `continuation: null`) the prompt is still required, and the ids are still
+    checked."""
     for path, body in (("/v1/completions", {"prompt": "Once upon a time"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
@@ -158,7 +159,8 @@ def test_a_continuation_may_leave_its_prompt_out(engine):
         without = httpx.post(engine.url + path, json={**bare, "continuation": cont}, timeout=60)
         assert without.status_code == 200 == with_prompt.status_code, without.text
         assert without.json()["choices"][0]["token_ids"] == ids[3:] == with_prompt.json()["choices"][0]["token_ids"]
-        missing = httpx.post(engine.url + path, json=bare, timeout=60)
+        assert httpx.post(engine.url + path, json={**body, "continuation": None}, timeout=60).status_code == 200
+        missing = httpx.post(engine.url + path, json={**bare, "continuation": None}, timeout=60)
         assert missing.status_code == 400 and missing.json()["error"]["param"] == \
             ("prompt" if "prompt" in body else "messages"), missing.text
         bad = httpx.post(engine.url + path, timeout=60, json={**bare, "continuation": {

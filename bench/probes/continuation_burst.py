@@ -107,12 +107,17 @@ def frontend_of(pid: int) -> psutil.Process:
     raise RuntimeError("no front end process")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def burst_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model and the burst's shape: N continuations of PROMPT + DONE ids (bench/probes/frontend_batch.py too)."""
     p.add_argument("model")
     p.add_argument("--n", type=int, default=256)
     p.add_argument("--prompt", type=int, default=600)
     p.add_argument("--done", type=int, default=300)
+    return p
+
+
+def main() -> int:
+    p = burst_arguments(argparse.ArgumentParser())
     p.add_argument("--device", default="cpu")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", action="store_true", help="all N as one POST /v1/continuations")

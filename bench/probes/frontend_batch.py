@@ -12,17 +12,18 @@ import argparse
 import asyncio
 import cProfile
 import json
+import multiprocessing
 import pstats
 import random
 import statistics
 import tempfile
-import multiprocessing
 import time
 from pathlib import Path
 
 import orjson
 import zmq
 
+from continuation_burst import burst_arguments
 from engines.block_manager import key_root
 from engines.engine_client import EngineClient
 from engines.server import OpenAIServer, build_app
@@ -89,14 +90,14 @@ async def main_async(a) -> None:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     tmp = Path(tempfile.mkdtemp(prefix="fe-"))
     ours, theirs = multiprocessing.Pipe()
-    counter = multiprocessing.get_context("fork").Process(target=core_counter, args=(f"ipc://{tmp}/in", a.n, a.rounds, theirs))
+    counter = multiprocessing.get_context("fork").Process(target=core_counter,
+                                                          args=(f"ipc://{tmp}/in", a.n, a.rounds, theirs))
     counter.start()
     assert ours.recv() == "bound"
     out = zmq.Context.instance().socket(zmq.PUSH)
     out.bind(f"ipc://{tmp}/out")
     client = EngineClient(f"ipc://{tmp}/in", f"ipc://{tmp}/out", (key_root(False), 16))
-    srv = OpenAIServer(client, Tokenizer(model), [model.name], a.prompt + a.done + 64, vocab,
-                       lambda: {})
+    srv = OpenAIServer(client, Tokenizer(model), [model.name], a.prompt + a.done + 64, vocab, lambda: {})
     app = build_app(srv)
     body = batch_body(model.name, vocab, a.n, a.prompt, a.done)
     prof = cProfile.Profile() if a.profile else None
@@ -117,11 +118,7 @@ async def main_async(a) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("model")
-    p.add_argument("--n", type=int, default=256)
-    p.add_argument("--prompt", type=int, default=600)
-    p.add_argument("--done", type=int, default=300)
+    p = burst_arguments(argparse.ArgumentParser())
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true")
     asyncio.run(main_async(p.parse_args()))

@@ -6,7 +6,8 @@ The router always asks the engine for a stream with token ids (`stream: true`,
 asked for (a stream without the extension fields it did not ask for, or one whole response). When
 the primary is lost, `upstream_body()` is the continuation for the new one: the original request,
 its prompt (or messages) replaced by `continuation: {prompt_token_ids, output_token_ids}`
-(engines/protocol.py `ContinuedCompletion`, `ContinuedChat`), whose stream is spliced in (same id and `created`, its chat role chunk dropped).
+(engines/protocol.py `ContinuedCompletion`, `ContinuedChat`), whose stream is spliced in (same id
+and `created`, its chat role chunk dropped).
 
 Every engine chunk is a consistent snapshot (engines/sequence.py Output): its ids are all the
 tokens generated up to it, its text all the text released up to it; ids are recorded only from
