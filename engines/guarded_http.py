@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,24 @@ REFUSED_BODY_DISCARD = 1 << 20
 # without uvicorn's "Exception in ASGI application" traceback that raising would log. The app
 # returns after calling it.
 CUT = "understudy.cut"
+
+
+class _Cut:
+    """scope["extensions"][CUT] of one request: it holds uvicorn's RequestResponseCycle weakly. A
+    closure over it made each request a reference cycle (cycle -> scope -> extensions -> closure ->
+    cycle), left for the garbage collector's full collections, which stop the process while they walk."""
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle) -> None:  # noqa: ANN001 (uvicorn's RequestResponseCycle)
+        self._cycle = weakref.ref(cycle)
+
+    def __call__(self) -> None:
+        cycle = self._cycle()
+        if cycle is None:  # (the request is over: nothing to cut)
+            return
+        cycle.keep_alive = False
+        cycle.disconnected = True  # nothing more is sent; uvicorn logs nothing when the app returns
+        cycle.transport.close()
 
 
 class ListenerLimits(BaseModel):
@@ -219,7 +238,7 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # (its task starts later in this loop round)
-                self.scope.setdefault("extensions", {})[CUT] = lambda: self._cut(cycle)
+                self.scope.setdefault("extensions", {})[CUT] = _Cut(cycle)
 
         def on_body(self, body: bytes) -> None:
             if self._discard is None:
@@ -243,12 +262,6 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
                 end()
             else:
                 occupancy.idle(self)
-
-        def _cut(self, cycle) -> None:  # noqa: ANN001 (uvicorn's RequestResponseCycle)
-            """scope["extensions"][CUT] of ``cycle``'s request."""
-            cycle.keep_alive = False
-            cycle.disconnected = True  # nothing more is sent; uvicorn logs nothing when the app returns
-            self.transport.close()
 
         def _parsed_head_bytes(self) -> int:
             """The head's size as parsed (request line, headers, blank line): data_received counts

@@ -83,7 +83,7 @@ def phase(h, model: str, bodies: list[dict], ref: list[str], args: argparse.Name
         elif len(mismatches) < 5:
             mismatches.append({"body": index, "kind": kind(bodies[index]), "want": ref[index][:120], "got": text[:120]})
     replies = sum(k["replies"] for k in by_kind.values())
-    continued = sum(e["type"] == "continuation" for e in h.events[mark:])  # (the engines' own count)
+    continued = sum(len(e["recomputed"]) for e in h.events[mark:] if e["type"] == "continuations")  # (the engines' own count)
     return {"kills": killed, "continued": continued, "replies": replies, "identical": sum(k["identical"] for k in by_kind.values()),
             "by_kind": by_kind, "failed": len(load.failures), "failures": [str(f[2]) for f in load.failures[:5]],
             "mismatches": mismatches, "kill_to_new_primary_s": bench_summary(gaps)}

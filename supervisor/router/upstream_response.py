@@ -43,8 +43,7 @@ class Response:
         self._length: int | None = None  # None: until the connection closes (unless chunked)
         self._keep_alive = version == b"HTTP/1.1"
         self._raw = bytearray()  # chunked: body bytes read but not yet taken as chunks
-        self._task: asyncio.Task | None = None  # the task reading the body
-        self._guard = IdleGuard(timeout_s, lambda: self._task.cancel())  # type: ignore[union-attr]
+        self._guard = IdleGuard(timeout_s)  # (cancels the task reading the body)
         for name, value in headers:
             if name == b"content-length":
                 self._length = int(value)
@@ -140,12 +139,12 @@ class Response:
     async def _read_some(self) -> bytes:
         """What the connection has (waiting for something), bounded by the client's timeout through
         the idle guard: a timer per timeout period, not per read."""
-        self._task = asyncio.current_task()
-        self._guard.begin()
+        guard = self._guard
+        guard.begin()
         try:
             data = await self._conn.reader.read(1 << 16)  # type: ignore[union-attr]
         except asyncio.CancelledError:
-            if self._guard.timed_out and self._task.uncancel() == 0:  # type: ignore[union-attr]
+            if guard.timed_out and asyncio.current_task().uncancel() == 0:  # type: ignore[union-attr]
                 self.close()
                 raise UpstreamTimeout("body cut short within the timeout") from None
             raise
@@ -153,7 +152,7 @@ class Response:
             self.close()
             raise upstream_error(e, "body cut short") from None
         finally:
-            self._guard.end()
+            guard.end()
         if not data:
             self.close()
             raise RemoteProtocolError("server disconnected: body cut short")
