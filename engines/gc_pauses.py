@@ -4,7 +4,8 @@ measured on an H200 host at 256 streams, an engine's took 120-260 ms about once 
 it walking what torch, the model and the tokenizer made at startup (bench/RESULTS.md). Every
 stream sees such a pause as a stall.
 
-`watch()` once per process times every collection and logs one over LOG_OVER_S; `freeze_startup()`,
+`watch()` once per process times every collection, logs one over LOG_OVER_S and tells its
+`observers` (the supervisor's: `understudy_supervisor_gc_pause_seconds`); `freeze_startup()`,
 once a process is about to serve, moves everything it made so far out of the collector's reach
 (`gc.freeze`): later collections walk only what serving made."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("understudy.gc")
@@ -22,11 +24,13 @@ FREEZE_ENV = "UNDERSTUDY_GC_FREEZE"
 
 @dataclass
 class GcPauses:
-    """Collections per generation, their total and longest pause (seconds)."""
+    """Collections per generation, their total and longest pause (seconds); each pause also goes to
+    every observer as (generation, seconds)."""
 
     count: list[int] = field(default_factory=lambda: [0, 0, 0])
     total_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     longest_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    observers: list[Callable[[int, float], None]] = field(default_factory=list)
     _began: float = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -37,6 +41,8 @@ class GcPauses:
         self.count[gen] += 1
         self.total_s[gen] += took
         self.longest_s[gen] = max(self.longest_s[gen], took)
+        for observe in self.observers:
+            observe(gen, took)
         if took > LOG_OVER_S:
             log.warning("a garbage collection of generation %d paused %s for %.1f ms (%d objects collected)",
                         gen, _process_name(), took * 1e3, info.get("collected", 0))

@@ -9,6 +9,7 @@ from engines.metrics import FIRST_OUTPUT_BUCKETS
 
 _FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 RECOMPUTED_BUCKETS = (0, 1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536)
 
 
@@ -40,6 +41,11 @@ class Metrics:
                                   "result (continued, failed, quarantined, unsupported, limit)", ["result"], registry=r)
         self.migration_stall = Histogram("understudy_migration_stall_seconds", "Gap a client sees in its "
                                          "response across a continuation", buckets=_FAST, registry=r)
+        self.gc_pause = Histogram("understudy_supervisor_gc_pause_seconds", "Garbage collections of the "
+                                  "supervisor's process, by generation: each stops the router (every stream) "
+                                  "while it runs", ["generation"], buckets=GC_BUCKETS, registry=r)
+        for generation in "012":  # (each series shows from the start, at 0)
+            self.gc_pause.labels(generation=generation)
         self.daemon_resident = Gauge("understudy_daemon_resident_bytes", "Bytes held by each rank's daemon",
                                      ["rank"], registry=r)
         self.engine_state = Gauge("understudy_engine_state", "1 for the current state of each engine slot",
@@ -109,6 +115,10 @@ class Metrics:
         if (t_before is not None and hb.get("running") and previous.get("running") and isinstance(steps, int)
                 and isinstance(steps_before, int) and steps > steps_before):
             self.step_seconds.observe((t - t_before) / (steps - steps_before))
+
+    def observe_gc(self, generation: int, seconds: float) -> None:
+        """A collection's pause (engines/gc_pauses.py `GcPauses.observers`)."""
+        self.gc_pause.labels(generation=str(generation)).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

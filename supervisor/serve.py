@@ -84,7 +84,7 @@ def serve(config_path: str | None, port: int | None = None, admin_port: int | No
         return 2
     log.info("runtime dir %s, model %s on %s, %d engines", sup.rd, sup.model_path, sup.device, len(sup.node.engines))
     from engines import event_loop, gc_pauses
-    gc_pauses.watch()
+    gc_pauses.watch().observers.append(sup.metrics.observe_gc)
     gc_pauses.freeze_startup()
     rc = event_loop.run(sup.run())
     log.debug("event loop closed")

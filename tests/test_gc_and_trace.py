@@ -1,4 +1,4 @@
-"""The collector's pauses are timed and logged per process; startup objects are frozen out of its
+"""The collector's pauses are timed and logged per process (the supervisor's also as a metric); startup objects are frozen out of its
 reach; a promotion's first second is logged once, with its continued requests and steps."""
 from __future__ import annotations
 
@@ -24,6 +24,23 @@ def test_every_collection_is_counted_and_a_long_one_logged(monkeypatch, caplog):
         gc.callbacks.remove(w)
     assert w.count[2] == 1 and w.longest_s[2] > 0
     assert any("generation 2 paused" in r.getMessage() and "pid" in r.getMessage() for r in caplog.records)
+
+
+def test_the_supervisors_pauses_are_a_metric(monkeypatch):
+    """understudy_supervisor_gc_pause_seconds{generation}: every series from the start, and each
+    collection observed in its generation's (as supervisor/serve.py wires it)."""
+    from supervisor.metrics import Metrics
+    m = Metrics()
+    text = m.render().decode()
+    assert all(f'understudy_supervisor_gc_pause_seconds_count{{generation="{g}"}} 0.0' in text for g in "012")
+    monkeypatch.setattr(gc_pauses, "_watcher", None)
+    w = gc_pauses.watch()
+    w.observers.append(m.observe_gc)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(w)
+    assert 'understudy_supervisor_gc_pause_seconds_count{generation="2"} 1.0' in m.render().decode()
 
 
 def test_freeze_moves_what_exists_out_of_the_collector():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -148,6 +149,8 @@ def test_kill_9_primary_standby_promoted_and_dead_one_returns_as_standby_with_ca
     m = sup.metrics()
     assert 'understudy_failovers_total{reason="exit"} 1.0' in m
     assert "understudy_failover_seconds_count 1.0" in m and "understudy_recovery_seconds_count 1.0" in m
+    young = re.search(r'understudy_supervisor_gc_pause_seconds_count\{generation="0"\} (\S+)', m)
+    assert young and float(young[1]) > 0  # the supervisor's own collections are observed (~46 in this test)
 
 
 def test_kill_standby_is_replaced_and_primary_traffic_untouched(sup):
