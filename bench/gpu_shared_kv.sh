@@ -63,7 +63,7 @@ for r in json.load(open(sys.argv[1])):
           f"{rc.get('max')} p50 {rc.get('p50')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} "
           f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "
           f"{r['client_cpu_share_max']}; promotion in the engine {r.get('promotion_in_engine_ms')}; router CPU "
-          f"{r['supervisor_cpu_share']}")
+          f"{r['supervisor_cpu_share']}; its collections by generation {r['supervisor_gc']}")
     for name, t in r["continuation_timeline_ms"].items():
         print(f"  continuations, {name} after the kill: p50 {t.get('p50')} p99 {t.get('p99')} max {t.get('max')} ms "
               f"(n={t.get('n')})")

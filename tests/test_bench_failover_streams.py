@@ -83,3 +83,17 @@ def test_a_continuations_moments_count_from_the_kill_that_lost_its_primary():
     t = timeline_after_kills(events, [10.0, 20.0])
     assert t["lost"]["n"] == 2 and abs(t["lost"]["max"] - 20.0) < 1e-6
     assert abs(t["token"]["p50"] - 300.0) < 1e-6 and abs(t["answered"]["min"] - 100.0) < 1e-6
+
+
+def test_the_supervisors_collections_between_two_scrapes_by_generation():
+    from harness.bench.failover_streams import gc_pauses_between
+    from harness.prometheus import MetricsSnapshot
+    from supervisor.metrics import Metrics
+    m = Metrics()
+    m.observe_gc(0, 0.002)
+    before = MetricsSnapshot.parse(m.render().decode())
+    for gen, s in ((0, 0.001), (0, 0.003), (1, 0.012), (2, 0.040), (2, 0.008)):
+        m.observe_gc(gen, s)
+    got = gc_pauses_between(before, MetricsSnapshot.parse(m.render().decode()))
+    assert got == {"0": {"count": 2, "total_ms": 4.0, "over_10ms": 0}, "1": {"count": 1, "total_ms": 12.0, "over_10ms": 1},
+                   "2": {"count": 2, "total_ms": 48.0, "over_10ms": 1}}

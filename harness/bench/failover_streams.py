@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from harness.bench.private_node import bench_config, say
+from harness.prometheus import MetricsSnapshot
 from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
 from harness.load.processes import ClientProcesses, split
 from harness.load.result import GAP_WINDOW_S
@@ -43,9 +44,11 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
                       f"warm-up {args.warmup:g} s")
             time.sleep(args.warmup)
             router = CpuShare(h.proc.pid)  # (the router runs in the supervisor's process)
+            metrics_before = MetricsSnapshot.parse(h.metrics())
             k = kill_primaries(args, h)
             time.sleep(args.settle)
             supervisor_cpu = router.share()
+            supervisor_gc = gc_pauses_between(metrics_before, MetricsSnapshot.parse(h.metrics()))
             load.stop()
             reports = load.collect(marks=k.kills + k.whole, within=args.gap_window,
                                    until=[None] * len(k.kills) + k.kills)  # (a quiet window ends by its kill)
@@ -53,12 +56,26 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
         return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
                 "continuation_timeline_ms": timeline_after_kills(h.events, k.kills),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
-                "supervisor_cpu_share": supervisor_cpu,
+                "supervisor_cpu_share": supervisor_cpu, "supervisor_gc": supervisor_gc,
                 "primary_front_end_cpu_share": bench_summary(k.front_end_cpu)}
     finally:
         h.stop()
         if args.out:  # the supervisor's and every engine's log, for what the figures do not say
             keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
+
+
+def gc_pauses_between(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, dict[str, float]]:
+    """The supervisor's garbage collections between two scrapes, per generation: how many, their
+    total pause (ms), and how many paused over 10 ms (each such one stalled every stream)."""
+    name = "understudy_supervisor_gc_pause_seconds"
+    out = {}
+    for g in "012":
+        grew = lambda sample, **match: (after.total(sample, generation=g, **match)  # noqa: E731
+                                        - before.total(sample, generation=g, **match))
+        count = grew(f"{name}_count")
+        out[g] = {"count": int(count), "total_ms": round(grew(f"{name}_sum") * 1e3, 1),
+                  "over_10ms": int(count - grew(f"{name}_bucket", le="0.01"))}
+    return out
 
 
 class CpuShare:
@@ -228,7 +245,9 @@ def run_streams(args: argparse.Namespace) -> int:
                   f"failover_seconds median {f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max "
                   f"{rc.get('max')} (n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
-                  f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}; "
+                  f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}, "
+                  f"its collections by generation (count / over 10 ms): " + ", ".join(
+                      f"{gc['count']} / {gc['over_10ms']}" for gc in r["supervisor_gc"].values()) + "; "
                   f"the primary's HTTP front end before a kill: CPU median {r['primary_front_end_cpu_share'].get('p50')}; "
                   f"continuations after their kill (ms, median / max): " + ", ".join(
                       f"{name} {t.get('p50')} / {t.get('max')}" for name, t in r["continuation_timeline_ms"].items()))
