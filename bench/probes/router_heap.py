@@ -183,8 +183,9 @@ def main() -> int:
     p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--procs", type=int, default=4, help="client processes")
-    p.add_argument("--input-len", default="100:1024")
-    p.add_argument("--output-len", default="100:1024")
+    p.add_argument("--input-len", default="100:1024", help="prompt tokens per stream (N or LO:HI; with the "
+                                                          "output, within the model's context)")
+    p.add_argument("--output-len", default="100:1024", help="tokens generated per stream (N or LO:HI)")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--census", type=float, default=10.0, help="seconds between counts of the heap")
     p.add_argument("--process", default="supervisor serve",
@@ -231,12 +232,15 @@ def main() -> int:
             time.sleep(args.seconds - (args.kill or 0))
             ended = time.monotonic()
             load.stop()
+            gaps = [g for r in load.collect(marks=[]) for g in r.gaps]
     finally:
         h.stop()
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "heap.jsonl").write_text(log.read_text())
+    failed = [g.error for g in gaps if g.error]
+    print(f"requests: {len(gaps)}, failed {len(failed)}" + (f" (first: {failed[0][:200]})" if failed else ""))
     for pid in dict.fromkeys(x["pid"] for x in lines):
         report(args, [x for x in lines if x["pid"] == pid], loaded, ended)
     return 0

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from harness.bench.private_node import bench_config, say
-from harness.prometheus import MetricsSnapshot
 from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
 from harness.load.processes import ClientProcesses, split
 from harness.load.result import GAP_WINDOW_S
+from harness.prometheus import MetricsSnapshot
 from harness.stats import bench_summary, tail_text
 from supervisor.router.migrating import TIMELINE
 
@@ -68,13 +68,14 @@ def gc_pauses_between(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[s
     """The supervisor's garbage collections between two scrapes, per generation: how many, their
     total pause (ms), and how many paused over 10 ms (each such one stalled every stream)."""
     name = "understudy_supervisor_gc_pause_seconds"
+
+    def grew(sample: str, **match: str) -> float:
+        return after.total(sample, **match) - before.total(sample, **match)
     out = {}
     for g in "012":
-        grew = lambda sample, **match: (after.total(sample, generation=g, **match)  # noqa: E731
-                                        - before.total(sample, generation=g, **match))
-        count = grew(f"{name}_count")
-        out[g] = {"count": int(count), "total_ms": round(grew(f"{name}_sum") * 1e3, 1),
-                  "over_10ms": int(count - grew(f"{name}_bucket", le="0.01"))}
+        count = grew(f"{name}_count", generation=g)
+        out[g] = {"count": int(count), "total_ms": round(grew(f"{name}_sum", generation=g) * 1e3, 1),
+                  "over_10ms": int(count - grew(f"{name}_bucket", generation=g, le="0.01"))}
     return out
 
 
