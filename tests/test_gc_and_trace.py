@@ -1,5 +1,6 @@
-"""The collector's pauses are timed and logged per process (the supervisor's also as a metric); startup objects are frozen out of its
-reach; a promotion's first second is logged once, with its continued requests and steps."""
+"""The collector's pauses are timed and logged per process (the supervisor's also as a metric);
+startup objects are frozen out of its reach; a promotion's first second is logged once, with its
+continued requests and steps."""
 from __future__ import annotations
 
 import gc
