@@ -2,12 +2,16 @@
 counting as it ends, not left for the garbage collector's full collections, which stop the router's
 event loop while they walk (25-80 ms at 256 streams on the H200 host, bench/RESULTS.md). Real
 sockets and processes: the router on our guarded listener, as the supervisor serves it, in front of
-stand-in engines (tests/test_migration_router.py) that die on cue, so a continuation is among them."""
+stand-in engines (tests/test_migration_router.py) that die on cue, so a continuation and a request
+lost unread (its connection reset) are among them."""
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -78,7 +82,21 @@ def router(engines) -> Iterator[str]:  # noqa: F811
     thread.join(10)
 
 
-def test_requests_streams_a_client_leaving_and_a_continuation_leave_no_cycles(router):
+def lost_unread(engine: subprocess.Popen, post: Callable[[], httpx.Response], text: str) -> None:
+    """``post()`` while ``engine`` is stopped, then SIGKILL it: the request dies unread, its
+    connection reset (as a primary SIGKILLed mid-step resets what it had not read); it is answered by
+    the next engine."""
+    os.kill(engine.pid, signal.SIGSTOP)
+    answered: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: answered.append(post()))
+    t.start()
+    time.sleep(0.3)  # (sent: in the stopped engine's socket, unread)
+    os.kill(engine.pid, signal.SIGKILL)
+    t.join(30)
+    assert answered and answered[0].json()["choices"][0]["text"] == text
+
+
+def test_requests_streams_a_client_leaving_and_a_continuation_leave_no_cycles(router, engines):  # noqa: F811
     body = {"model": "m", "prompt": "p", "max_tokens": 4}
 
     def work() -> None:
@@ -95,6 +113,7 @@ def test_requests_streams_a_client_leaving_and_a_continuation_leave_no_cycles(ro
             with c.stream("POST", "/v1/completions", json={**body, "stream": True, "die_after": {"u1": 2}}) as r:
                 text = b"".join(r.iter_bytes())
             assert b"t3 " in text and text.endswith(b"data: [DONE]\n\n"), text
+            lost_unread(engines[1][0], lambda: c.post("/v1/completions", json=body), "t0 t1 t2 t3 ")
             for _ in range(3):  # and after it
                 assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == "t0 t1 t2 t3 "
         time.sleep(0.3)  # (the router's side of the client that left ends)

@@ -7,7 +7,10 @@ sitecustomize that, in the processes watched only, logs every collection of gene
 set, by type, with the items the largest containers hold; streams `--streams` nano-like streams from
 `--procs` client processes for `--seconds`, then prints per-stream objects and the pauses.
 
-    python bench/probes/router_heap.py --streams 256 --seconds 60 -c node.yaml [--collect] [--cycles S] [--kill S] [--out DIR]
+    python bench/probes/router_heap.py --streams 256 --seconds 60 -c node.yaml [--collect] [--cycles S] [--kill S [--kills N]] [--out DIR]
+
+With `--watch CMD...` it starts no node and no load of its own: it runs CMD (the real `understudy bench
+failover --streams ...`, say) with the sitecustomize in its environment, and reports over CMD's whole run.
 """
 from __future__ import annotations
 
@@ -178,6 +181,27 @@ def report(args: argparse.Namespace, lines: list[dict], loaded: float, ended: fl
                   f"max {max(ms):.2f} ms, collected median {statistics.median(x['collected'] for x in gcs if x['gen'] == gen)}")
 
 
+def read_log(args: argparse.Namespace, log: Path) -> list[dict]:
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "heap.jsonl").write_text(log.read_text())
+    return lines
+
+
+def watch(args: argparse.Namespace, log: Path, env: dict[str, str]) -> int:
+    """`--watch`: CMD under the sitecustomize; each watched process's report from its first census on."""
+    import subprocess
+    rc = subprocess.call(args.watch, env={**os.environ, **env})
+    lines = read_log(args, log) if log.exists() else []
+    print(f"{args.watch[0]}... exited {rc}")
+    for pid in dict.fromkeys(x["pid"] for x in lines):
+        mine = [x for x in lines if x["pid"] == pid]
+        first = min((x["t"] for x in mine if "tracked" in x), default=0.0)
+        report(args, mine, first - args.census + 0.01, max(x["t"] for x in mine) + 1)
+    return rc
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-c", "--config", help="supervisor config (default: the embedded default)")
@@ -194,7 +218,9 @@ def main() -> int:
     p.add_argument("--cycles", type=float, help="also, this many seconds after the supervisor starts, save 20 s of "
                                                 "its cyclic garbage and print a reference cycle of each common kind")
     p.add_argument("--kill", type=float, help="SIGKILL the primary this many seconds into the load")
+    p.add_argument("--kills", type=int, default=1, help="with --kill: this many kills, --kill seconds apart (each once the standby is back)")
     p.add_argument("--out", help="keep the probe's raw log here")
+    p.add_argument("--watch", nargs=argparse.REMAINDER, help="run this command instead of a node and load of our own")
     args = p.parse_args()
 
     from harness.bench.failover_streams import _vocab
@@ -213,6 +239,8 @@ def main() -> int:
         env["ROUTER_HEAP_COLLECT"] = "1"
     if args.cycles:
         env["ROUTER_HEAP_CYCLES_AT"] = str(args.cycles)
+    if args.watch:
+        return watch(args, log, env)
     node_args = argparse.Namespace(preset=None, model=None, device=None, runs=0, max_tokens=4)
     h = Harness(work, bench_config(args.config, work, node_args), notify=False, env=env)
     try:
@@ -226,19 +254,18 @@ def main() -> int:
                                           output_len=args.output_len, seed=1000 + i))
                 for i, n in enumerate(split(args.streams, args.procs))]
         with ClientProcesses(jobs) as load:
-            if args.kill is not None:
+            kills = args.kills if args.kill is not None else 0
+            for _ in range(kills):
                 time.sleep(args.kill)
+                h.wait_all_ready(120)  # (a standby to take over)
                 os.killpg(h.primary()["pid"], signal.SIGKILL)
-            time.sleep(args.seconds - (args.kill or 0))
+            time.sleep(max(0.0, args.seconds - kills * (args.kill or 0)))
             ended = time.monotonic()
             load.stop()
             gaps = [g for r in load.collect(marks=[]) for g in r.gaps]
     finally:
         h.stop()
-    lines = [json.loads(x) for x in log.read_text().splitlines()]
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "heap.jsonl").write_text(log.read_text())
+    lines = read_log(args, log)
     failed = [g.error for g in gaps if g.error]
     print(f"requests: {len(gaps)}, failed {len(failed)}" + (f" (first: {failed[0][:200]})" if failed else ""))
     for pid in dict.fromkeys(x["pid"] for x in lines):

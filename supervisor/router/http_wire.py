@@ -97,7 +97,10 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[bytes, int, Headers]:
 
 
 def upstream_error(e: Exception, what: str) -> UpstreamError:
-    """The UpstreamError for a failed network wait (``what``: what it left us without)."""
+    """The UpstreamError for a failed network wait (``what``: what it left us without). ``e``'s
+    traceback is dropped: its frames hold asyncio's StreamReader, which holds ``e`` (a reference
+    cycle per request lost with a killed engine, left to the garbage collector)."""
+    e.__traceback__ = None
     if isinstance(e, TimeoutError):  # asyncio.timeout expired (before OSError: TimeoutError is one)
         return UpstreamTimeout(f"{what} within the timeout")
     if isinstance(e, asyncio.IncompleteReadError):
