@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ class Supervisor:
                                              device=device, prompt=cfg.canary.prompt, n=cfg.canary.max_tokens,
                                              external=cfg.engines.external.command if self.external else None)
         self.exit_code = 0
+        self.when_serving: list[Callable[[], None]] = []  # called once, when the first primary is ready
         self.inbox: list[Event] = []
 
     # ------------------------------------------------------------------ setup
@@ -147,7 +149,7 @@ class Supervisor:
                        checks=Checks(self.cfg, self.model_name, self.http, self.golden, self.fingerprint,
                                      launcher.spawn_client),
                        surveyor=Surveyor(self.rd, self.http, self.external),
-                       publisher=Publisher(self.bus, self.metrics, self.notifier, ready), control=self.control,
+                       publisher=Publisher(self.bus, self.metrics, self.notifier, ready, self.when_serving), control=self.control,
                        notifier=self.notifier, record=self.record, answer=self.admin.answer,
                        persist=self.state_files.write, finish=self._finish)
 

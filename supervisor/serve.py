@@ -86,6 +86,7 @@ def serve(config_path: str | None, port: int | None = None, admin_port: int | No
     from engines import event_loop, gc_pauses
     gc_pauses.watch().observers.append(sup.metrics.observe_gc)
     gc_pauses.freeze_startup()
+    sup.when_serving.append(gc_pauses.freeze_startup)  # (and what the loop made until then: its servers, apps)
     rc = event_loop.run(sup.run())
     log.debug("event loop closed")
     return rc

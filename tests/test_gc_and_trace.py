@@ -53,6 +53,27 @@ def test_freeze_moves_what_exists_out_of_the_collector():
         gc.unfreeze()
 
 
+def test_the_supervisor_calls_its_serving_hooks_once_the_first_primary_is_ready(tmp_path):
+    """(supervisor/serve.py freezes there what the loop made before serving: its servers and apps.)"""
+    import zmq
+    from supervisor.core.actions import Notify
+    from supervisor.effects.bus import EventBus
+    from supervisor.effects.publisher import Publisher
+    from supervisor.effects.sdnotify import Notifier
+    from supervisor.metrics import Metrics
+    calls: list[str] = []
+    ctx = zmq.Context()
+    try:
+        p = Publisher(EventBus(ctx, str(tmp_path / "events.sock")), Metrics(), Notifier(), "ready: serving",
+                      [lambda: calls.append("hook")])
+        p.notify(Notify("stuck", "waiting"))
+        assert calls == []
+        p.notify(Notify("ready", "serving"))
+        assert calls == ["hook"]
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_promotion_trace_logs_its_first_second_once(monkeypatch, caplog):
     monkeypatch.setattr(promotion_trace, "WINDOW_S", 0.05)
     t = PromotionTrace()

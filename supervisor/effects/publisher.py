@@ -3,6 +3,7 @@ serving figures, systemd's notify messages and the operator's lines on stderr.""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 
 from supervisor.core.actions import Measure, Notify, Publish
 from supervisor.core.model import Node
@@ -16,9 +17,11 @@ STATES = [s.value for s in State]
 
 
 class Publisher:
-    def __init__(self, bus: EventBus, metrics: Metrics, notifier: Notifier, ready_line: str) -> None:
+    def __init__(self, bus: EventBus, metrics: Metrics, notifier: Notifier, ready_line: str,
+                 when_serving: Sequence[Callable[[], None]] = ()) -> None:
         self.bus, self.metrics, self.notifier = bus, metrics, notifier
         self.ready_line = ready_line  # "ready: serving MODEL on URL/v1 (e.g. curl ...)"
+        self.when_serving = when_serving  # called once, after the ready line
         self._status = ""
 
     def publish(self, a: Publish) -> None:
@@ -57,6 +60,8 @@ class Publisher:
             self.notifier.ready(a.text)
             self._status = a.text
             print(f"understudy: {self.ready_line}", file=sys.stderr, flush=True)
+            for call in self.when_serving:
+                call()
         elif a.what == "stuck":
             self.notifier.status(a.text)
         elif a.what == "stopping":
