@@ -21,6 +21,7 @@
 #   bash bench/gpu_shared_kv.sh serve_diag # bench serve nano:256 on shared_kv false / true / true without the
 #                                         # heap's thresholds and rehearsals, in turn; py-spy on two primaries
 #   BASE=DIR bash bench/gpu_shared_kv.sh tree_ab  # failover on an older tree (DIR) and on this one, in turn
+#                                         # (TREES="name=DIR ..." for other sides)
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
@@ -182,18 +183,19 @@ print([e['pid'] for e in json.load(sys.stdin)['engines'] if e['role'] == 'primar
 tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in $BASE (git archive of a commit,
   # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
   # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
-  # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) on both
-  local side
-  for side in base this; do
-    echo "== $side"
-    if [ $side = base ]; then (cd "$BASE" && PYTHONPATH=/tmp/site:$PWD COMPARE= failover_in $side)
-    else COMPARE= failover_in $side; fi
+  # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) on each.
+  # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=.")
+  local side dir entry
+  for entry in ${TREES:-base=$BASE this=.}; do
+    side=${entry%%=*}; dir=${entry#*=}
+    echo "== $side ($dir)"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD COMPARE= OUT=$OUT failover_in $side)
     rm -f "$OUT/$side/failover_streams.log"  # (its lines are in the printed output)
     tar czf "$OUT/$side.tgz" -C "$OUT" "$side" && rm -rf "${OUT:?}/$side"
   done
-  for side in base this; do
-    echo "== promote_cost, $side: $( (cd "$([ $side = base ] && echo "$BASE" || echo .)" && \
-      PYTHONPATH=/tmp/site:$PWD python3 bench/probes/promote_cost.py --runs 7) 2>&1 | tail -1)"
+  for entry in ${TREES:-base=$BASE this=.}; do
+    side=${entry%%=*}; dir=${entry#*=}
+    echo "== promote_cost, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD python3 bench/probes/promote_cost.py --runs 7) 2>&1 | tail -1)"
   done
 }
 case "${1:-}" in

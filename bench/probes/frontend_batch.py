@@ -16,6 +16,7 @@ import multiprocessing
 import pstats
 import random
 import statistics
+from array import array
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ def batch_body(model: str, vocab: int, n: int, prompt: int, done: int) -> bytes:
         ids = [rng.randrange(vocab) for _ in range(prompt + done)]
         req = Tracked("completions", {"model": model, "prompt": ids[:prompt], "max_tokens": done + 16, "stream": True,
                                       "ignore_eos": True, "seed": seed})
-        req.prompt_ids, req.output_ids = ids[:prompt], ids[prompt:]
+        req.prompt_ids, req.output_ids = array("q", ids[:prompt]), array("q", ids[prompt:])
         members.append(b'{"path":"/v1/completions","body":%s}' % req.upstream_body())
     return b'{"requests":[' + b",".join(members) + b"]}"
 
