@@ -149,7 +149,8 @@ class Supervisor:
                        checks=Checks(self.cfg, self.model_name, self.http, self.golden, self.fingerprint,
                                      launcher.spawn_client),
                        surveyor=Surveyor(self.rd, self.http, self.external),
-                       publisher=Publisher(self.bus, self.metrics, self.notifier, ready, self.when_serving), control=self.control,
+                       publisher=Publisher(self.bus, self.metrics, self.notifier, ready, self.when_serving),
+                       control=self.control,
                        notifier=self.notifier, record=self.record, answer=self.admin.answer,
                        persist=self.state_files.write, finish=self._finish)
 

@@ -2,8 +2,8 @@
 counting as it ends, not left for the garbage collector's full collections, which stop the router's
 event loop while they walk (25-80 ms at 256 streams on the H200 host, bench/RESULTS.md). Real
 sockets and processes: the router on our guarded listener, as the supervisor serves it, in front of
-stand-in engines (tests/test_migration_router.py) that die on cue, so a continuation and a request
-lost unread (its connection reset) are among them."""
+stand-in engines (tests/test_migration_router.py) that die on cue, so a request lost unread (its
+connection reset), a continuation and a failed batch of continuations are among them."""
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +25,7 @@ from supervisor.effects.servers import make_server
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
 from supervisor.router.routing import RoutingTable
-from tests.test_migration_router import engines, follow  # noqa: F401 (engines: a fixture)
+from tests.test_migration_router import ENGINE, follow
 
 OUR_MODULES = ("supervisor.", "engines.", "uvicorn.")
 OUR_FILES = ("/supervisor/", "/engines/")
@@ -56,6 +56,18 @@ def cycles_left_by(work: Callable[[], None]) -> Counter:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+
+
+@pytest.fixture()
+def engines(tmp_path, monkeypatch):  # noqa: F811 (four: the test below loses three)
+    """Stand-in engines u1..u4 (tests/test_migration_router.py)."""
+    import tests.test_supervisor_router as tsr
+    monkeypatch.setattr(tsr, "UPSTREAM", ENGINE)
+    procs = [tsr.start_upstream(tmp_path, f"u{i}") for i in (1, 2, 3, 4)]
+    yield procs
+    for p, _ in procs:
+        p.kill()
+        p.wait()
 
 
 @pytest.fixture()
@@ -109,11 +121,13 @@ def test_requests_streams_a_client_leaving_and_a_continuation_leave_no_cycles(ro
                 next(r.iter_lines())  # our client leaves mid-stream
             assert c.post("/v1/completions", content=b"{not json").status_code >= 400  # passed through
             assert c.post("/v1/completions", json={**body, "continuation": {}}).status_code == 400  # refused
-            # u1 dies after two tokens: the stream is continued on u2, whole
-            with c.stream("POST", "/v1/completions", json={**body, "stream": True, "die_after": {"u1": 2}}) as r:
+            lost_unread(engines[0][0], lambda: c.post("/v1/completions", json=body), "t0 t1 t2 t3 ")
+            # u2 dies after two tokens: the stream is continued on u3, in a batch; u3 dies in it after
+            # one more: the batch fails, and its member is continued on u4, whole
+            die = {"u2": 2, "u3": 1}
+            with c.stream("POST", "/v1/completions", json={**body, "max_tokens": 6, "stream": True, "die_after": die}) as r:
                 text = b"".join(r.iter_bytes())
-            assert b"t3 " in text and text.endswith(b"data: [DONE]\n\n"), text
-            lost_unread(engines[1][0], lambda: c.post("/v1/completions", json=body), "t0 t1 t2 t3 ")
+            assert b"t5 " in text and text.endswith(b"data: [DONE]\n\n"), text
             for _ in range(3):  # and after it
                 assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == "t0 t1 t2 t3 "
         time.sleep(0.3)  # (the router's side of the client that left ends)

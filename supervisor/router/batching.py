@@ -73,10 +73,17 @@ class Member:
         """The batch's answer broke (or ended) before this member's end."""
         if self.ended:
             return
-        self.ended, self._error = True, error
+        self.ended, self._error = True, error.with_traceback(None)
         if not self.head.done():
-            self.head.set_exception(error)
+            self.head.set_result(None)  # (request() raises the error: a future would keep it, see error())
         self._wake.set()
+
+    def error(self) -> UpstreamError:
+        """This member's failure, a new exception each time it is raised: a raised exception's
+        traceback holds the frames it passed, this member among their locals, and the members of a
+        batch share one failure (kept, it would hold them all in one reference cycle)."""
+        assert self._error is not None
+        return type(self._error)(*self._error.args)
 
     async def read(self) -> bytes:
         if self.status != 200:
@@ -95,7 +102,7 @@ class Member:
             if self.ended:
                 self._guard.stop()
                 if self._error is not None:
-                    raise self._error
+                    raise self.error()
                 return
             self._wake.clear()
             self._guard.begin()
@@ -143,6 +150,8 @@ class Batcher:
         except BaseException:
             member.close()
             raise
+        if member.status == 0:  # failed before its first frame
+            raise member.error()
         return member
 
     def _send(self, url: str) -> None:

@@ -51,14 +51,14 @@ def _ids(values: Any) -> array:
     return array("q", values)
 
 
-def _ids_json(ids: array) -> orjson.Fragment:
-    return orjson.Fragment(orjson.dumps(ids.tolist()))
+def _ids_json(ids: array | None) -> orjson.Fragment | None:
+    return None if ids is None else orjson.Fragment(orjson.dumps(ids.tolist()))
 
 
 def _kept_prompt(req: dict) -> None:
     """A prompt of token ids, pre-serialised: the same JSON on the wire, one untracked object here."""
     prompt = req.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 16 and all(type(x) is int for x in prompt):
+    if isinstance(prompt, list) and len(prompt) > 16 and all(type(x) is int for x in prompt):  # (short: cheap to walk)
         try:
             req["prompt"] = orjson.Fragment(orjson.dumps(prompt))
         except orjson.JSONEncodeError:  # (an int past 64 bits: sent on as it came, for the engine to refuse)
@@ -259,8 +259,7 @@ class Tracked:
         if self.kind == "completions":
             choice: dict = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
             if self.client_ids:
-                choice.update(prompt_token_ids=_ids_json(self.prompt_ids or _ids(())),
-                              token_ids=_ids_json(self.output_ids))
+                choice.update(prompt_token_ids=_ids_json(self.prompt_ids), token_ids=_ids_json(self.output_ids))
             obj: dict = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                          "choices": [choice], "usage": self._usage()}
         else:
@@ -271,7 +270,7 @@ class Tracked:
             obj = {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                    "choices": [choice], "usage": self._usage()}
             if self.client_ids:
-                obj["prompt_token_ids"] = _ids_json(self.prompt_ids or _ids(()))
+                obj["prompt_token_ids"] = _ids_json(self.prompt_ids)
         return _dump(obj)
 
 
