@@ -65,6 +65,8 @@ for r in json.load(open(sys.argv[1])):
           f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "
           f"{r['client_cpu_share_max']}; promotion in the engine {r.get('promotion_in_engine_ms')}; router CPU "
           f"{r['supervisor_cpu_share']}; its collections by generation {r['supervisor_gc']}")
+    print("  the longest waits: " + ", ".join(f"{w['ms']} ms after {w['tokens_before']} token events, begun "
+                                           f"+{w['after_kill_ms']} ms after a kill" for w in r.get("longest_waits", [])))
     for name, t in r["continuation_timeline_ms"].items():
         print(f"  continuations, {name} after the kill: p50 {t.get('p50')} p99 {t.get('p99')} max {t.get('max')} ms "
               f"(n={t.get('n')})")

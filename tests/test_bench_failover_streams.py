@@ -45,6 +45,10 @@ def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_ap
     assert out["failover_seconds_ms"]["p50"] == 12.0 and out["recomputed_tokens_per_continuation"]["max"] == 3
     assert out["requests"] == 4 and out["failed"] == 1 and out["failures"][0]["error"] == "HTTP 503: no primary"
     assert out["client_cpu_share_max"] == 0.1 and out["client_procs"] == 1
+    # the longest waits, placed: 0.7 s after 2 token events, begun 50 ms after the kill; then 0.5 s,
+    # the first token's wait of a stream sent 10 s after it
+    assert out["longest_waits"][:2] == [{"ms": 700.0, "tokens_before": 2, "error": None, "after_kill_ms": 50.0},
+                                        {"ms": 500.0, "tokens_before": 0, "error": None, "after_kill_ms": 10000.0}]
 
 
 def test_a_quiet_moments_gap_ends_by_its_kill():

@@ -184,6 +184,19 @@ def stream_jobs(args: argparse.Namespace, url: str, model: str, vocab: int) -> l
             for i, n in enumerate(split(args.streams, procs))]
 
 
+def longest_waits(gaps: list[Gaps], kills: list[float], n: int = 5) -> list[dict[str, Any]]:
+    """The `n` longest waits for tokens of the run, each placed: how long after the last kill before
+    it began (None: before the first), how many token-bearing events its request had had, its
+    request's error if it failed. (Where the rare seconds-long waits come from.)"""
+    import bisect
+    out = []
+    for g in sorted(gaps, key=lambda g: g.longest, reverse=True)[:n]:
+        i = bisect.bisect_right(kills, g.longest_at)
+        out.append({"ms": round(g.longest * 1000, 2), "tokens_before": g.longest_after, "error": g.error,
+                    "after_kill_ms": round((g.longest_at - kills[i - 1]) * 1000, 2) if i else None})
+    return out
+
+
 def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessReport], kills: list[float],
               failover_s: list[float], recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
     """Per kill, the gap every stream in flight saw across it; the same gap at quiet moments (the
@@ -208,6 +221,7 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessRe
         "failover_seconds_ms": ms(failover_s), "standby_back_s": bench_summary(recovery_s),
         "recomputed_tokens_per_continuation": bench_summary(recomputed, 1),
         "requests": len(gaps), "failed": len(failed), "failures": failed[:5],
+        "longest_waits": longest_waits(gaps, kills),
         "client_cpu_share_max": round(max(r.cpu_s / (r.end - r.start) for r in reports), 3),
         "client_procs": len(reports),
     }
@@ -251,5 +265,7 @@ def run_streams(args: argparse.Namespace) -> int:
                       f"{gc['count']} / {gc['over_10ms']}" for gc in r["supervisor_gc"].values()) + "; "
                   f"the primary's HTTP front end before a kill: CPU median {r['primary_front_end_cpu_share'].get('p50')}; "
                   f"continuations after their kill (ms, median / max): " + ", ".join(
-                      f"{name} {t.get('p50')} / {t.get('max')}" for name, t in r["continuation_timeline_ms"].items()))
+                      f"{name} {t.get('p50')} / {t.get('max')}" for name, t in r["continuation_timeline_ms"].items())
+                  + "; the longest waits (ms, after how many token events, begun how long after a kill): " + ", ".join(
+                      f"{w['ms']} after {w['tokens_before']} at +{w['after_kill_ms']}" for w in r["longest_waits"]))
     return 0 if all(r["failed"] == 0 for r in results) else 1

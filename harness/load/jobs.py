@@ -72,13 +72,17 @@ class Gaps(BaseModel):
     error: str | None
     across: list[float | None]
     longest: float
+    longest_at: float = 0.0  # when the longest wait began
+    longest_after: int = 0  # token-bearing events before it (0: the wait for the first)
 
     @classmethod
     def of(cls, r: RequestResult, marks: list[float], within: float = GAP_WINDOW_S,
            until: list[float | None] | None = None) -> "Gaps":
         bounds = until or [None] * len(marks)
+        at, after = r.longest_gap_at()
         return cls(sent=r.sent, end=r.end or r.sent, error=r.error,
-                   across=[r.gap_across(t, within, u) for t, u in zip(marks, bounds)], longest=r.longest_gap())
+                   across=[r.gap_across(t, within, u) for t, u in zip(marks, bounds)], longest=r.longest_gap(),
+                   longest_at=at, longest_after=after)
 
 
 class ProcessReport(BaseModel):

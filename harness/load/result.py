@@ -83,6 +83,14 @@ class RequestResult(BaseModel):
         """The longest wait for tokens (from the send for the first)."""
         return longest_wait(self.sent, self.content_times)
 
+    def longest_gap_at(self) -> tuple[float, int]:
+        """Where the longest wait began, and how many token-bearing events came before it (0: the
+        wait for the first)."""
+        times = [self.sent, *self.content_times]
+        waits = [b - a for a, b in zip(times, times[1:])]
+        i = max(range(len(waits)), key=waits.__getitem__, default=0)
+        return times[i], i
+
     def gap_across(self, t: float, within: float = GAP_WINDOW_S, until: float | None = None) -> float | None:
         """For a request in flight at `t` (a kill): its longest wait for tokens among the gaps that end
         after `t` (and by `until`, if given: a quiet moment's window stops short of the next kill) and
