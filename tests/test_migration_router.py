@@ -122,16 +122,21 @@ def batched(request, monkeypatch):
     monkeypatch.setattr(f"{__name__}.BATCH", request.param)
 
 
-@pytest.fixture()
-def engines(tmp_path, monkeypatch):
-    """Three stand-in engines u1..u3 (a fresh set per test: they die)."""
+def stand_in_engines(tmp_path, monkeypatch, n: int):
+    """Stand-in engines u1..un (a fresh set per test: they die), killed after it."""
     import tests.test_supervisor_router as tsr
     monkeypatch.setattr(tsr, "UPSTREAM", ENGINE)
-    procs = [start_upstream(tmp_path, f"u{i}") for i in (1, 2, 3)]
+    procs = [start_upstream(tmp_path, f"u{i}") for i in range(1, n + 1)]
     yield procs
     for p, _ in procs:
         p.kill()
         p.wait()
+
+
+@pytest.fixture()
+def engines(tmp_path, monkeypatch):
+    """Three stand-in engines u1..u3."""
+    yield from stand_in_engines(tmp_path, monkeypatch, 3)
 
 
 async def follow(table: RoutingTable, engines) -> None:

@@ -25,7 +25,7 @@ from supervisor.effects.servers import make_server
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
 from supervisor.router.routing import RoutingTable
-from tests.test_migration_router import ENGINE, follow
+from tests.test_migration_router import follow, stand_in_engines
 
 OUR_MODULES = ("supervisor.", "engines.", "uvicorn.")
 OUR_FILES = ("/supervisor/", "/engines/")
@@ -59,19 +59,13 @@ def cycles_left_by(work: Callable[[], None]) -> Counter:
 
 
 @pytest.fixture()
-def engines(tmp_path, monkeypatch):  # noqa: F811 (four: the test below loses three)
-    """Stand-in engines u1..u4 (tests/test_migration_router.py)."""
-    import tests.test_supervisor_router as tsr
-    monkeypatch.setattr(tsr, "UPSTREAM", ENGINE)
-    procs = [tsr.start_upstream(tmp_path, f"u{i}") for i in (1, 2, 3, 4)]
-    yield procs
-    for p, _ in procs:
-        p.kill()
-        p.wait()
+def engines(tmp_path, monkeypatch):
+    """Four stand-in engines u1..u4 (tests/test_migration_router.py): the test below loses three."""
+    yield from stand_in_engines(tmp_path, monkeypatch, 4)
 
 
 @pytest.fixture()
-def router(engines) -> Iterator[str]:  # noqa: F811
+def router(engines) -> Iterator[str]:
     """The router on a port of its own (its loop in a thread), following the stand-in engines: the
     next one is promoted when the primary's process exits."""
     sock = socket.socket()
@@ -108,7 +102,7 @@ def lost_unread(engine: subprocess.Popen, post: Callable[[], httpx.Response], te
     assert answered and answered[0].json()["choices"][0]["text"] == text
 
 
-def test_requests_streams_a_client_leaving_and_a_continuation_leave_no_cycles(router, engines):  # noqa: F811
+def test_requests_streams_a_client_leaving_and_a_continuation_leave_no_cycles(router, engines):
     body = {"model": "m", "prompt": "p", "max_tokens": 4}
 
     def work() -> None:
@@ -124,8 +118,8 @@ def test_requests_streams_a_client_leaving_and_a_continuation_leave_no_cycles(ro
             lost_unread(engines[0][0], lambda: c.post("/v1/completions", json=body), "t0 t1 t2 t3 ")
             # u2 dies after two tokens: the stream is continued on u3, in a batch; u3 dies in it after
             # one more: the batch fails, and its member is continued on u4, whole
-            die = {"u2": 2, "u3": 1}
-            with c.stream("POST", "/v1/completions", json={**body, "max_tokens": 6, "stream": True, "die_after": die}) as r:
+            dying = {**body, "max_tokens": 6, "stream": True, "die_after": {"u2": 2, "u3": 1}}
+            with c.stream("POST", "/v1/completions", json=dying) as r:
                 text = b"".join(r.iter_bytes())
             assert b"t5 " in text and text.endswith(b"data: [DONE]\n\n"), text
             for _ in range(3):  # and after it
