@@ -52,6 +52,9 @@ def key_root(deterministic: bool) -> bytes:
     return DETERMINISTIC_ROOT if deterministic else ROOT
 
 
+_KEY_HASH = hashlib.blake2b(digest_size=16)  # an empty one, copied for each key (chain_keys)
+
+
 def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
     """The 128-bit key of a full block: its tokens and, through `prev`, everything before them.
     Stable across processes (not Python's `hash`): another engine computes the same key."""
@@ -60,20 +63,23 @@ def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def chain_keys(prev: bytes, tokens: list[int], block_size: int) -> list[bytes]:
+def chain_keys(prev: bytes, tokens: list[int] | np.ndarray, block_size: int) -> list[bytes]:
     """The keys of the full blocks of `tokens` that follow a block keyed `prev`: `block_key` for
-    each, hashed from one buffer (a continuation's 100 blocks at a failover, 256 at once)."""
-    data = memoryview(array("q", tokens).tobytes())
-    step, keys = 8 * block_size, []
-    for end in range(step, len(data) + 1, step):
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(data[end - step:end])
+    each, hashed from one buffer (a continuation's 100 blocks at a failover, 256 at once; an int64
+    array is hashed in place)."""
+    data = tokens.astype(np.int64, copy=False).tobytes() if isinstance(tokens, np.ndarray) \
+        else array("q", tokens).tobytes()
+    step, keys, fresh = 8 * block_size, [], _KEY_HASH.copy  # (a copy: no constructor's arguments parsed)
+    for start in range(0, len(data) - step + 1, step):
+        h = fresh()
+        h.update(prev)
+        h.update(data[start:start + step])
         prev = h.digest()
         keys.append(prev)
     return keys
 
 
-def prompt_keys(prompt: list[int], root: bytes, block_size: int) -> bytes:
+def prompt_keys(prompt: list[int] | np.ndarray, root: bytes, block_size: int) -> bytes:
     """The keys `match_prefix` looks up for `prompt` (its full blocks before the last token), joined:
     a continuation's front end hashes them beside the core (engines/engine_client.py), so that the
     scheduler thread of a new primary does not, for 256 continuations at once."""

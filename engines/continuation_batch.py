@@ -5,8 +5,8 @@ runs of bench/RESULTS.md). As one HTTP exchange each, they cost the router and t
 tenths of a millisecond of CPU apiece, one after another, so the last stream of a burst waited
 ~100-200 ms longer than the first. Here every member is checked and started as its own
 `/v1/completions` or `/v1/chat/completions` request would be (a bad one gets its own refusal, the
-others go on), and the members' event streams go out framed in one body, whatever has queued up
-in one write:
+others go on). The request's members are framed with their token ids raw (engines/batch_wire.py);
+the members' event streams go out framed in one body, whatever has queued up in one write:
 
     b"%d %d %d\\n" % (index, status, len(payload)) + payload
 
@@ -24,15 +24,17 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Literal
+from typing import Any, Callable, ContextManager
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from . import request_body
+from .batch_wire import BatchFormatError, WireMember, read_members
 from .interrupt import unless_client_leaves
+from .protocol import Continuation
 
 log = logging.getLogger("engines.continuation_batch")
 
-MAX_MEMBERS = 4096
 # Members started together (one message to the core, one step). A member takes the front end 0.1 ms
 # of CPU on the dev VM and ~0.3 on the H200 hosts: in groups of 64 the first reached the core ~20 ms
 # later than one by one (bench/RESULTS.md, sixth session); 16 keep that under 5 ms.
@@ -40,19 +42,6 @@ GROUP = 16
 FRAMES_TYPE = b"application/x-understudy-frames"
 BATCH_HEADER = b"x-understudy-batch"
 END = 0  # a frame's status: the member's stream ended
-
-
-class BatchMember(BaseModel):
-    """One continued request: its endpoint and its body, as it would have been sent alone."""
-
-    model_config = ConfigDict(extra="forbid")
-    path: Literal["/v1/completions", "/v1/chat/completions"]
-    body: dict[str, Any]
-
-
-class ContinuationBatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    requests: list[BatchMember] = Field(min_length=1, max_length=MAX_MEMBERS)
 
 
 class BatchAbort(BaseModel):
@@ -69,19 +58,19 @@ def frame(index: int, status: int, payload: bytes = b"") -> bytes:
 
 @dataclass
 class BodyTiming:
-    """When a batch's request arrived (its head), its body was whole and parsed (time.monotonic): with
-    the moment its last member went to the core, one log line a batch (a failover's), which says how
-    much of the wait across a kill this front end took."""
+    """When a batch's request arrived (its head), its body was whole and its members' frames read
+    (time.monotonic): with the moment its last member went to the core, one log line a batch (a
+    failover's), which says how much of the wait across a kill this front end took."""
 
     arrived: float
     read: float
-    parsed: float
     size: int
+    parsed: float = 0.0
 
     def log(self, batch: str, answered: int, members: int) -> None:
         ms = lambda t: (t - self.arrived) * 1e3  # noqa: E731
         log.info("batch %s: %d of %d members answered (started or refused); its %d-byte body whole at +%.1f ms, "
-                 "parsed at +%.1f, the last member to the core at +%.1f ms after its head", batch[:8], answered,
+                 "its frames read at +%.1f, the last member to the core at +%.1f ms after its head", batch[:8], answered,
                  members, self.size, ms(self.read), ms(self.parsed), ms(time.monotonic()))
 
 
@@ -91,7 +80,7 @@ class Batch:
     this ASGI callable. `start(path, body)` answers one member (an event stream: engines/server.py
     `_EventStream`, with `events()` and `running`; or a refusal: a Response)."""
 
-    def __init__(self, requests: list[BatchMember], start, refuse, registry: dict[str, "Batch"],
+    def __init__(self, requests: list[WireMember], start, refuse, registry: dict[str, "Batch"],
                  together: Callable[[], ContextManager[None]], timing: BodyTiming | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.timing = timing
@@ -156,12 +145,9 @@ class Batch:
             if self.timing is not None:
                 self.timing.log(self.id, len(self.members), len(self.requests))
 
-    async def _start_one(self, i: int, m: BatchMember) -> None:
-        if m.body.get("stream") is not True:
-            answer = self.refuse(400, f"requests.{i}: a batch holds streamed requests only (stream: true)",
-                                 f"requests.{i}.body.stream")
-        else:
-            answer = await self.start(m.path, m.body)
+    async def _start_one(self, i: int, m: WireMember) -> None:
+        data = member_body(i, m)
+        answer = await self.start(m.path, data) if isinstance(data, dict) else self.refuse(400, *data)
         self.members.append(answer)
         if hasattr(answer, "running"):
             self._tasks[i] = asyncio.ensure_future(self._relay(i, answer))
@@ -184,20 +170,40 @@ class Batch:
                 self._wake.set()
 
 
-async def serve_batch(data: Any, start, refuse, registry: dict[str, Batch], together,
-                      timing: BodyTiming | None = None):
-    """The answer to a batch's parsed body: a Batch whose members `start(path, body)` answers (each
-    an event stream, or its refusal), or `refuse(status, message, param)` for a body that is not a
-    batch. A member is any streamed request: a continuation, or a request the failover re-sends
-    before its first token (the router knew no ids to continue from). `together()`: a block whose
-    members' sequences reach the core at once (engines/engine_client.py)."""
+def member_body(i: int, m: WireMember) -> dict | tuple[str, str]:
+    """Member `i`'s request body as its own request would carry it (a continuation's ids, read raw,
+    as its `continuation`), or why it is refused: (message, param)."""
     try:
-        batch = ContinuationBatch.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "body"
-        return refuse(400, f"not a batch of continuations: {where}: {first['msg']}", where)
-    return Batch(batch.requests, start, refuse, registry, together, timing)
+        data = request_body.loads(m.json)
+    except request_body.BodyError as e:
+        return f"requests.{i}: {e.message}", f"requests.{i}.body"
+    if not isinstance(data, dict) or data.get("stream") is not True:
+        return f"requests.{i}: a batch holds streamed requests only (a JSON object with stream: true)", \
+            f"requests.{i}.body.stream"
+    if m.prompt_ids is not None:
+        if "continuation" in data:
+            return f"requests.{i}: its ids are framed; its body holds no continuation of its own", \
+                f"requests.{i}.body.continuation"
+        # (a model instance passes validation as it is: the ids are checked by the endpoint, as arrays)
+        data["continuation"] = Continuation.model_construct(prompt_token_ids=m.prompt_ids,
+                                                            output_token_ids=m.output_ids)
+    return data
+
+
+async def serve_batch(body: bytes, start, refuse, registry: dict[str, Batch], together,
+                      timing: BodyTiming | None = None):
+    """The answer to a batch's body (engines/batch_wire.py): a Batch whose members `start(path, data)`
+    answers (each an event stream, or its refusal), or `refuse(status, message, param)` for a body
+    that is not a batch. A member is any streamed request: a continuation, or a request the failover
+    re-sends before its first token (the router knew no ids to continue from). `together()`: a block
+    whose members' sequences reach the core at once (engines/engine_client.py)."""
+    try:
+        members = read_members(body)
+    except BatchFormatError as e:
+        return refuse(400, f"not a batch of continuations: {e.message}", e.param)
+    if timing is not None:
+        timing.parsed = time.monotonic()
+    return Batch(members, start, refuse, registry, together, timing)
 
 
 def abort_member(data: Any, registry: dict[str, Batch], refuse):

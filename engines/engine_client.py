@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Callable, Iterator
 
+import numpy as np
 import zmq
 
 from .block_manager import prompt_keys
@@ -48,9 +49,10 @@ class EngineClient:
         self.on_stop: Callable[[], None] | None = None
 
     # ---- the LLMEngine surface the HTTP server uses -----------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
+    def submit(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams, emit: Callable[[Output], None],
                group: int | None = None, replayed: int = 0) -> int:
-        """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key."""
+        """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key.
+        (`prompt_ids` as an int64 array: a continuation's, engines/server.py; it goes out as a list.)"""
         key = next(self._keys)
         self._emits[key] = emit
         msg = {"op": "add", "key": key, "prompt": prompt_ids, "params": params.wire(),

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import logging
 
+import numpy as np
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -157,7 +158,7 @@ class OpenAIServer:
             if bad:
                 raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param)
 
-    def _start(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> "_Running":
+    def _start(self, jobs: list[tuple[list[int] | np.ndarray, SamplingParams, int]]) -> "_Running":
         """Hand every (prompt, params, replayed) job to the core now."""
         queue: asyncio.Queue = asyncio.Queue()
         group = id(queue)  # the request's sequences take turns with other requests
@@ -166,16 +167,30 @@ class OpenAIServer:
                 for i, (p, sp, r) in enumerate(jobs)]
         return _Running(self.engine, queue, keys, submitted)
 
-    def _continued(self, req, cont, param: str) -> list[tuple[list[int], SamplingParams, int]]:
-        """The one job of a continuation: the original prompt's limits, minus the replayed tokens."""
-        prompt, done = cont.prompt_token_ids, cont.output_token_ids
-        self._check_ids([prompt, done], "continuation")
+    def _continued(self, req, cont, param: str) -> list[tuple[np.ndarray, SamplingParams, int]]:
+        """The one job of a continuation: the original prompt's limits, minus the replayed tokens. Its
+        ids are one int64 array (lists from JSON, or arrays read raw from a failover's batch): checked
+        at once, hashed in place (block_manager.prompt_keys) and sent to the core as they are."""
+        prompt, done = self._id_array(cont.prompt_token_ids), self._id_array(cont.output_token_ids)
         params = ensure_seed(self._params(req, len(prompt), param))
         if len(done) >= params.max_tokens:
             raise APIError(400, f"continuation.output_token_ids holds {len(done)} tokens: max_tokens="
                                 f"{params.max_tokens} leaves nothing to generate", "continuation")
         params.max_tokens -= len(done)
-        return [(prompt + done, params, len(done))]
+        return [(np.concatenate((prompt, done)), params, len(done))]
+
+    def _id_array(self, ids) -> np.ndarray:
+        """A continuation's ids as int64, each checked to be in the vocabulary."""
+        try:
+            a = np.asarray(ids, dtype=np.int64)
+        except OverflowError:
+            a = None
+        bad = None if a is None else np.flatnonzero((a < 0) | (a >= self.vocab_size))
+        if a is None or len(bad):
+            first = next(t for t in ids if not 0 <= t < self.vocab_size) if a is None else int(a[bad[0]])
+            raise APIError(400, f"prompt token id {first} is outside the vocabulary 0..{self.vocab_size - 1}",
+                           "continuation")
+        return a
 
     async def _run(self, running: "_Running") -> AsyncIterator[tuple[int, Output]]:
         """Yield (choice index, Output) until every sequence finishes; abort the rest on exit."""
@@ -320,11 +335,11 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
         model, endpoint = hot[path]
         return await answer(path, data, model, endpoint, limits)
 
-    async def batch(data, timing: BodyTiming) -> Response:
-        return await serve_batch(data, start, error_response, srv.batches, srv.engine.together, timing)
+    async def batch(body: bytes, timing: BodyTiming) -> Response:
+        return await serve_batch(body, start, error_response, srv.batches, srv.engine.together, timing)
 
-    async def abort(data, _timing: BodyTiming) -> Response:
-        out = abort_member(data, srv.batches, error_response)
+    async def abort(body: bytes, _timing: BodyTiming) -> Response:
+        out = abort_member(request_body.loads(body), srv.batches, error_response)
         return out if isinstance(out, Response) else JSONResponse(out)
     batched = {"/v1/continuations": batch, "/v1/continuations/abort": abort}  # (the router's, at failovers)
 
@@ -343,10 +358,8 @@ def build_app(srv: OpenAIServer) -> Callable[[dict, Callable, Callable], Awaitab
             if (resp := await _generate(scope, receive, model, endpoint, limits)) is not None:
                 await resp(scope, receive, send)
         elif (body := await read_whole_body(receive)) is not None:
-            read = time.monotonic()
             try:
-                data = request_body.loads(body)
-                resp = await handler(data, BodyTiming(arrived, read, time.monotonic(), len(body)))
+                resp = await handler(body, BodyTiming(arrived, time.monotonic(), len(body)))
             except request_body.BodyError as e:
                 resp = error_response(400, e.message, e.param, code=e.code)
             await resp(scope, receive, send)

@@ -1,16 +1,19 @@
 """`POST /v1/continuations` on a real engine process (tiny model, weights `off`): each member answers
-as its own request would, byte for byte in its tokens; a bad member gets its own refusal; a bad
-batch is refused whole, naming what is wrong; one member is stopped by its abort, every member by
-the router's leaving."""
+as its own request would, byte for byte in its tokens (its ids framed raw, engines/batch_wire.py,
+against the same continuation sent alone as JSON); a bad member gets its own refusal; a bad batch
+is refused whole, naming what is wrong; one member is stopped by its abort, every member by the
+router's leaving."""
 from __future__ import annotations
 
 import json
 import socket
 import time
+from array import array
 
 import httpx
 import pytest
 
+from engines.batch_wire import encode_member
 from engines.config import EngineConfig
 from engines.continuation_batch import GROUP
 from harness.engine_process import EngineProcess
@@ -34,6 +37,21 @@ def continued(model: str, prompt: list[int], done: list[int], max_tokens: int, *
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True, "seed": 5, **kw,
             "continuation": {"prompt_token_ids": prompt, "output_token_ids": done}}
+
+
+def as_batch(*bodies: dict, path: str = "/v1/completions") -> bytes:
+    """A batch's body as the router frames it: each body's continuation ids raw after its JSON."""
+    out = []
+    for body in bodies:
+        body = dict(body)
+        cont = body.pop("continuation", None)
+        ids = (array("q", cont["prompt_token_ids"]), array("q", cont["output_token_ids"])) if cont else ()
+        out.append(encode_member(path.encode(), json.dumps(body).encode(), *ids))
+    return b"".join(out)
+
+
+def post_batch(engine, body: bytes, timeout: float = 60) -> httpx.Response:
+    return httpx.post(engine.url + "/v1/continuations", content=body, timeout=timeout)
 
 
 def frames(raw: bytes) -> dict[int, list[tuple[int, bytes]]]:
@@ -62,18 +80,24 @@ def test_members_answer_as_their_own_requests_and_a_bad_one_alone_is_refused(eng
     b = continued(model, list(range(20, 60)), [3], 8)
     bad = continued(model, [5, 6], [10 ** 9], 4)  # an id outside the vocabulary
     plain = {**a, "stream": False}
-    r = httpx.post(engine.url + "/v1/continuations", timeout=60, json={"requests": [
-        {"path": "/v1/completions", "body": a}, {"path": "/v1/completions", "body": bad},
-        {"path": "/v1/completions", "body": b}, {"path": "/v1/completions", "body": plain}]})
+    fresh = {k: v for k, v in b.items() if k != "continuation"}  # re-sent before its first token: no ids
+    body = as_batch(a, bad, b, plain, fresh)
+    not_json = encode_member(b"/v1/completions", b"{oops")
+    own_continuation = encode_member(b"/v1/completions", json.dumps(a).encode(), array("q", [5, 6]), array("q"))
+    r = post_batch(engine, body + not_json + own_continuation)
     assert r.status_code == 200 and r.headers["content-type"] == "application/x-understudy-frames"
     got = frames(r.content)
-    for i, body in ((0, a), (2, b)):
+    for i, body in ((0, a), (2, b), (4, fresh)):
         alone = httpx.post(engine.url + "/v1/completions", json=body, timeout=60).content
         mine = b"".join(p for s, p in got[i] if s == 200)
         assert got[i][-1] == (0, b"") and mine.endswith(b"data: [DONE]\n\n")
-        assert token_ids(mine) == token_ids(alone) and len(token_ids(mine)) == body["max_tokens"] - 1 - (i == 0)
-    assert got[1][0][0] == 400 and "outside the vocabulary" in json.loads(got[1][0][1])["error"]["message"]
-    assert got[3][0][0] == 400 and "stream" in json.loads(got[3][0][1])["error"]["message"]
+        assert token_ids(mine) == token_ids(alone) and len(token_ids(mine)) == body["max_tokens"] - len(
+            body.get("continuation", {}).get("output_token_ids", []))
+    refusals = {i: json.loads(got[i][0][1])["error"] for i in (1, 3, 5, 6)}
+    assert all(got[i] == [(400, got[i][0][1])] for i in refusals)
+    assert "outside the vocabulary" in refusals[1]["message"] and "stream" in refusals[3]["message"]
+    assert refusals[5]["message"].startswith("requests.5: request body is not valid JSON")
+    assert refusals[6]["param"] == "requests.6.body.continuation"
 
 
 def test_members_past_the_first_group_answer_as_their_own_requests(engine, tiny_model):
@@ -82,9 +106,7 @@ def test_members_past_the_first_group_answer_as_their_own_requests(engine, tiny_
     model = tiny_model.name
     bodies = [continued(model, [7 + i % 50, 8, 9 + i % 7], [11], 4) for i in range(GROUP + 3)]
     bodies[GROUP] = continued(model, [5, 6], [10 ** 9], 4)
-    r = httpx.post(engine.url + "/v1/continuations", timeout=120, json={"requests": [
-        {"path": "/v1/completions", "body": b} for b in bodies]})
-    got = frames(r.content)
+    got = frames(post_batch(engine, as_batch(*bodies), timeout=120).content)
     assert got[GROUP][0][0] == 400
     for i in (0, GROUP - 1, GROUP + 1, GROUP + 2):
         alone = httpx.post(engine.url + "/v1/completions", json=bodies[i], timeout=60).content
@@ -93,20 +115,23 @@ def test_members_past_the_first_group_answer_as_their_own_requests(engine, tiny_
     assert all(got[i][-1] == (0, b"") for i in range(len(bodies)) if i != GROUP)
 
 
-@pytest.mark.parametrize("body, says", [
-    ({"requests": []}, "requests"),
-    ({"requests": [{"path": "/v1/embeddings", "body": {}}]}, "requests.0.path"),
-    ({"requests": [{"path": "/v1/completions"}]}, "requests.0.body"),
-    ({"members": []}, "requests"),
+@pytest.mark.parametrize("body, param, says", [
+    (b"", "requests", "at least one member"),
+    (b'{"requests": []}', "requests.0", "expected a head"),
+    (b"/v1/embeddings 2 0 0\n{}", "requests.0.path", "is not one of"),
+    (b"/v1/completions 2 0\n{}", "requests.0", "expected a head"),
+    (b"/v1/completions 2 0 0\n{}/v1/completions two 0 0\n{}", "requests.1", "not integers"),
+    (b"/v1/completions 2 -1 0\n{}", "requests.0", "none may be negative"),
+    (b"/v1/completions 2 0 1\n{}" + bytes(8), "requests.0", "output ids need prompt ids"),
+    (b"/v1/completions 2 3 0\n{}" + bytes(16), "requests.0", "the body has 18"),
 ])
-def test_a_malformed_batch_is_refused_naming_what_is_wrong(engine, body, says):
-    r = httpx.post(engine.url + "/v1/continuations", json=body, timeout=30)
-    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+def test_a_malformed_batch_is_refused_naming_what_is_wrong(engine, body, param, says):
+    r = post_batch(engine, body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and says in err["message"] and err["param"] == param, r.text
 
 
-def test_not_json_and_the_wrong_method_are_refused(engine):
-    r = httpx.post(engine.url + "/v1/continuations", content=b"{not json", timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+def test_the_wrong_method_is_refused(engine):
     assert httpx.get(engine.url + "/v1/continuations", timeout=30).status_code == 405
 
 
@@ -124,8 +149,8 @@ def wait_idle(engine, timeout_s: float = 30) -> None:
 def test_an_abort_stops_one_member_and_the_others_finish(engine, tiny_model):
     model = tiny_model.name
     long, short = continued(model, [5, 6, 7], [8], 400), continued(model, [9, 10, 11], [12], 30)
-    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations", json={"requests": [
-            {"path": "/v1/completions", "body": long}, {"path": "/v1/completions", "body": short}]}) as r:
+    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations",
+                                                  content=as_batch(long, short)) as r:
         batch = r.headers["x-understudy-batch"]
         raw = b""
         stream = r.iter_bytes()
@@ -144,8 +169,8 @@ def test_an_abort_stops_one_member_and_the_others_finish(engine, tiny_model):
 
 def test_an_abort_out_of_range_or_malformed_is_refused(engine, tiny_model):
     body = continued(tiny_model.name, [5, 6, 7], [8], 200)
-    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations", json={"requests": [
-            {"path": "/v1/completions", "body": body}]}) as r:
+    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations",
+                                                  content=as_batch(body)) as r:
         batch = r.headers["x-understudy-batch"]
         r1 = c.post(engine.url + "/v1/continuations/abort", json={"batch": batch, "index": 3})
         r2 = c.post(engine.url + "/v1/continuations/abort", json={"batch": batch})
@@ -161,10 +186,9 @@ def generated(engine) -> int:
 
 def test_when_the_router_leaves_every_member_stops(engine, tiny_model):
     model = tiny_model.name
-    members = [{"path": "/v1/completions", "body": continued(model, [5 + i, 6, 7], [8], 500)} for i in range(3)]
+    members = as_batch(*(continued(model, [5 + i, 6, 7], [8], 500) for i in range(3)))
     before = generated(engine)
-    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations",
-                                                  json={"requests": members}) as r:
+    with httpx.Client(timeout=60) as c, c.stream("POST", engine.url + "/v1/continuations", content=members) as r:
         next(r.iter_bytes())
     wait_idle(engine)
     assert generated(engine) - before < 3 * 499 // 2, "the members ran on after the router left"
@@ -174,10 +198,9 @@ def test_when_the_router_leaves_every_member_stops(engine, tiny_model):
 def test_an_oversized_batch_is_refused_and_the_engine_serves_on(engine, tiny_model, chunked):
     """A batch over limits.max_body_bytes (8 MiB) gets a 413 naming the limit, by its length or as it
     arrives; the next request is served."""
-    body = json.dumps({"requests": [{"path": "/v1/completions", "body": {"prompt": "x" * (9 << 20)}}]}).encode()
+    body = as_batch({"model": tiny_model.name, "prompt": "x" * (9 << 20), "stream": True})
     content = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body
-    r = httpx.post(engine.url + "/v1/continuations", content=content, timeout=60,
-                   headers={"content-type": "application/json"})
+    r = post_batch(engine, content)
     assert r.status_code == 413 and "limits.max_body_bytes" in r.json()["error"]["message"], r.text
     ok = httpx.post(engine.url + "/v1/completions", timeout=60,
                     json={"model": tiny_model.name, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
@@ -189,10 +212,10 @@ def test_a_slow_batch_body_holds_no_one_else_up(engine, tiny_model):
     and the batch runs once its body is whole."""
     model = tiny_model.name
     member = continued(model, [5, 6, 7, 8], [9], 6)
-    body = json.dumps({"requests": [{"path": "/v1/completions", "body": member}]}).encode()
+    body = as_batch(member)
     host, port = engine.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as s:
-        s.sendall(b"POST /v1/continuations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        s.sendall(b"POST /v1/continuations HTTP/1.1\r\nhost: x\r\ncontent-type: application/x-understudy-frames\r\n"
                   b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
         for i in range(0, len(body) - 1, 40):  # the body but its last byte, over ~1 s
             s.sendall(body[i:min(i + 40, len(body) - 1)])
@@ -214,3 +237,17 @@ def test_a_slow_batch_body_holds_no_one_else_up(engine, tiny_model):
     mine = b"".join(p for st, p in got[0] if st == 200)
     assert got[0][-1] == (0, b"") and len(token_ids(mine)) == member["max_tokens"] - 1
 
+
+
+def test_members_read_back_as_framed():
+    """The router's frames (supervisor/router/continuation.py `batch_member`) read back member by
+    member: paths, JSON, and ids as int64 arrays (the largest id of the widest vocabularies too)."""
+    from engines.batch_wire import read_members
+    big = array("q", [0, 2 ** 31 + 5, 151_935])
+    body = (encode_member(b"/v1/chat/completions", b'{"a":1}', big, array("q", [7]))
+            + encode_member(b"/v1/completions", b"{}") + encode_member(b"/v1/completions", b"[]", array("q", [3])))
+    got = read_members(body)
+    assert [(m.path, m.json) for m in got] == [("/v1/chat/completions", b'{"a":1}'), ("/v1/completions", b"{}"),
+                                              ("/v1/completions", b"[]")]
+    assert got[0].prompt_ids.tolist() == list(big) and got[0].output_ids.tolist() == [7]
+    assert got[1].prompt_ids is None and got[2].prompt_ids.tolist() == [3] and got[2].output_ids.tolist() == []

@@ -30,6 +30,7 @@ ENGINE = textwrap.dedent('''
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
     import uvicorn
+    from engines.batch_wire import read_members
     app = FastAPI()
     seen, peers, tails = [], [], []
 
@@ -42,7 +43,11 @@ ENGINE = textwrap.dedent('''
 
     @app.post("/v1/continuations")  # the router's batch: the members' streams, framed (engines/continuation_batch.py)
     async def continuations(request: Request):
-        members = json.loads(await request.body())["requests"]
+        members = [{"body": json.loads(m.json), "ids": m} for m in read_members(await request.body())]
+        for m in members:  # (a continuation's ids are framed raw: seen as its own request would carry them)
+            if m["ids"].prompt_ids is not None:
+                m["body"]["continuation"] = {"prompt_token_ids": m["ids"].prompt_ids.tolist(),
+                                             "output_token_ids": m["ids"].output_ids.tolist()}
         seen.extend(m["body"] for m in members)
         peers.append(request.client.port)
         async def framed():  # members in turn, each frame out before its stream goes on (it may die next)
@@ -369,10 +374,10 @@ def test_a_failovers_batch_is_split_to_fit_the_engines_body_limit():
     from supervisor.router.batching import Batcher, Member
 
     async def go():
-        b = Batcher(None, max_bytes=250, timeout_s=1)  # (splitting sends nothing; a member counts ~47 bytes more)
-        members = [Member(b"/v1/completions", b"x" * n, 1) for n in (60, 60, 60, 500, 10)]
-        return [[len(m.body) for m in batch] for batch in b._split(members)]
-    assert asyncio.run(go()) == [[60, 60], [60], [500], [10]]
+        b = Batcher(None, max_bytes=250, timeout_s=1)  # (splitting sends nothing)
+        members = [Member(b"x" * n, 1) for n in (100, 100, 60, 500, 10)]
+        return [[len(m.frame) for m in batch] for batch in b._split(members)]
+    assert asyncio.run(go()) == [[100, 100], [60], [500], [10]]
 
 
 def test_a_members_scheduled_marker_says_it_ran_as_it_arrives():
@@ -383,12 +388,12 @@ def test_a_members_scheduled_marker_says_it_ran_as_it_arrives():
 
     async def go():
         calls = []
-        m = Member(b"/v1/completions", b"{}", 1, ran=lambda: calls.append(1))
+        m = Member(b"", 1, ran=lambda: calls.append(1))
         m.take(200, b'data: {"x": 1}\n\n')
         before = len(calls)
         m.take(200, sse.SCHEDULED)
         m.take(200, sse.SCHEDULED)
-        late = Member(b"/v1/completions", b"{}", 1, ran=lambda: calls.append(2))
+        late = Member(b"", 1, ran=lambda: calls.append(2))
         late.close()  # (interrupted first: what comes after is not this attempt's)
         late.take(200, sse.SCHEDULED)
         return before, calls
@@ -403,7 +408,7 @@ def test_a_member_waiting_longer_than_its_timeout_fails_and_one_fed_in_time_does
     from supervisor.router.http_wire import UpstreamTimeout
 
     async def go():
-        fed = Member(b"/v1/completions", b"{}", 0.2)
+        fed = Member(b"", 0.2)
         fed.take(200, b"data: 0\n\n")
 
         async def feed():
@@ -414,7 +419,7 @@ def test_a_member_waiting_longer_than_its_timeout_fails_and_one_fed_in_time_does
         feeder = asyncio.ensure_future(feed())
         got = [chunk async for chunk in fed.stream()]
         await feeder
-        silent = Member(b"/v1/completions", b"{}", 0.2)
+        silent = Member(b"", 0.2)
         silent.take(200, b"data: 0\n\n")
         aborted = []
         silent.abort = lambda: aborted.append(True)

@@ -21,10 +21,12 @@ import statistics
 import subprocess
 import tempfile
 import time
+from array import array
 from pathlib import Path
 
 import psutil
 
+from engines.batch_wire import encode_member
 from engines.config import EngineConfig
 from harness.engine_process import EngineProcess
 
@@ -55,11 +57,19 @@ async def one(port: int, payload: bytes, t0: float, out: dict[str, float]) -> No
     w.close()
 
 
+def as_member(body: bytes) -> bytes:
+    """A continuation's body as a member of a batch (engines/batch_wire.py): its ids framed raw."""
+    req = json.loads(body)
+    cont = req.pop("continuation")
+    return encode_member(b"/v1/completions", json.dumps(req).encode(), array("q", cont["prompt_token_ids"]),
+                         array("q", cont["output_token_ids"]))
+
+
 async def batched(port: int, bodies: list[bytes], t0: float, outs: list[dict[str, float]]) -> None:
     """All of them as one batch: each member's first frame and first token, read from the frames."""
-    payload = b'{"requests":[' + b",".join(b'{"path":"/v1/completions","body":%s}' % b for b in bodies) + b"]}"
+    payload = b"".join(as_member(b) for b in bodies)
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(b"POST /v1/continuations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    w.write(b"POST /v1/continuations HTTP/1.1\r\nhost: x\r\ncontent-type: application/x-understudy-frames\r\n"
             b"content-length: %d\r\n\r\n" % len(payload) + payload)
     written = time.monotonic() - t0
     head = await r.readuntil(b"\r\n\r\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import json
 import multiprocessing
 import pstats
@@ -25,6 +26,7 @@ import orjson
 import zmq
 
 from continuation_burst import burst_arguments
+from engines import gc_pauses
 from engines.block_manager import key_root
 from engines.engine_client import EngineClient
 from engines.server import OpenAIServer, build_app
@@ -42,8 +44,8 @@ def batch_body(model: str, vocab: int, n: int, prompt: int, done: int) -> bytes:
         req = Tracked("completions", {"model": model, "prompt": ids[:prompt], "max_tokens": done + 16, "stream": True,
                                       "ignore_eos": True, "seed": seed})
         req.prompt_ids, req.output_ids = array("q", ids[:prompt]), array("q", ids[prompt:])
-        members.append(b'{"path":"/v1/completions","body":%s}' % req.upstream_body())
-    return b'{"requests":[' + b",".join(members) + b"]}"
+        members.append(req.batch_member(b"/v1/completions"))
+    return b"".join(members)
 
 
 def core_counter(endpoint: str, n: int, rounds: int, out) -> None:
@@ -101,6 +103,10 @@ async def main_async(a) -> None:
     srv = OpenAIServer(client, Tokenizer(model), [model.name], a.prompt + a.done + 64, vocab, lambda: {})
     app = build_app(srv)
     body = batch_body(model.name, vocab, a.n, a.prompt, a.done)
+    gc_pauses.freeze_startup()  # as the front end does before it serves (engines/frontend.py)
+    if a.no_gc:
+        gc.disable()
+    pauses = gc_pauses.watch()
     prof = cProfile.Profile() if a.profile else None
     times = []
     for i in range(a.rounds):
@@ -113,15 +119,18 @@ async def main_async(a) -> None:
     ms = [t * 1e3 for t in times]
     print(f"{a.n} continuations of {a.prompt}+{a.done} ids, {len(body) / 1e6:.2f} MB: body to the last member "
           f"at the core, median {statistics.median(ms):.1f} ms of {a.rounds} (min {min(ms):.1f}, max {max(ms):.1f}); "
-          f"{statistics.median(ms) * 1e3 / a.n:.0f} us a member")
+          f"{statistics.median(ms) * 1e3 / a.n:.0f} us a member; collections by generation over the rounds: "
+          + ", ".join(f"{n} ({t * 1e3:.1f} ms)" for n, t in zip(pauses.count, pauses.total_s)))
     if prof:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats(a.sort).print_stats(30)
 
 
 def main() -> int:
     p = burst_arguments(argparse.ArgumentParser())
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative)")
+    p.add_argument("--no-gc", action="store_true", help="the garbage collector off (else as the front end runs it)")
     asyncio.run(main_async(p.parse_args()))
     return 0
 

@@ -10,8 +10,6 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-import orjson
-
 from engines import sse
 from engines.continuation_batch import BATCH_HEADER, END, FRAMES_TYPE
 from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
@@ -24,6 +22,7 @@ BATCH_PATH = b"/v1/continuations"
 ABORT_PATH = "/v1/continuations/abort"
 ABORT_TIMEOUT_S = 5.0
 JSON: Headers = [(b"content-type", b"application/json")]
+FRAMES: Headers = [(b"content-type", FRAMES_TYPE)]
 SSE: Headers = [(b"content-type", b"text/event-stream")]
 
 
@@ -31,8 +30,8 @@ class Member:
     """One continuation's part of a batch, read as a Response (supervisor/router/upstream_response.py):
     `status`, `headers`, `read()` (a refusal's body), `stream()` (its event stream), `finish()`, `close()`."""
 
-    def __init__(self, path: bytes, body: bytes, timeout_s: float, ran: Callable[[], None] | None = None) -> None:
-        self.path, self.body, self.timeout_s = path, body, timeout_s
+    def __init__(self, frame: bytes, timeout_s: float, ran: Callable[[], None] | None = None) -> None:
+        self.frame, self.timeout_s = frame, timeout_s  # (its part of the batch's body: engines/batch_wire.py)
         self._ran = ran  # called when the engine's scheduled marker arrives (it began running this one)
         self.status, self.headers = 0, SSE
         self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -137,9 +136,10 @@ class Batcher:
         self._pending: dict[str, list[Member]] = {}
         self._running: set[asyncio.Task] = set()
 
-    async def request(self, url: str, target: bytes, body: bytes, ran: Callable[[], None] | None = None) -> Member:
-        """``ran``: called as the engine's scheduled marker for this member arrives."""
-        member = Member(target.partition(b"?")[0], body, self.timeout_s, ran)
+    async def request(self, url: str, frame: bytes, ran: Callable[[], None] | None = None) -> Member:
+        """``frame``: the request as a member of the batch (continuation.py `Tracked.batch_member`);
+        ``ran``: called as the engine's scheduled marker for this member arrives."""
+        member = Member(frame, self.timeout_s, ran)
         pending = self._pending.get(url)
         if pending is None:
             pending = self._pending[url] = []
@@ -165,7 +165,7 @@ class Batcher:
         out: list[list[Member]] = [[]]
         size = 0
         for m in members:
-            n = len(m.body) + len(m.path) + 32
+            n = len(m.frame)
             if out[-1] and size + n > self.max_bytes:
                 out.append([])
                 size = 0
@@ -175,11 +175,10 @@ class Batcher:
 
     async def _run(self, url: str, members: list[Member]) -> None:
         """One batch: sent, its frames dealt to its members; any failure fails those not ended."""
-        body = b'{"requests":[' + b",".join(b'{"path":%s,"body":%s}' % (orjson.dumps(m.path.decode()), m.body)
-                                             for m in members) + b"]}"
+        body = b"".join(m.frame for m in members)
         resp = None
         try:
-            resp = await self.client.request("POST", url, BATCH_PATH, JSON, body)
+            resp = await self.client.request("POST", url, BATCH_PATH, FRAMES, body)
             if resp.status != 200 or resp.header(b"content-type") != FRAMES_TYPE:
                 content = await resp.read()
                 for m in members:  # (the engine refused the batch: each member as its own request would be)

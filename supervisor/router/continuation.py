@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from engines import request_body, sse
+from engines.batch_wire import encode_member
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
@@ -142,14 +143,26 @@ class Tracked:
     def upstream_body(self) -> bytes:
         """What to send the engine: the request as a stream with ids; a continuation once the
         prompt ids are known (from the first chunk)."""
-        body = {**self.req, "stream": True, "return_token_ids": True}
-        if not self.client_stream:
-            body.pop("stream_options", None)
-        if self.prompt_ids is not None:  # (the engine's prompt: what the client's was is not sent again)
-            body.pop("messages" if self.kind == "chat" else "prompt", None)
+        body = self._upstream_fields()
+        if self.prompt_ids is not None:
             body["continuation"] = {"prompt_token_ids": _ids_json(self.prompt_ids),
                                     "output_token_ids": _ids_json(self.output_ids)}
         return _dump(body)
+
+    def batch_member(self, path: bytes) -> bytes:
+        """``upstream_body()`` as a member of a failover's batch (engines/batch_wire.py): the same
+        request, its continuation's ids framed raw after its JSON."""
+        return encode_member(path, _dump(self._upstream_fields()), self.prompt_ids, self.output_ids)
+
+    def _upstream_fields(self) -> dict:
+        """The client's fields as the engine gets them: a stream with ids; once the prompt ids are
+        known (from the first chunk), without the client's prompt (the continuation carries it)."""
+        body = {**self.req, "stream": True, "return_token_ids": True}
+        if not self.client_stream:
+            body.pop("stream_options", None)
+        if self.prompt_ids is not None:
+            body.pop("messages" if self.kind == "chat" else "prompt", None)
+        return body
 
     def in_client_terms(self, error: bytes) -> bytes:
         """An engine's refusal (its JSON error body) of ``upstream_body()``, in terms of the body the

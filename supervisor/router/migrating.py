@@ -166,7 +166,7 @@ class _Call:
         self._moment("sent")
         batcher = self.m.batcher
         if self.migrations and batcher is not None:  # (a failover's continuations go together)
-            resp = await batcher.request(up.url, self.target, req.upstream_body(),
+            resp = await batcher.request(up.url, req.batch_member(self.target.partition(b"?")[0]),
                                          ran=lambda: setattr(req, "ran", True))
         else:
             resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
