@@ -20,6 +20,7 @@ every member stops."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from . import request_body
 from .batch_wire import BatchFormatError, WireMember, read_members
 from .interrupt import unless_client_leaves
 from .protocol import Continuation
+from .streams import CHUNK_DELAY_S, EventStream, StreamEvents, paced
 
 log = logging.getLogger("engines.continuation_batch")
 
@@ -74,11 +76,31 @@ class BodyTiming:
                  members, self.size, ms(self.read), ms(self.parsed), ms(time.monotonic()))
 
 
+class _Ready:
+    """The members whose outputs came, in order, and the batch writer's wake-up. Apart from the Batch,
+    so that a member's `Running.on_ready` holds no reference back to it: a finished batch is freed
+    by reference counts, not left to the garbage collector (whose pauses stall every stream)."""
+
+    def __init__(self) -> None:
+        self.members: list[int] = []
+        self.wake = asyncio.Event()
+
+    def mark(self, index: int) -> None:
+        self.members.append(index)
+        self.wake.set()
+
+    def take(self) -> list[int]:
+        members, self.members = self.members, []
+        return members
+
+
 class Batch:
     """A batch's members, each checked and started in turn as the answer's body already flows (the
     first members' tokens need not wait for the last member's checks), framed into one body by
-    this ASGI callable. `start(path, body)` answers one member (an event stream: engines/server.py
-    `_EventStream`, with `events()` and `running`; or a refusal: a Response)."""
+    this ASGI callable. `start(path, body)` answers one member (an event stream:
+    engines/streams.py EventStream; or a refusal: a Response). The members' outputs are made into
+    events by this batch's one writer, as they come (each member's `Running.on_ready` names it
+    ready), in one write for all that came at once."""
 
     def __init__(self, requests: list[WireMember], start, refuse, registry: dict[str, "Batch"],
                  together: Callable[[], ContextManager[None]], timing: BodyTiming | None = None) -> None:
@@ -87,9 +109,11 @@ class Batch:
         self.requests, self.start, self.refuse, self.registry = requests, start, refuse, registry
         self.together = together
         self.members: list = []  # (started so far, in order)
+        self._live: dict[int, StreamEvents] = {}  # members still streaming
+        self._ready = _Ready()  # members with outputs waiting, as they came
+        self._paced: dict[int, asyncio.Task] = {}  # (the test pause only: a member's own writer, see _start_one)
         self._out: list[bytes] = []
-        self._wake = asyncio.Event()
-        self._tasks: dict[int, asyncio.Task] = {}
+        self._wake = self._ready.wake
         self._starting = True
 
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -99,16 +123,17 @@ class Batch:
         finally:
             self.registry.pop(self.id, None)
             self._starting = False
-            for i in list(self._tasks):
+            for i in list(self._live):
                 self.abort(i)
 
     def abort(self, index: int) -> bool:
-        """Stop member `index` (its sequences aborted); False if it was not running."""
-        task = self._tasks.pop(index, None)
-        if task is None:
+        """Stop member `index` (its sequences aborted, no more frames); False if it was not running."""
+        stream = self._live.pop(index, None)
+        if stream is None:
             return False
-        task.cancel()
-        self.members[index].running.abort()
+        if (task := self._paced.pop(index, None)) is not None:
+            task.cancel()
+        stream.running.abort()
         return True
 
     async def _send_all(self, send) -> None:
@@ -116,16 +141,39 @@ class Batch:
                     "headers": [(b"content-type", FRAMES_TYPE), (BATCH_HEADER, self.id.encode())]})
         starting = asyncio.ensure_future(self._start_all())
         try:
-            while self._starting or self._tasks or self._out:
-                if not self._out:
+            while self._starting or self._live or self._out:
+                if not self._out and not self._ready.members:
                     await self._wake.wait()
                 self._wake.clear()
+                self._relay()
                 body, self._out = b"".join(self._out), []
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         finally:
             starting.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _relay(self) -> None:
+        """The events of every member whose outputs came, a frame each, and the ends of those that ended."""
+        for index in self._ready.take():
+            stream = self._live.get(index)
+            if stream is None:  # (aborted meanwhile)
+                continue
+            try:
+                events = stream.feed(stream.running.take())
+            except Exception:  # noqa: BLE001 (a bug in one member's stream ends just it)
+                log.exception("continuation %d of batch %s failed", index, self.id)
+                events = None
+            if events:
+                self._out.append(frame(index, 200, b"".join(events)))
+            if events is None or stream.ended:
+                self._end(index)
+
+    def _end(self, index: int) -> None:
+        stream = self._live.pop(index)
+        stream.running.abort()
+        self._out.append(frame(index, END))
+        self._wake.set()
 
     async def _start_all(self) -> None:
         """The members in order, as their own requests would be, GROUP at a time: a group's
@@ -149,25 +197,33 @@ class Batch:
         data = member_body(i, m)
         answer = await self.start(m.path, data) if isinstance(data, dict) else self.refuse(400, *data)
         self.members.append(answer)
-        if hasattr(answer, "running"):
-            self._tasks[i] = asyncio.ensure_future(self._relay(i, answer))
-        else:
+        if not isinstance(answer, EventStream):
             self._out.append(frame(i, answer.status_code, bytes(answer.body)))
             self._wake.set()
+            return
+        stream = self._live[i] = answer.events
+        if CHUNK_DELAY_S:
+            self._paced[i] = asyncio.ensure_future(self._pace(i, stream))
+            return
+        stream.running.on_ready = functools.partial(self._ready.mark, i)
+        if opening := stream.opening():
+            self._out.append(frame(i, 200, b"".join(opening)))
+            self._wake.set()
+        if stream.running.waiting:
+            self._ready.mark(i)
 
-    async def _relay(self, index: int, stream) -> None:
-        """Member `index`'s events into the shared body, then its end."""
+    async def _pace(self, index: int, stream: StreamEvents) -> None:
+        """(Tests only: UNDERSTUDY_TEST_CHUNK_DELAY_S.) A member's events one at a time with the pause
+        after each, as its own request's stream would go (engines/streams.py `paced`)."""
         try:
-            async for event, _ in stream.events():
+            async for event, _ in paced(stream):
                 self._out.append(frame(index, 200, event))
                 self._wake.set()
-        except Exception:  # noqa: BLE001 (its own stream answers errors; anything else ends just it)
+        except Exception:  # noqa: BLE001
             log.exception("continuation %d of batch %s failed", index, self.id)
-        finally:
-            stream.running.abort()
-            if self._tasks.pop(index, None) is not None:
-                self._out.append(frame(index, END))
-                self._wake.set()
+        self._paced.pop(index, None)
+        if index in self._live:
+            self._end(index)
 
 
 def member_body(i: int, m: WireMember) -> dict | tuple[str, str]:

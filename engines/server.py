@@ -6,11 +6,8 @@ naming the field; a client that goes away mid-request has its sequences aborted,
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
-import json
-import os
 import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
@@ -24,8 +21,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from .continuation_batch import Batch, BodyTiming, abort_member, serve_batch
 from .engine_client import EngineClient
-from . import sse
-from .interrupt import unless_client_leaves
 from . import request_body
 from .limits import LimitError, RequestLimits, check_body
 from .first_output import FirstOutputLatency
@@ -36,42 +31,10 @@ from .protocol import (CONTINUED, AssistantMessage, ChatChoice, ChatCompletionRe
                        ModelList, Usage)
 from .sampling import SamplingParams, ensure_seed
 from .sequence import Output
-from .stream_chunks import ChunkWriter
+from .streams import EventStream, RequestFailed, Running, StreamEvents
 from .tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("engines.server")
-
-# Fault injection for tests and chaos runs only: a pause after each stream chunk, so a test can kill
-# an engine at the k-th chunk of a stream deterministically. Unset (0) in production.
-CHUNK_DELAY_S = float(os.environ.get("UNDERSTUDY_TEST_CHUNK_DELAY_S") or 0)
-# A handed-off stream's end: an SSE comment (clients and the router skip it), and no [DONE].
-HANDOFF_END = b": handed off to the new primary (planned switchover); no [DONE]: continue elsewhere\n\n"
-
-
-class RequestFailed(Exception):
-    """A sequence of the request ended with an error (e.g. non-finite logits); the engine goes on."""
-
-    UNAVAILABLE = frozenset({"parked", "handoff"})  # this engine cannot serve it now; another can
-
-    def __init__(self, message: str, code: str = "sampling_error") -> None:
-        super().__init__(message)
-        self.code = code
-
-    @property
-    def status(self) -> int:
-        return 503 if self.code in self.UNAVAILABLE else 500
-
-    def body(self) -> dict:
-        type_ = "service_unavailable" if self.status == 503 else "internal_error"
-        return {"error": {"message": str(self), "type": type_, "param": None, "code": self.code}}
-
-
-class HandedOff(RequestFailed):
-    """The engine gave its KV pool up mid-request (a planned switchover): the router continues the
-    request on the new primary. A stream ends without [DONE], so the router sees it cut."""
-
-    def __init__(self) -> None:
-        super().__init__("this engine handed its requests off to the new primary (planned switchover)", "handoff")
 
 
 class APIError(Exception):
@@ -158,14 +121,13 @@ class OpenAIServer:
             if bad:
                 raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param)
 
-    def _start(self, jobs: list[tuple[list[int] | np.ndarray, SamplingParams, int]]) -> "_Running":
+    def _start(self, jobs: list[tuple[list[int] | np.ndarray, SamplingParams, int]]) -> Running:
         """Hand every (prompt, params, replayed) job to the core now."""
-        queue: asyncio.Queue = asyncio.Queue()
-        group = id(queue)  # the request's sequences take turns with other requests
-        submitted = self.first_output.submitted()
-        keys = [self.engine.submit(p, sp, lambda out, i=i: queue.put_nowait((i, out)), group, r)
-                for i, (p, sp, r) in enumerate(jobs)]
-        return _Running(self.engine, queue, keys, submitted)
+        running = Running(self.engine, len(jobs), self.first_output.submitted(), self.first_output)
+        group = id(running)  # the request's sequences take turns with other requests
+        running.keys = [self.engine.submit(p, sp, lambda out, i=i: running.emit(i, out), group, r)
+                        for i, (p, sp, r) in enumerate(jobs)]
+        return running
 
     def _continued(self, req, cont, param: str) -> list[tuple[np.ndarray, SamplingParams, int]]:
         """The one job of a continuation: the original prompt's limits, minus the replayed tokens. Its
@@ -192,20 +154,14 @@ class OpenAIServer:
                            "continuation")
         return a
 
-    async def _run(self, running: "_Running") -> AsyncIterator[tuple[int, Output]]:
-        """Yield (choice index, Output) until every sequence finishes; abort the rest on exit."""
-        queue = running.queue
+    async def _run(self, running: Running) -> AsyncIterator[tuple[int, Output]]:
+        """Yield (choice index, Output) until every sequence finishes; abort the rest on exit (a whole
+        answer's collection; a stream's events are made by StreamEvents)."""
         try:
             while running.live:
-                ready = [await queue.get()] + ([] if CHUNK_DELAY_S else [queue.get_nowait() for _ in range(queue.qsize())])
-                for index, out in _coalesce(ready):  # (the test pause keeps one chunk per output: kill at chunk k)
-                    self.first_output.observe(running.submitted, out)
-                    if out.finish_reason is not None:
-                        running.live.discard(index)
-                    if out.finish_reason == "error":
-                        raise RequestFailed(out.error or "sampling failed", out.error_code or "sampling_error")
-                    if out.finish_reason == "handoff":
-                        raise HandedOff()
+                await running.wait()
+                for index, out in running.take():
+                    running.accept(index, out)
                     yield index, out
         finally:
             running.abort()  # the client went away (or we failed): free its slots
@@ -227,10 +183,8 @@ class OpenAIServer:
         prompt_of = [prompts[i // req.n] for i in range(len(jobs))]
         if req.stream:  # handed to the core before the response starts: the head costs it no time
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            running = self._start(jobs)
-            return _EventStream(self._completion_chunks(running, req.model, rid, created, prompt_tokens, include_usage,
-                                                        prompt_of if ids and req.continuation is None else None,
-                                                        ids), running)
+            return EventStream(StreamEvents(self._start(jobs), "completions", rid, created, req.model, prompt_tokens,
+                                            include_usage, ids, prompt_of if ids and req.continuation is None else None))
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
         new_ids: list[list[int]] = [[] for _ in jobs]
         async for i, out in self._run(self._start(jobs)):
@@ -244,23 +198,6 @@ class OpenAIServer:
                       total_tokens=prompt_tokens + sum(completion))
         resp = CompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage)
         return _json(resp.model_dump_json(exclude=None if ids else _CHOICE_IDS))
-
-    async def _completion_chunks(self, running: "_Running", model: str, rid: str, created: int, prompt_tokens: int,
-                                 include_usage: bool, prompt_of: list[list[int]] | None,
-                                 ids: bool) -> AsyncIterator[bytes]:
-        completion = [0] * len(running.keys)
-        events = ChunkWriter("completions", rid, created, model, include_usage, ids)
-        first = set(range(len(running.keys))) if prompt_of is not None else set()
-        async for i, out in self._run(running):
-            completion[i] = out.completion_tokens
-            if out.delta or out.finish_reason:
-                yield events.choice(i, out.delta, out.finish_reason, out.token_ids,
-                                    prompt_of[i] if i in first else None)  # type: ignore[index]
-                first.discard(i)
-            elif ids and out.is_scheduled:
-                yield sse.SCHEDULED
-        if include_usage:
-            yield events.usage(prompt_tokens, sum(completion))
 
     async def chat_completions(self, req: ChatCompletionRequest):
         self._accept(req.model)
@@ -283,9 +220,8 @@ class OpenAIServer:
         ids = req.return_token_ids
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            running = self._start(jobs)
-            return _EventStream(self._chat_chunks(running, req.model, rid, created, len(prompt), include_usage,
-                                                  prompt if ids and req.continuation is None else None, ids), running)
+            return EventStream(StreamEvents(self._start(jobs), "chat", rid, created, req.model, len(prompt),
+                                            include_usage, ids, [prompt] if ids and req.continuation is None else None))
         texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
         new_ids: list[list[int]] = [[] for _ in jobs]
         async for i, out in self._run(self._start(jobs)):
@@ -299,21 +235,6 @@ class OpenAIServer:
         resp = ChatCompletionResponse(id=rid, created=created, model=req.model, choices=choices, usage=usage,
                                       prompt_token_ids=prompt if ids else None)
         return _json(resp.model_dump_json(exclude=None if ids else {"prompt_token_ids": True, **_CHOICE_IDS}))
-
-    async def _chat_chunks(self, running: "_Running", model: str, rid: str, created: int, prompt_tokens: int,
-                           include_usage: bool, prompt: list[int] | None, ids: bool) -> AsyncIterator[bytes]:
-        events = ChunkWriter("chat", rid, created, model, include_usage, ids)
-        for i in range(len(running.keys)):
-            yield events.choice(i, "", None, [], prompt, role=True)
-        completion = [0] * len(running.keys)
-        async for i, out in self._run(running):
-            completion[i] = out.completion_tokens
-            if out.delta or out.finish_reason:
-                yield events.choice(i, out.delta or None, out.finish_reason, out.token_ids)
-            elif ids and out.is_scheduled:
-                yield sse.SCHEDULED
-        if include_usage:
-            yield events.usage(prompt_tokens, sum(completion))
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_names[0], created=self.created,
@@ -457,75 +378,6 @@ def _fastapi_app(srv: OpenAIServer) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
-
-
-class _Running:
-    """A request's sequences in the core: their outputs arrive on `queue` as (choice index, Output)."""
-
-    def __init__(self, engine: EngineClient, queue: asyncio.Queue, keys: list[int], submitted: float) -> None:
-        self.engine, self.queue, self.keys, self.submitted = engine, queue, keys, submitted
-        self.live = set(range(len(keys)))
-
-    def abort(self) -> None:
-        """Stop the sequences still running (idempotent)."""
-        for i in self.live:
-            self.engine.abort(self.keys[i])
-        self.live.clear()
-
-
-class _EventStream:
-    """A streaming answer (server-sent events) whose sequences were started before it, as a bare
-    ASGI callable: its events go out from the request's own task (no task group, no task of its
-    own: see engines/interrupt.py), it stops when the client leaves, the last event and the body's
-    end go out in one write, and the sequences are aborted however it ends, also before its body
-    began. A stream that fails ends with an error event and no [DONE]: cut, and saying so."""
-
-    def __init__(self, chunks: AsyncIterator[bytes], running: _Running) -> None:
-        self.chunks, self.running = chunks, running
-
-    async def __call__(self, scope: dict, receive, send) -> None:
-        try:
-            await unless_client_leaves(self._send_all(send), receive)
-        finally:
-            self.running.abort()
-
-    async def _send_all(self, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
-        async for event, last in self.events():
-            await send({"type": "http.response.body", "body": event, "more_body": not last})
-
-    async def events(self) -> AsyncIterator[tuple[bytes, bool]]:
-        """The stream's body, event by event as each comes, with whether it is the last: the
-        stream's end ([DONE], or what ends a stream cut)."""
-        end = sse.DONE
-        try:
-            async for event in self.chunks:
-                yield event, False
-                if CHUNK_DELAY_S and event is not sse.SCHEDULED:  # (the test pause is per data chunk)
-                    await asyncio.sleep(CHUNK_DELAY_S)
-        except HandedOff:
-            end = HANDOFF_END
-        except RequestFailed as e:
-            (log.error if e.status == 500 else log.info)("stream failed: %s", e)
-            end = b"data: %s\n\n" % json.dumps(e.body()).encode()
-        yield end, True
-
-
-def _coalesce(items: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
-    """Outputs that queued up while the client side was busy, merged per choice: a slow reader
-    gets fewer, larger chunks instead of falling further behind. A scheduled marker is kept, first
-    (merged into the tokens after it, it was lost: the router then took a request that ran for one
-    only queued)."""
-    markers = [(index, out) for index, out in items if out.is_scheduled]
-    merged: dict[int, Output] = {}
-    for index, out in items:
-        if out.is_scheduled:
-            continue
-        prev = merged.get(index)
-        merged[index] = out if prev is None else dataclasses.replace(
-            out, delta=prev.delta + out.delta, token_ids=prev.token_ids + out.token_ids,
-            timing=prev.timing or out.timing)
-    return markers + list(merged.items())
 
 
 _CHOICE_IDS = {"choices": {"__all__": {"prompt_token_ids": True, "token_ids": True}}}

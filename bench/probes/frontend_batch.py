@@ -61,10 +61,45 @@ def core_counter(endpoint: str, n: int, rounds: int, out) -> None:
         out.send(time.monotonic())
 
 
-async def one_batch(app, body: bytes, counted) -> float:
-    """Seconds from the body's arrival to the core holding all its members' adds (the answer's frames
-    are dropped: no core answers them)."""
+class Frames:
+    """The batch's answer as it is sent: frames counted per step of `relay_steps`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.more = asyncio.Event()
+
+    async def send(self, message) -> None:
+        body = message.get("body", b"")
+        at = 0
+        while (nl := body.find(b"\n", at)) >= 0:  # (a frame's head, then its payload)
+            at = nl + 1 + int(body[at:nl].split(b" ")[2])
+            self.count += 1
+        self.more.set()
+
+
+async def relay_steps(client: EngineClient, frames: Frames, steps: int) -> list[float]:
+    """Seconds from each of `steps` steps' outputs (one token for every member, in one message, as the
+    core sends a step's) to the last of their frames handed to the server: the front end's relay of
+    the batch's streams, which shares its CPU with the admission of a failover's later members."""
+    keys = list(client._emits)  # (the members' sequences, as the core knows them)
+    times = []
+    for step in range(steps):
+        outs = [[k, k, " x", None, 600, 300 + step + 1, [17], None, None if step else (0.0, 0.0), None] for k in keys]
+        want = frames.count + len(keys)
+        t0 = time.monotonic()
+        client._handle({"op": "out", "outs": outs})
+        while frames.count < want:
+            frames.more.clear()
+            await frames.more.wait()
+        times.append(time.monotonic() - t0)
+    return times
+
+
+async def one_batch(app, body: bytes, counted, client: EngineClient, steps: int) -> tuple[float, list[float]]:
+    """Seconds from the body's arrival to the core holding all its members' adds, then (`steps`) the
+    relay of each step's outputs (relay_steps)."""
     sent = [False]
+    frames = Frames()
 
     async def receive():
         if not sent[0]:
@@ -72,20 +107,19 @@ async def one_batch(app, body: bytes, counted) -> float:
             return {"type": "http.request", "body": body, "more_body": False}
         await asyncio.Event().wait()  # the client stays
 
-    async def send(message):
-        pass
-
     t0 = time.monotonic()
     task = asyncio.ensure_future(app({"type": "http", "method": "POST", "path": "/v1/continuations",
-                                      "headers": [], "query_string": b""}, receive, send))
+                                      "headers": [], "query_string": b""}, receive, frames.send))
     while not counted.poll():
         await asyncio.sleep(0.005)
+    admitted = counted.recv() - t0
+    relayed = await relay_steps(client, frames, steps) if steps else []
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
         pass
-    return counted.recv() - t0
+    return admitted, relayed
 
 
 async def main_async(a) -> None:
@@ -108,11 +142,13 @@ async def main_async(a) -> None:
         gc.disable()
     pauses = gc_pauses.watch()
     prof = cProfile.Profile() if a.profile else None
-    times = []
+    times, relayed = [], []
     for i in range(a.rounds):
         if prof and i == a.rounds - 1:
             prof.enable()
-        times.append(await one_batch(app, body, ours))
+        admitted, steps = await one_batch(app, body, ours, client, a.steps)
+        times.append(admitted)
+        relayed += steps
         if prof and i == a.rounds - 1:
             prof.disable()
     counter.join()
@@ -121,6 +157,10 @@ async def main_async(a) -> None:
           f"at the core, median {statistics.median(ms):.1f} ms of {a.rounds} (min {min(ms):.1f}, max {max(ms):.1f}); "
           f"{statistics.median(ms) * 1e3 / a.n:.0f} us a member; collections by generation over the rounds: "
           + ", ".join(f"{n} ({t * 1e3:.1f} ms)" for n, t in zip(pauses.count, pauses.total_s)))
+    if relayed:
+        rs = [t * 1e3 for t in relayed]
+        print(f"  then a step's outputs to the last of their frames: median {statistics.median(rs):.2f} ms of "
+              f"{len(rs)} steps (max {max(rs):.2f}); {statistics.median(rs) * 1e3 / a.n:.1f} us an output")
     if prof:
         pstats.Stats(prof).sort_stats(a.sort).print_stats(30)
 
@@ -128,6 +168,7 @@ async def main_async(a) -> None:
 def main() -> int:
     p = burst_arguments(argparse.ArgumentParser())
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=0, help="then relay this many steps' outputs (one token a member)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative)")
     p.add_argument("--no-gc", action="store_true", help="the garbage collector off (else as the front end runs it)")

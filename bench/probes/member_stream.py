@@ -13,7 +13,7 @@ from supervisor.router.batching import Member
 
 
 async def per_chunk(n: int) -> float:
-    member = Member(b"/v1/completions", b"{}", 60)
+    member = Member(b"", 60)
     chunks = member.stream().__aiter__()
     loop = asyncio.get_running_loop()
     t = time.perf_counter()
