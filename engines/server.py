@@ -133,26 +133,25 @@ class OpenAIServer:
         """The one job of a continuation: the original prompt's limits, minus the replayed tokens. Its
         ids are one int64 array (lists from JSON, or arrays read raw from a failover's batch): checked
         at once, hashed in place (block_manager.prompt_keys) and sent to the core as they are."""
-        prompt, done = self._id_array(cont.prompt_token_ids), self._id_array(cont.output_token_ids)
+        try:
+            prompt = np.asarray(cont.prompt_token_ids, dtype=np.int64)
+            done = np.asarray(cont.output_token_ids, dtype=np.int64)
+        except OverflowError:  # (an id past 64 bits)
+            bad = next(t for t in (*cont.prompt_token_ids, *cont.output_token_ids) if not -2**63 <= t < 2**63)
+            raise self._outside_vocabulary(bad) from None
+        ids = np.concatenate((prompt, done))
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise self._outside_vocabulary(int(ids[(ids < 0) | (ids >= self.vocab_size)][0]))
         params = ensure_seed(self._params(req, len(prompt), param))
         if len(done) >= params.max_tokens:
             raise APIError(400, f"continuation.output_token_ids holds {len(done)} tokens: max_tokens="
                                 f"{params.max_tokens} leaves nothing to generate", "continuation")
         params.max_tokens -= len(done)
-        return [(np.concatenate((prompt, done)), params, len(done))]
+        return [(ids, params, len(done))]
 
-    def _id_array(self, ids) -> np.ndarray:
-        """A continuation's ids as int64, each checked to be in the vocabulary."""
-        try:
-            a = np.asarray(ids, dtype=np.int64)
-        except OverflowError:
-            a = None
-        bad = None if a is None else np.flatnonzero((a < 0) | (a >= self.vocab_size))
-        if a is None or len(bad):
-            first = next(t for t in ids if not 0 <= t < self.vocab_size) if a is None else int(a[bad[0]])
-            raise APIError(400, f"prompt token id {first} is outside the vocabulary 0..{self.vocab_size - 1}",
-                           "continuation")
-        return a
+    def _outside_vocabulary(self, token: int) -> APIError:
+        return APIError(400, f"prompt token id {token} is outside the vocabulary 0..{self.vocab_size - 1}",
+                        "continuation")
 
     async def _run(self, running: Running) -> AsyncIterator[tuple[int, Output]]:
         """Yield (choice index, Output) until every sequence finishes; abort the rest on exit (a whole

@@ -275,7 +275,7 @@ def test_coalescing_for_a_slow_reader_keeps_the_scheduled_marker_first():
     """Outputs queued behind a busy client are merged per choice, but the scheduled marker (the
     router's proof that the request ran here) is never merged away."""
     from engines.sequence import Output
-    from engines.server import _coalesce
+    from engines.streams import _coalesce
     marker = Output(7, "", None, 4, 0)
     a, b = Output(7, "he", None, 4, 1, [1]), Output(7, "llo", None, 4, 2, [2])
     got = _coalesce([(0, marker), (0, a), (0, b)])

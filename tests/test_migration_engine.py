@@ -163,9 +163,11 @@ def test_a_continuation_may_leave_its_prompt_out(engine):
         missing = httpx.post(engine.url + path, json={**bare, "continuation": None}, timeout=60)
         assert missing.status_code == 400 and missing.json()["error"]["param"] == \
             ("prompt" if "prompt" in body else "messages"), missing.text
-        bad = httpx.post(engine.url + path, timeout=60, json={**bare, "continuation": {
-            "prompt_token_ids": prompt_ids, "output_token_ids": [10 ** 9]}})
-        assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"], bad.text
+        for token in (10 ** 9, -3, 2 ** 63 + 5):  # (past int64 too: refused, not an overflow inside the engine)
+            bad = httpx.post(engine.url + path, timeout=60, json={**bare, "continuation": {
+                "prompt_token_ids": prompt_ids, "output_token_ids": [5, token]}})
+            err = bad.json()["error"]
+            assert bad.status_code == 400 and f"token id {token} is outside the vocabulary" in err["message"], bad.text
     empty = httpx.post(engine.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [], "continuation": {"prompt_token_ids": [1, 2]}})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages", empty.text
