@@ -17,12 +17,17 @@ from __future__ import annotations
 import sys
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_MEMBERS = 4096
-_IDS = np.dtype("<i8")
+# The answer's frames (engines/continuation_batch.py says what they carry), read by the router.
+FRAMES_TYPE = b"application/x-understudy-frames"
+BATCH_HEADER = b"x-understudy-batch"
+END = 0  # a frame's status: the member's stream ended
 
 
 class BatchFormatError(ValueError):
@@ -40,8 +45,8 @@ class WireMember:
 
     path: str
     json: bytes
-    prompt_ids: np.ndarray | None
-    output_ids: np.ndarray | None
+    prompt_ids: "np.ndarray | None"
+    output_ids: "np.ndarray | None"
 
 
 def _ids_bytes(ids: array) -> bytes:
@@ -64,6 +69,8 @@ def encode_member(path: bytes, json: bytes, prompt_ids: array | None = None,
 
 def read_members(body: bytes) -> list[WireMember]:
     """The members of a batch's body, in order (BatchFormatError naming the first that is malformed)."""
+    import numpy as np  # (here: the router imports this module to frame members, and starts without numpy)
+    ids = np.dtype("<i8")
     members: list[WireMember] = []
     at, end = 0, len(body)
     while at < end:
@@ -94,8 +101,8 @@ def read_members(body: bytes) -> list[WireMember]:
                                    f"{end - json_at}", f"requests.{i}")
         prompt = output = None
         if n_prompt:
-            prompt = np.frombuffer(body, _IDS, n_prompt, ids_at)
-            output = np.frombuffer(body, _IDS, n_output, ids_at + 8 * n_prompt)
+            prompt = np.frombuffer(body, ids, n_prompt, ids_at)
+            output = np.frombuffer(body, ids, n_output, ids_at + 8 * n_prompt)
         members.append(WireMember(path, body[json_at:ids_at], prompt, output))
         at = stop
     if not members:

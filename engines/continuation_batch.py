@@ -30,20 +30,18 @@ from typing import Any, Callable, ContextManager
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import request_body
-from .batch_wire import BatchFormatError, WireMember, read_members
+from .batch_wire import BATCH_HEADER, END, FRAMES_TYPE, BatchFormatError, WireMember, read_members
 from .interrupt import unless_client_leaves
 from .protocol import Continuation
 from .streams import CHUNK_DELAY_S, EventStream, StreamEvents, paced
 
 log = logging.getLogger("engines.continuation_batch")
 
-# Members started together (one message to the core, one step). A member takes the front end 0.1 ms
-# of CPU on the dev VM and ~0.3 on the H200 hosts: in groups of 64 the first reached the core ~20 ms
-# later than one by one (bench/RESULTS.md, sixth session); 16 keep that under 5 ms.
+# Members started together (one message to the core, one step). A member took the front end 0.2 ms
+# of CPU on the dev VM and ~0.3 on the H200 hosts, in groups of 64 the first reached the core ~20 ms
+# later than one by one (bench/RESULTS.md, sixth session); with its ids raw it takes ~0.1 and ~0.2
+# (twelfth session): 16 a group keep the first member's wait to a few ms.
 GROUP = 16
-FRAMES_TYPE = b"application/x-understudy-frames"
-BATCH_HEADER = b"x-understudy-batch"
-END = 0  # a frame's status: the member's stream ended
 
 
 class BatchAbort(BaseModel):

@@ -30,7 +30,9 @@ class Continuation(BaseModel):
     `prompt_token_ids + output_token_ids` (chat: the templated prompt; `messages` are then not
     rendered again), `output_token_ids` being the tokens the other engine reported (each chunk's
     `token_ids`); `max_tokens` and `seed` stay the original request's, usage counts the whole
-    completion, and the text that follows is what the other engine would have sent next."""
+    completion, and the text that follows is what the other engine would have sent next. (In a
+    failover's batch the ids come framed raw, engines/batch_wire.py, and the batch puts them here as
+    int64 arrays, unvalidated: the endpoint checks every id either way.)"""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 

@@ -265,10 +265,12 @@ def test_readme_links_exist_in_the_clone():
 
 def test_the_supervisor_core_imports_no_torch():
     """torch costs seconds to import (3-5 s on the H200 host) and 200 MB: a restarted supervisor must
-    not pay it before its router serves again (only serve's preflight checks of a model import it)."""
+    not pay it before its router serves again (only serve's preflight checks of a model import it).
+    numpy neither (~60 ms on the dev VM): the router frames a failover's batch without it."""
     import subprocess
     import sys
-    code = "import sys, supervisor.arbiter, supervisor.effects.reaper; print(sorted(m for m in ('torch',) if m in sys.modules))"
+    code = ("import sys, supervisor.arbiter, supervisor.effects.reaper; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
 
 

@@ -4,7 +4,8 @@ Starts its own supervisor (the given config or the embedded default, `engines.de
 unless `--default-mode`), answers each of `--prompts` prompts once alone, greedy and seeded at
 temperature 0.8 (the reference), then sends them again from `--clients` concurrent clients in a
 loop (harness/load) for `--duration` seconds with no fault, and again for as long while the
-primary is SIGKILLed `--kills` times (its streams continued on the standby). It counts the replies
+primary is SIGKILLed `--kills` times, each when a stream is mid-answer (its streams continued on the
+standby; a stream with no token yet is only sent again). It counts the replies
 identical to the reference, by phase and kind: the claim is 100%, reported as counts.
 """
 from __future__ import annotations
@@ -56,6 +57,18 @@ def reference(url: str, model: str, bodies: list[dict], stream: bool) -> list[st
     return [solo.one(b) for b in bodies]
 
 
+MID_ANSWER_WAIT_S = 2.0  # a kill waits at most this long for a stream that has had tokens
+
+
+def wait_mid_answer(load, timeout_s: float) -> int:  # noqa: ANN001 (harness.load.Load)
+    """Until a stream of the load has had tokens and not ended (a kill then continues it; one that
+    had none yet is only sent again), at most `timeout_s`: how many there are."""
+    deadline = time.monotonic() + timeout_s
+    while not (mid := load.mid_answer()) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return mid
+
+
 def phase(h, model: str, bodies: list[dict], ref: list[str], args: argparse.Namespace, kills: int) -> dict[str, Any]:  # noqa: ANN001
     """Load for args.duration s (killing the primary `kills` times, evenly spaced); the counts."""
     from harness.load import Load
@@ -66,12 +79,14 @@ def phase(h, model: str, bodies: list[dict], ref: list[str], args: argparse.Name
             time.sleep(max(0.0, start + (i + 1) * args.duration / (kills + 1) - time.monotonic()))
             h.wait_all_ready(args.boot_timeout)
             old = h.primary()
+            mid = wait_mid_answer(load, MID_ANSWER_WAIT_S)
             t = time.monotonic()
             os.killpg(old["pid"], signal.SIGKILL)
             killed += 1
             h.wait_for(lambda st: st["primary"] not in (None, old["name"]), 60, "a new primary")
             gaps.append(time.monotonic() - t)
-            say(args, f"kill {killed}/{kills}: {old['name']} (pid {old['pid']}), {len(load.replies)} replies so far")
+            say(args, f"kill {killed}/{kills}: {old['name']} (pid {old['pid']}) with {mid} streams mid-answer, "
+                      f"{len(load.replies)} replies so far")
         time.sleep(max(0.0, start + args.duration - time.monotonic()))
     by_kind: dict[str, dict[str, int]] = {}
     mismatches = []

@@ -98,6 +98,7 @@ class Load(ThreadedLoad):
         self.results: list[tuple[float, float, int | str, str | None]] = []
         self.replies: list[tuple[int, str]] = []
         self._watch: tuple[str, float, threading.Event, list[float]] | None = None
+        self._client: Client | None = None
 
     def __enter__(self) -> "Load":
         self._start()
@@ -110,8 +111,8 @@ class Load(ThreadedLoad):
         return Request.of({**body, "model": self.model, "stream": self.stream})
 
     async def _run(self) -> None:
-        client = Client(self.url, 60.0, connect_timeout_s=60.0, keep_text=self.bodies is not None,
-                        on_result=self._record)
+        client = self._client = Client(self.url, 60.0, connect_timeout_s=60.0, keep_text=self.bodies is not None,
+                                       on_result=self._record)
         if self.bodies is None:
             req = self._request({"prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0.0})
             await closed_loop(client, itertools.repeat(req), self.threads, self._stop)
@@ -152,6 +153,13 @@ class Load(ThreadedLoad):
     @property
     def failures(self) -> list:
         return [r for r in self.results if r[2] != 200]
+
+    def mid_answer(self) -> int:
+        """Streams in flight that have had tokens (losing their engine now, they are continued, not
+        sent again): read from the load's thread, the latest requests only (one each client)."""
+        client = self._client
+        recent = client.results[-self.threads:] if client is not None else []
+        return sum(1 for r in recent if r.end is None and r.content_times)
 
     def watch(self, engine: str, after: float) -> tuple[threading.Event, list[float]]:
         """An event set (with its completion time) by the first success from ``engine`` after ``after``."""

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from engines import sse
-from engines.continuation_batch import BATCH_HEADER, END, FRAMES_TYPE
+from engines.batch_wire import BATCH_HEADER, END, FRAMES_TYPE
 from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
 from supervisor.router.idle_guard import IdleGuard
 from supervisor.router.upstream import Client
