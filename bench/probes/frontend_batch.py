@@ -2,9 +2,12 @@
 the body of N continuations (prompt + generated ids, built as the router builds them) goes through the
 front end's ASGI app (engines/server.py build_app), whose members reach a core socket (in a process
 of its own) that only counts them. Prints the wall time from the body's arrival to the last member
-at the core, per member, and with --profile the front end's functions that took it.
+at the core, per member, and with --profile the front end's functions that took it (--sort: their
+order). With --steps K, each round then hands the front end K steps of outputs (a token for every
+member, in one message as the core sends a step's) and times each to the last of its frames.
 
-    python3 bench/probes/frontend_batch.py MODEL_DIR [--n 256] [--prompt 600] [--done 300] [--rounds 5] [--profile]
+    python3 bench/probes/frontend_batch.py MODEL_DIR [--n 256] [--prompt 600] [--done 300] [--rounds 5]
+        [--steps K] [--profile [--sort cumulative]] [--no-gc]
 """
 from __future__ import annotations
 
