@@ -119,7 +119,7 @@ class OpenAIServer:
         for p in prompts:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param)
+                raise self._outside_vocabulary(bad[0], param)
 
     def _start(self, jobs: list[tuple[list[int] | np.ndarray, SamplingParams, int]]) -> Running:
         """Hand every (prompt, params, replayed) job to the core now."""
@@ -138,10 +138,10 @@ class OpenAIServer:
             done = np.asarray(cont.output_token_ids, dtype=np.int64)
         except OverflowError:  # (an id past 64 bits)
             bad = next(t for t in (*cont.prompt_token_ids, *cont.output_token_ids) if not -2**63 <= t < 2**63)
-            raise self._outside_vocabulary(bad) from None
+            raise self._outside_vocabulary(bad, "continuation") from None
         ids = np.concatenate((prompt, done))
         if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise self._outside_vocabulary(int(ids[(ids < 0) | (ids >= self.vocab_size)][0]))
+            raise self._outside_vocabulary(int(ids[(ids < 0) | (ids >= self.vocab_size)][0]), "continuation")
         params = ensure_seed(self._params(req, len(prompt), param))
         if len(done) >= params.max_tokens:
             raise APIError(400, f"continuation.output_token_ids holds {len(done)} tokens: max_tokens="
@@ -149,9 +149,8 @@ class OpenAIServer:
         params.max_tokens -= len(done)
         return [(ids, params, len(done))]
 
-    def _outside_vocabulary(self, token: int) -> APIError:
-        return APIError(400, f"prompt token id {token} is outside the vocabulary 0..{self.vocab_size - 1}",
-                        "continuation")
+    def _outside_vocabulary(self, token: int, param: str) -> APIError:
+        return APIError(400, f"prompt token id {token} is outside the vocabulary 0..{self.vocab_size - 1}", param)
 
     async def _run(self, running: Running) -> AsyncIterator[tuple[int, Output]]:
         """Yield (choice index, Output) until every sequence finishes; abort the rest on exit (a whole
