@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from daemon.framing import FrameError, PeerClosed, peer_uid, recv_frame, send_frame
 
+from . import gc_pauses
 from . import main as _engine_main  # noqa: F401  (the whole engine stack, imported once)
 from .__main__ import run as run_engine
 from .config import EngineConfig
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     except Exception as e:  # noqa: BLE001 (an optimisation: children do it themselves if need be)
         logging.warning("decode kernels not preloaded: %s", e)
+    gc_pauses.freeze_startup()  # what every engine inherits (torch, ...): none of their collections walks it
     SpawnServer(ns.socket).serve()
     return 0
 

@@ -43,6 +43,8 @@ def said(node: Node, e: Engine, ev: Said) -> None:
         target = ENGINE_STATES.get(st)
         if target is not None and e.state in (State.STARTING, State.ATTACHING) and e.state != target:
             lifecycle.transition(node, e, target, "reported by engine")
+        if st == "SERVING" and e.state in STARTING:
+            e.next_check_at = node.now  # its HTTP is up: the canary now, not at the next poll
     elif ev.type == "phase":
         node.progress()
         e.phases[str(ev.fields.get("phase"))] = float(ev.fields.get("seconds") or 0.0)
@@ -113,7 +115,7 @@ def ready_checked(node: Node, e: Engine, ev: ReadyChecked) -> None:
         log.error("%s: %s (weights %s); never promoted", e.name, ev.mismatch, e.weights_source)
         mismatched(node, e, ev.mismatch, ev.mismatch)
     else:
-        ready(node, e)
+        ready(node, e, ev.canary_s)
 
 
 def mismatched(node: Node, e: Engine, reason: str, failure: str) -> None:
@@ -122,7 +124,7 @@ def mismatched(node: Node, e: Engine, reason: str, failure: str) -> None:
     fail(node, e, failure)
 
 
-def ready(node: Node, e: Engine) -> None:
+def ready(node: Node, e: Engine, canary_s: float) -> None:
     """The canary passed: READY (a recovery if it replaces a failed engine), primary if none serves."""
     e.policy.record_success()
     e.crash_loop = e.retrying_fatal = False
@@ -131,6 +133,7 @@ def ready(node: Node, e: Engine) -> None:
     e.last_progress = e.last_check = node.now
     e.probe_served = e.served()
     lifecycle.transition(node, e, State.READY, f"canary passed in {node.now - e.started_at:.2f}s after spawn"
+                         f" (its answer took {canary_s * 1e3:.0f} ms)"
                          + (f", weights {e.weights_source}" if e.weights_source else ""))
     if e.down_since is not None:
         secs, e.down_since = node.now - e.down_since, None

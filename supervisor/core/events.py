@@ -64,12 +64,14 @@ class Said:
 class ReadyChecked:
     """A readiness probe: ``listening`` (HTTP up), then the canary: ``answered`` (a completion came
     back), ``broken`` (the engine says its model cannot serve), ``mismatch`` (differs from the
-    golden answer); ``startup`` = GET /startup when the control channel had not brought it."""
+    golden answer); ``canary_s``: how long the canary took; ``startup`` = GET /startup when the control
+    channel had not brought it."""
 
     name: str
     incarnation: int
     listening: bool
     answered: bool = False
+    canary_s: float = 0.0
     broken: bool = False
     error: str = ""
     mismatch: str | None = None

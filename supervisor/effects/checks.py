@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import os
+import time
 from typing import Any
 
 from daemon import framing
@@ -77,7 +78,9 @@ class Checks:
         """HTTP up, then the canary must match the golden answer (recorded by the first to pass)."""
         if not await is_listening(self.http, a.target):
             return ReadyChecked(a.name, a.incarnation, listening=False)
+        t0 = time.monotonic()
         res = await self._canary(a.target)
+        canary_s = time.monotonic() - t0
         if not res.ok:
             return ReadyChecked(a.name, a.incarnation, listening=True, broken=res.broken, error=res.error or "")
         facts = a.detail
@@ -87,7 +90,7 @@ class Checks:
         source = (startup or {}).get("weights_source") or facts.get("weights_source")
         golden = self.golden.record(self.fingerprint, res, a.name, weights_provenance(facts, source))
         return ReadyChecked(a.name, a.incarnation, listening=True, answered=True, mismatch=compare(golden, res),
-                            startup=startup)
+                            canary_s=canary_s, startup=startup)
 
     async def _canary(self, url: str):  # noqa: ANN202
         c = self.cfg
