@@ -23,6 +23,7 @@ from .sampling import SamplingParams
 from .sequence import Output
 
 log = logging.getLogger("engines.engine_client")
+RECONNECT_MS = 5  # zmq's default, 100 ms, was up to 100 ms of a restart (~50 on average)
 
 
 class EngineClient:
@@ -34,10 +35,12 @@ class EngineClient:
         self.key_chain = key_chain
         ctx = zmq.Context()
         self._push = ctx.socket(zmq.PUSH)
+        self._pull = ctx.socket(zmq.PULL)
+        for sock in (self._push, self._pull):  # the core binds only once its graphs are captured:
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # connect soon after, not up to 100 ms later
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.setsockopt(zmq.SNDHWM, 0)  # queue in zmq's thread: a send never blocks the loop
         self._push.connect(to_core)
-        self._pull = ctx.socket(zmq.PULL)
         self._pull.connect(to_frontend)
         self._keys = itertools.count()
         self._emits: dict[int, Callable[[Output], None]] = {}

@@ -273,7 +273,7 @@ def _serve(cfg: EngineConfig, engine: LLMEngine, link: CoreLink, frontend: int, 
         engine.start()
         deadline = time.monotonic() + FRONTEND_START_S
         sent = False
-        while not link.frontend_ready.wait(0.01):
+        while not link.frontend_ready.wait(0.002):
             sent = sent or link.send({"op": "serve", "startup": timer.summary()})  # taken once it connects
             if _exited(frontend) is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the HTTP front end did not start on {cfg.host}:{cfg.port} (see above)")
