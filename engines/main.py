@@ -34,7 +34,8 @@ from .link_sockets import remove_sockets
 from .frontend import run_frontend
 from .startup import StartupTimer
 from .teardown import TEARDOWN_BUDGET_S, exit_deadline, leave_group
-from .tokenizer import Tokenizer, TokenizerError
+from .tokenizer import TokenizerError
+from .tokenizer import load as load_tokenizer
 from .shared_kv import SharedPool, attach_rank_pool
 from .weights import RankWeights, engine_source, gather_sources, load_rank_weights
 
@@ -183,7 +184,7 @@ def run_engine(cfg: EngineConfig) -> int:
                              "(one GPU per rank, or leave gpu_ids empty for cuda:0..tp_size-1)")
         with timer.phase("tokenizer"):
             args = read_model_args(cfg.model_path)  # first: names a missing folder as such
-            tokenizer = Tokenizer(cfg.model_path)
+            tokenizer = load_tokenizer(cfg.model_path)
             mml = max_model_len(cfg, args.max_position_embeddings)
             names = [cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path)), cfg.model_path]
             link_eps = endpoints(cfg.runtime_dir)

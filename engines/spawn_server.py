@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from daemon.framing import FrameError, PeerClosed, peer_uid, recv_frame, send_frame
 
-from . import gc_pauses
+from . import gc_pauses, tokenizer
 from . import main as _engine_main  # noqa: F401  (the whole engine stack, imported once)
 from .__main__ import run as run_engine
 from .config import EngineConfig
@@ -181,6 +181,7 @@ class SpawnServer:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engines.spawn_server", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True, help="AF_UNIX socket path to listen on (made 0600)")
+    parser.add_argument("--tokenizer", help="a checkpoint folder whose tokenizer engines inherit, read once here")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s spawn-server %(levelname)s %(message)s")
     try:
@@ -194,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     except Exception as e:  # noqa: BLE001 (an optimisation: children do it themselves if need be)
         logging.warning("decode kernels not preloaded: %s", e)
+    if ns.tokenizer:
+        try:
+            tokenizer.preload(ns.tokenizer)
+        except Exception as e:  # noqa: BLE001 (an optimisation: each engine reads it, and names what is wrong)
+            logging.warning("tokenizer of %s not preloaded: %s", ns.tokenizer, e)
     gc_pauses.freeze_startup()  # what every engine inherits (torch, ...): none of their collections walks it
     SpawnServer(ns.socket).serve()
     return 0

@@ -143,6 +143,37 @@ def _raise_template_error(msg: str) -> None:
     raise ChatTemplateError(f"chat template rejected the messages: {msg}")
 
 
+_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json")  # what it reads
+_preloaded: dict[Path, tuple[tuple, Tokenizer]] = {}
+
+
+def _stamp(model_dir: Path) -> tuple:
+    """(size, mtime) of each file a Tokenizer reads: a changed file is another tokenizer."""
+    stamp = []
+    for name in _FILES:
+        try:
+            st = (model_dir / name).stat()
+            stamp.append((name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            stamp.append((name, None, None))
+    return tuple(stamp)
+
+
+def preload(model_dir: str | Path) -> None:
+    """Read the checkpoint's tokenizer now: the spawn server does, so that every engine it forks
+    finds it in `load` (~0.1 s of a restart) instead of reading it again."""
+    path = Path(model_dir).resolve()
+    stamp = _stamp(path)
+    _preloaded[path] = (stamp, Tokenizer(path))
+
+
+def load(model_dir: str | Path) -> Tokenizer:
+    """The checkpoint's tokenizer: the preloaded one while its files are unchanged, else read now."""
+    path = Path(model_dir).resolve()
+    hit = _preloaded.get(path)
+    return hit[1] if hit is not None and hit[0] == _stamp(path) else Tokenizer(model_dir)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas without re-decoding everything.
 

@@ -69,7 +69,8 @@ class ChildConfigs:
                            e.kv_block_size, e.count)
 
     def spawn_server(self) -> list[str]:
-        return python_argv("engines.spawn_server", "--socket", str(self.rd / "spawn.sock"))
+        return python_argv("engines.spawn_server", "--socket", str(self.rd / "spawn.sock"),
+                           "--tokenizer", str(self.model_path))
 
     def wanted(self, engines: list[str], ranks: int, spawn_server: bool, fingerprint: str) -> Wanted:
         """The config key of every slot (what a recorded child must have been started with)."""
