@@ -80,7 +80,7 @@ class Play:
         simple = {
             "launch failed": lambda: ev.LaunchFailed(name, inc, args[1]),
             "exit": lambda: ev.Exited(name, inc, c.pid),
-            "exit read": lambda: ev.ExitRead(name, *self._reaped(name), args[1], log_line="last log line"),
+            "exit read": lambda: ev.ExitRead(name, inc, self._reaped(name), args[1], log_line="last log line"),
             "ready": lambda: ev.ReadyChecked(name, inc, listening=True, answered=True),
             "not listening": lambda: ev.ReadyChecked(name, inc, listening=False),
             "unanswered": lambda: ev.ReadyChecked(name, inc, listening=True, error="ConnectError"),
@@ -114,10 +114,9 @@ class Play:
             return ev.AdoptionChecked({}, error=args[0])
         return ev.GroupsGone(())
 
-    def _reaped(self, name: str) -> tuple[int, int]:
-        """The incarnation and pid of the last Reap asked for ``name`` (a restart may have begun since)."""
-        return next((a.incarnation, a.pid) for a in reversed(self.actions)
-                    if type(a).__name__ == "Reap" and a.name == name)
+    def _reaped(self, name: str) -> int:
+        """The pid of the last Reap asked for ``name``."""
+        return next(a.pid for a in reversed(self.actions) if type(a).__name__ == "Reap" and a.name == name)
 
     # ---- reading
     def state(self, name: str) -> str:

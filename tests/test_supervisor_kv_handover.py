@@ -116,19 +116,17 @@ def test_the_rollout_waits_for_the_switchover_round_trip() -> None:
 
 def test_a_primary_that_crashes_before_it_answers_demote_is_a_failover_for_its_exit() -> None:
     """Issue 23: a crash 22 ms before an admin promote was recorded as a planned promote. The crash
-    decides: reason exit (during a promote), its exit restarts it with backoff (a failure counted
-    once: the restart begins as the exit is seen, its status read later only tells)."""
+    decides: reason exit (during a promote), its exit restarts it with backoff (a failure counted)."""
     p = serving(**KV)
     p.play(("ask", "promote"))
     got = p.play(("exit", "a"))
-    assert in_order(got, ["fence a", "publish a EXITED", "reap a", "publish a BACKOFF", "start a via spawn",
-                          "tell b promote"]) and "drain a" not in got
+    assert in_order(got, ["fence a", "publish a EXITED", "reap a", "tell b promote"]) and "drain a" not in got
     got = p.play(PROMOTED)
     ev = p.published("failover")[-1]
     assert (ev["reason"], ev["during"], ev["from"], ev["to"]) == ("exit", "promote", "a", "b"), ev
-    assert "promote b epoch 2" in got and "stop a" not in got, "the restarted one is not the switchover's to stop"
+    assert "promote b epoch 2" in got
     got = p.play(("exit read", "a", -9))
-    assert "publish a BACKOFF" not in got and len(p.node.engines["a"].policy.failures) == 1
+    assert "publish a BACKOFF" in got and len(p.node.engines["a"].policy.failures) == 1
     assert p.answers()[0][0] == 200  # the switchover asked for did happen
 
 
@@ -163,32 +161,3 @@ def test_a_steps_continuations_are_one_event_and_a_malformed_report_none() -> No
     for bad in ([[1]], [["1", 2]], [[1, -2]], "x", None, [[True, 1]]):
         p.play(("said", "a", "continuations", {"each": bad}))
     assert len(p.published("continuations")) == 1
-
-
-def test_a_ready_engine_that_dies_starts_again_as_its_exit_is_seen_and_its_status_only_tells() -> None:
-    """Shared KV: a parked standby needs ~no GPU memory of its own, so the replacement of a READY
-    engine starts at its exit, not ~100 ms later when the dead one's GPU teardown ends and its
-    status is read; that status is logged and recorded, not counted again."""
-    p = serving(**KV)
-    got = p.play(("exit", "b"))
-    assert in_order(got, ["fence b", "reap b", "publish b BACKOFF", "start b via spawn"]), got
-    got = p.play(("launched", "b"), ("exit read", "b", -9))
-    b = p.node.engines["b"]
-    assert got.count("start b via spawn") == 0 and len(b.policy.failures) == 1, got
-    assert b.last_exit == "killed by SIGKILL" and p.state("b") == "STARTING standby"
-    p.play(("ready", "b"))
-    assert p.state("b") == "READY standby"
-
-
-def test_the_restart_waits_for_the_status_under_tp_and_when_the_engine_never_served() -> None:
-    """Other ranks release GPU memory first (TP); an engine that never was READY may have exited with a
-    boot error, which its status says: both restart only once the status is read."""
-    p = serving(tp_size=2, **KV)
-    got = p.play(("exit", "b"))
-    assert "start b via spawn" not in got and "publish b BACKOFF" not in got, got
-    p = serving(**KV)
-    p.play(("exit", "b"), ("launched", "b"), ("exit read", "b", -9))
-    got = p.play(("exit", "b"))
-    assert "start b via spawn" not in got, "b was STARTING: its status decides"
-    got = p.play(("exit read", "b", 3))
-    assert "start b via spawn" in got or "publish b FATAL" in got, got

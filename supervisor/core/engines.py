@@ -11,7 +11,6 @@ from supervisor.core import lifecycle
 from supervisor.core.kv_writers import writer_down, writer_reaped
 from supervisor.core.actions import Drain, Fence, Publish, Stop
 from supervisor.core.events import ExitRead, Exited, Launched, LaunchFailed
-from supervisor.core.exitstatus import describe_returncode
 from supervisor.core.failover import fail_over
 from supervisor.core.model import Engine, Node
 from supervisor.core.states import RUNNING, Role, State
@@ -82,7 +81,6 @@ def exited(node: Node, e: Engine, ev: Exited) -> None:
         return
     writer_down(node, e)
     expected = e.exit_expected
-    was_ready = e.state == State.READY
     serving = node.primary == e.name and e.role == Role.PRIMARY
     reason = e.reason if e.state == State.FAILED else ("stopped" if expected else "exit")
     seen = ev.at if ev.at is not None else node.now
@@ -93,32 +91,12 @@ def exited(node: Node, e: Engine, ev: Exited) -> None:
     lifecycle.mark_down(node, e, ev.pid, "process exited without being asked to",
                         wait_group=node.settings.tp_size > 1)  # the other ranks release GPU memory first
     e.role = Role.STANDBY  # it comes back as a standby
-    s = node.settings
-    if was_ready and not expected and s.shared_kv and s.tp_size == 1 and not s.external and not node.stopping:
-        restart_unread(node, e)
-
-
-def restart_unread(node: Node, e: Engine) -> None:
-    """A READY engine died: its replacement starts now, not when its exit status has been read (a
-    GPU process's teardown, ~100 ms of every standby's return). Having served, it was no boot
-    error, whatever the status says; the status is logged when it comes. Only where the new one
-    needs little GPU memory of its own (a parked standby of the shared KV pool, one rank): an
-    engine with its own KV cache, or other ranks, wait for the dead one's memory to be released."""
-    e.reason = "exited while READY (its exit status is read meanwhile)"
-    e.restarted_unread = e.incarnation
-    restart_later(node, e)  # (its Start is carried out after the pass's Promote, which is urgent)
 
 
 def exit_read(node: Node, e: Engine, ev: ExitRead) -> None:
     """Restart (backoff), stop, or FATAL on a boot error (unless it is the last engine of a node that
     served: that one is retried until the cause is fixed)."""
     writer_reaped(node, e.name, ev.incarnation)
-    if e.restarted_unread == ev.incarnation:  # restarted already: the status is only told
-        e.restarted_unread = None
-        e.last_exit, e.log_line = describe_returncode(ev.returncode), ev.log_line
-        log.warning("%s: pid %d (incarnation %d) %s; log: %s", e.name, ev.pid, ev.incarnation, e.last_exit,
-                    ev.log_path)
-        return
     text, expected = lifecycle.exit_outcome(e, ev)
     (log.info if expected else log.warning)("%s: pid %d (incarnation %d) %s%s", e.name, ev.pid, ev.incarnation,
                                             text, "" if expected else f"; log: {ev.log_path}")

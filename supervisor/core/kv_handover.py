@@ -99,10 +99,8 @@ def check(node: Node) -> None:
             failed(node, e, f"promotion failed: no answer to `promote` within {PROMOTE_TIMEOUT_S:g}s")
     if d is not None:
         old = node.engines[d.name]
-        if old.incarnation != d.incarnation or old.pid is None:  # (a new incarnation: restarted as it exited)
-            crashed = old.incarnation != d.incarnation or old.state in (State.EXITED, State.FAILED, State.BACKOFF,
-                                                                       State.FATAL)
-            handed_over(node, old, crashed=crashed)
+        if old.incarnation != d.incarnation or old.pid is None:
+            handed_over(node, old, crashed=old.state in (State.EXITED, State.FAILED, State.BACKOFF, State.FATAL))
         elif node.now > d.deadline:
             log.warning("%s did not answer `demote` within %gs: fenced", old.name, DEMOTE_TIMEOUT_S)
             node.emit(Fence(old.name, old.pid))

@@ -49,7 +49,7 @@ def begin(node: Node, child: Child) -> bool:
     child.incarnation += 1
     child.pid = None
     child.stop_requested = child.restart_after_stop = child.exit_expected = False
-    child.spawned = child.launching = child.checking = child.reaping = False
+    child.spawned = child.launching = child.checking = False
     child.check_failures = 0
     child.started_at = child.next_check_at = child.last_check = node.now
     transition(node, child, State.STARTING, f"incarnation {child.incarnation}")

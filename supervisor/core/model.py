@@ -68,7 +68,6 @@ class Engine(Child):
     fatal_retries: int = 0             # slow retries of this FATAL slot since it was last READY
     retrying_fatal: bool = False       # this incarnation is such a retry: failing again is FATAL again
     drain_fenced: bool = False         # SIGKILLed after drain_timeout_s: a signal exit was ours
-    restarted_unread: int | None = None  # the incarnation restarted as its exit was seen, its status unread
 
     def served(self) -> int:
         """Requests the engine reports as served (heartbeat), -1 when it reports none."""
