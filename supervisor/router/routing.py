@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engines.interrupt import Interrupt
+from supervisor.router.collector_hold import CollectorHold
 
 T = TypeVar("T")
 
@@ -37,6 +38,7 @@ class RoutingTable:
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
         self._calls: dict[int, set[Interrupt]] = {}  # epoch -> calls in flight to that primary
+        self.collector = CollectorHold()
 
     @property
     def not_ready_reason(self) -> str:
@@ -50,7 +52,9 @@ class RoutingTable:
 
     def mark_lost(self, epoch: int) -> None:
         """The primary of `epoch` was fenced: requests still waiting on it are retried elsewhere
-        now, instead of when its sockets close (after the kernel has torn its GPU context down)."""
+        now, instead of when its sockets close (after the kernel has torn its GPU context down).
+        No collection pauses the loop while they are (supervisor/router/collector_hold.py)."""
+        self.collector.hold()
         self._lost = {e for e in self._lost if e >= epoch - 4} | {epoch}
         for call in self._calls.pop(epoch, ()):
             call.fire()
