@@ -34,8 +34,7 @@ from .link_sockets import remove_sockets
 from .frontend import run_frontend
 from .startup import StartupTimer
 from .teardown import TEARDOWN_BUDGET_S, exit_deadline, leave_group
-from .tokenizer import TokenizerError
-from .tokenizer import load as load_tokenizer
+from .tokenizer import TokenizerError, load as load_tokenizer
 from .shared_kv import SharedPool, attach_rank_pool
 from .weights import RankWeights, engine_source, gather_sources, load_rank_weights
 
