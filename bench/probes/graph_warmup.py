@@ -24,9 +24,10 @@ TIMES: list[tuple[tuple[int, int], float, float]] = []  # key, warm-up s, captur
 
 
 def timed_capture(runner: ModelRunner, warm: str) -> None:
-    """A graph capture like runner.capture_graphs (same order, same calls), timed per graph. A
-    warm-up run goes before every graph ("all": what the runner did before), before the first of
-    each forward path ("path": what it does now) or before the first of each kind ("first")."""
+    """A graph capture like runner.capture_graphs (same order, same calls: a copy, kept here so that
+    the runner's capture carries no probe's knobs), timed per graph. A warm-up run goes before every
+    graph ("all": what the runner did before), before the first of each forward path ("path": what
+    it does now) or before the first of each kind ("first")."""
     decode = sorted({b for b in runner_mod.GRAPH_BATCH_SIZES if b < runner.max_seqs} | {runner.max_seqs})
     mixed = sorted({t for t in runner_mod.GRAPH_TOKEN_SIZES if t < runner.max_rows} | {runner.max_rows})
     pool, warmed = None, set()
