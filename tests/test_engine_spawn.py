@@ -112,3 +112,30 @@ def test_malformed_frame_closes_that_connection_only(server) -> None:
     raw.close()
     with SpawnClient(str(path)) as client:
         client.ping()
+
+
+def test_a_tokenizer_that_cannot_be_preloaded_is_said_and_engines_still_serve(tiny_model, tmp_path) -> None:
+    """--tokenizer naming a folder with no tokenizer: a warning in the spawn server's log, and the
+    engines it forks read their checkpoint's own tokenizer."""
+    path = tmp_path / "spawn.sock"
+    with open(tmp_path / "spawn-server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engines.spawn_server", "--socket", str(path),
+                                 "--tokenizer", str(tmp_path / "missing")],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "spawn-server.log").read_text()
+            time.sleep(0.05)
+        assert "tokenizer of" in (tmp_path / "spawn-server.log").read_text()
+        with SpawnClient(str(path)) as client:
+            pid = client.spawn(config(tiny_model, tmp_path, "tk1"), str(tmp_path / "tk1.log"))
+            ready = wait_for_ready_line(tmp_path / "tk1.log", 60, lambda: client.wait(pid))
+            r = httpx.post(f"http://127.0.0.1:{ready['port']}/v1/completions", timeout=30,
+                           json={"model": tiny_model.name, "prompt": "Hi", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+            os.killpg(pid, signal.SIGTERM)
+            assert wait_exit(client, pid) == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
