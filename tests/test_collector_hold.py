@@ -19,15 +19,15 @@ def wait_enabled(timeout_s: float) -> bool:
 
 def test_a_fence_holds_the_collector_for_the_window_and_a_second_one_restarts_it() -> None:
     table = RoutingTable()
-    table.collector = CollectorHold(0.3)
+    table.collector = CollectorHold(1.0)
     assert wait_enabled(2.0), "(a failover of an earlier test in this process may still hold it)"
     table.mark_lost(1)
     assert not gc.isenabled(), "held from the fence on"
-    time.sleep(0.2)
+    time.sleep(0.6)
     table.mark_lost(2)
-    time.sleep(0.2)
+    time.sleep(0.6)
     assert not gc.isenabled(), "the second fence restarted the window"
-    assert wait_enabled(2.0), "released after the window"
+    assert wait_enabled(3.0), "released after the window"
 
 
 def test_a_collector_disabled_by_someone_else_stays_disabled() -> None:
@@ -43,3 +43,23 @@ def test_a_collector_disabled_by_someone_else_stays_disabled() -> None:
     hold.hold()
     hold.release()
     assert gc.isenabled(), "an early release turns it back on at once"
+
+
+def test_fences_in_a_row_hold_it_no_longer_than_the_longest_stretch() -> None:
+    """A crash loop fencing every 0.1 s must not keep the collector off for good: after `longest`
+    it stays on for a window (`seconds`), whatever comes."""
+    hold = CollectorHold(0.5, longest=1.0)
+    assert wait_enabled(2.0)
+    start = last_hold = last = time.monotonic()
+    hold.hold()
+    enabled_s = 0.0
+    while last - start < 3.5:
+        time.sleep(0.01)
+        now = time.monotonic()
+        enabled_s += (now - last) if gc.isenabled() else 0.0
+        last = now
+        if now - last_hold >= 0.1:
+            hold.hold()
+            last_hold = now
+    hold.release()
+    assert 0.5 <= enabled_s <= 2.0, enabled_s  # (on from 1.0 to 1.5 s and from 2.5 to 3.0 s)
