@@ -21,22 +21,27 @@ from engines.spawn_client import SpawnClient, SpawnError
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("spawn")
+def start_spawn_server(tmp: Path, *args: str) -> subprocess.Popen:
+    """`python -m engines.spawn_server --socket tmp/spawn.sock ARGS`, once its socket exists."""
     path = tmp / "spawn.sock"
-    log = open(tmp / "spawn-server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "engines.spawn_server", "--socket", str(path)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    with open(tmp / "spawn-server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engines.spawn_server", "--socket", str(path), *args],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     deadline = time.monotonic() + 60
     while not path.exists():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp / "spawn-server.log").read_text()
         time.sleep(0.05)
-    yield tmp, path
+    return proc
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spawn")
+    proc = start_spawn_server(tmp)
+    yield tmp, tmp / "spawn.sock"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
-    assert not path.exists()
-    log.close()
+    assert not (tmp / "spawn.sock").exists()
 
 
 def config(tiny_model: Path, tmp: Path, name: str) -> EngineConfig:
@@ -117,18 +122,10 @@ def test_malformed_frame_closes_that_connection_only(server) -> None:
 def test_a_tokenizer_that_cannot_be_preloaded_is_said_and_engines_still_serve(tiny_model, tmp_path) -> None:
     """--tokenizer naming a folder with no tokenizer: a warning in the spawn server's log, and the
     engines it forks read their checkpoint's own tokenizer."""
-    path = tmp_path / "spawn.sock"
-    with open(tmp_path / "spawn-server.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engines.spawn_server", "--socket", str(path),
-                                 "--tokenizer", str(tmp_path / "missing")],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    proc = start_spawn_server(tmp_path, "--tokenizer", str(tmp_path / "missing"))
     try:
-        deadline = time.monotonic() + 60
-        while not path.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "spawn-server.log").read_text()
-            time.sleep(0.05)
         assert "tokenizer of" in (tmp_path / "spawn-server.log").read_text()
-        with SpawnClient(str(path)) as client:
+        with SpawnClient(str(tmp_path / "spawn.sock")) as client:
             pid = client.spawn(config(tiny_model, tmp_path, "tk1"), str(tmp_path / "tk1.log"))
             ready = wait_for_ready_line(tmp_path / "tk1.log", 60, lambda: client.wait(pid))
             r = httpx.post(f"http://127.0.0.1:{ready['port']}/v1/completions", timeout=30,
