@@ -21,8 +21,6 @@ Block 0 is never handed out: CUDA-graph padding rows write their keys and values
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from typing import Callable, Literal
 
@@ -30,60 +28,13 @@ import numpy as np
 
 from daemon.kv_index import Adoption, BlockIndex
 
+from .block_keys import ROOT, block_key, chain_keys
 from .kv_adopted import AdoptedCache
 from .kv_publish import Publisher
 from .sequence import Sequence
 
 PAD_BLOCK = 0
 Mode = Literal["own", "parked", "writer"]
-
-
-ROOT = bytes(16)  # the `prev` of a sequence's first block
-# A deterministic engine's chains start elsewhere: its KV is computed by other kernels (other bits),
-# so it never takes a block a default-mode engine left in the pool, nor gives it one. The version
-# names the kernels' arithmetic: a release that changes it must change the version, so that a
-# rollout's engines never continue from KV the old kernels wrote (other bits, under the same weights).
-DETERMINISTIC_KERNELS = b"understudy: batch-invariant kernels v3 (K unsplit, attention splits merged in order)"
-DETERMINISTIC_ROOT = hashlib.blake2b(DETERMINISTIC_KERNELS, digest_size=16).digest()
-
-
-def key_root(deterministic: bool) -> bytes:
-    """Where an engine's block keys chain from (the core's and its front end's alike)."""
-    return DETERMINISTIC_ROOT if deterministic else ROOT
-
-
-_KEY_HASH = hashlib.blake2b(digest_size=16)  # an empty one, copied for each key (chain_keys)
-
-
-def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
-    """The 128-bit key of a full block: its tokens and, through `prev`, everything before them.
-    Stable across processes (not Python's `hash`): another engine computes the same key."""
-    h = hashlib.blake2b(prev or ROOT, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
-
-
-def chain_keys(prev: bytes, tokens: list[int] | np.ndarray, block_size: int) -> list[bytes]:
-    """The keys of the full blocks of `tokens` that follow a block keyed `prev`: `block_key` for
-    each, hashed from one buffer (a continuation's 100 blocks at a failover, 256 at once; an int64
-    array is hashed in place)."""
-    data = tokens.astype(np.int64, copy=False).tobytes() if isinstance(tokens, np.ndarray) \
-        else array("q", tokens).tobytes()
-    step, keys, fresh = 8 * block_size, [], _KEY_HASH.copy  # (a copy: no constructor's arguments parsed)
-    for start in range(0, len(data) - step + 1, step):
-        h = fresh()
-        h.update(prev)
-        h.update(data[start:start + step])
-        prev = h.digest()
-        keys.append(prev)
-    return keys
-
-
-def prompt_keys(prompt: list[int] | np.ndarray, root: bytes, block_size: int) -> bytes:
-    """The keys `match_prefix` looks up for `prompt` (its full blocks before the last token), joined:
-    a continuation's front end hashes them beside the core (engines/engine_client.py), so that the
-    scheduler thread of a new primary does not, for 256 continuations at once."""
-    return b"".join(chain_keys(root, prompt[:(len(prompt) - 1) // block_size * block_size], block_size))
 
 
 def _split_keys(joined: bytes) -> list[bytes]:
@@ -197,7 +148,6 @@ class BlockManager:
         At least the prompt's last token is left to compute (its logits pick the first output token).
         A continued request always looks (its own blocks, from the engine that began it)."""
         prompt = seq.prompt_ids
-        self.queried_tokens += len(prompt)
         if self.mode != "parked" and (self.prefix_caching or seq.replayed):
             prev, n = self.root, (len(prompt) - 1) // self.block_size
             given = seq.prefix_keys if seq.prefix_keys is not None and len(seq.prefix_keys) == 16 * n else None
@@ -212,10 +162,56 @@ class BlockManager:
                     break
                 self._hit(seq, block, key)
                 prev = key
+        self._matched(seq)
+
+    def _matched(self, seq: Sequence) -> None:
+        """A sequence's cached prefix is found: its counts."""
+        self.queried_tokens += len(seq.prompt_ids)
         seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size
         self.hit_tokens += seq.num_cached
         if seq.replayed and seq.first_scheduled is None and self.on_continuation is not None:
-            self.on_continuation(seq.num_cached, len(prompt) - seq.num_cached)
+            self.on_continuation(seq.num_cached, len(seq.prompt_ids) - seq.num_cached)
+
+    def match_many(self, seqs: list[Sequence]) -> None:
+        """`match_prefix` for continued sequences with no blocks yet, with one lookup for all, or for
+        none of them (they are then matched one by one, as they are taken). A failover's continuations
+        (256 at once, their keys given by the front end) each took ~45 us of the new primary's
+        scheduler thread on the dev VM one by one, mostly numpy's per-call cost. Done at once only
+        where the outcome is that of matching them in order: each finds its blocks among the adopted
+        ones, and no two find the same block."""
+        bs, adopted = self.block_size, self.adopted
+        counts = [(len(s.prompt_ids) - 1) // bs for s in seqs]
+        if (len(seqs) < 2 or self.mode != "writer" or adopted is None or not adopted.count
+                or any(s.block_table or not s.replayed or s.prefix_keys is None or len(s.prefix_keys) != 16 * n
+                       for s, n in zip(seqs, counts))
+                or any(halves(s.prefix_keys[:16])[0] in self.block_of for s, n in zip(seqs, counts) if n)):
+            return
+        lo, hi = halves_of([s.prefix_keys for s in seqs])
+        found = adopted.find(lo, hi)
+        hits = found[found >= 0]
+        if len(np.unique(hits)) != len(hits):
+            return
+        starts = np.cumsum([0] + counts[:-1])
+        ends = starts + counts
+        index = np.arange(len(found))
+        misses = np.where(found < 0, index, len(found))
+        runs = np.zeros(len(seqs), dtype=np.int64)
+        some = np.flatnonzero(np.asarray(counts) > 0)
+        if len(some):  # (a sequence's run: its blocks up to its first miss)
+            runs[some] = np.minimum(np.minimum.reduceat(misses, starts[some]), ends[some]) - starts[some]
+        taken = index - np.repeat(starts, counts) < np.repeat(runs, counts)
+        adopted.take(found[taken])
+        blocks, los = found.tolist(), lo.tolist()
+        refs, block_of = self.refs, self.block_of
+        for seq, start, run in zip(seqs, starts.tolist(), runs.tolist()):
+            mine = blocks[start:start + run]
+            for block in mine:  # (adopted blocks: no sequence holds them, none is evictable)
+                refs[block] = 1
+            block_of.update(zip(los[start:start + run], mine))
+            keys = seq.prefix_keys
+            seq.block_table.extend(mine)
+            seq.block_keys.extend([keys[i:i + 16] for i in range(0, 16 * run, 16)])
+            self._matched(seq)
 
     def _hit(self, seq: Sequence, block: int, key: bytes) -> None:
         self._ref(block)

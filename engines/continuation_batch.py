@@ -239,8 +239,9 @@ def member_body(i: int, m: WireMember) -> dict | tuple[str, str]:
             return f"requests.{i}: its ids are framed; its body holds no continuation of its own", \
                 f"requests.{i}.body.continuation"
         # (a model instance passes validation as it is: the ids are checked by the endpoint, as arrays)
-        data["continuation"] = Continuation.model_construct(prompt_token_ids=m.prompt_ids,
-                                                            output_token_ids=m.output_ids)
+        data["continuation"] = cont = Continuation.model_construct(prompt_token_ids=m.prompt_ids,
+                                                                   output_token_ids=m.output_ids)
+        cont._router_keys = m.keys
     return data
 
 

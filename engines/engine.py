@@ -25,7 +25,8 @@ from daemon.kv_index import FencedError, PreviousWriterAlive
 from .control import ControlChannel
 from .inflight import InFlight
 from .promotion_trace import PromotionTrace
-from .block_manager import BlockManager, key_root
+from .block_keys import key_root
+from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, ensure_seed

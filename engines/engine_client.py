@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 import zmq
 
-from .block_manager import prompt_keys
+from .block_keys import checked_prompt_keys
 from .core_link import decode, encode
 from .sampling import SamplingParams
 from .sequence import Output
@@ -53,15 +53,16 @@ class EngineClient:
 
     # ---- the LLMEngine surface the HTTP server uses -----------------------------------------
     def submit(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams, emit: Callable[[Output], None],
-               group: int | None = None, replayed: int = 0) -> int:
+               group: int | None = None, replayed: int = 0, router_keys: bytes | None = None) -> int:
         """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key.
-        (`prompt_ids` as an int64 array: a continuation's, engines/server.py; it goes out as a list.)"""
+        (`prompt_ids` as an int64 array: a continuation's, engines/server.py; it goes out as a list.
+        A continuation's prompt keys go with it: the router's when they check out, else hashed here.)"""
         key = next(self._keys)
         self._emits[key] = emit
         msg = {"op": "add", "key": key, "prompt": prompt_ids, "params": params.wire(),
                "group": group, "replayed": replayed}
         if replayed and self.key_chain is not None:
-            msg["keys"] = prompt_keys(prompt_ids, *self.key_chain).hex()
+            msg["keys"] = checked_prompt_keys(router_keys, prompt_ids, *self.key_chain).hex()
         self._request(msg)
         return key
 

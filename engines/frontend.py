@@ -11,7 +11,7 @@ import signal
 
 from .config import EngineConfig
 from . import event_loop, gc_pauses
-from .block_manager import key_root
+from .block_keys import key_root
 from .engine_client import EngineClient
 from .first_output import stamp_arrival
 from .guarded_http import guarded_config

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 MAX_N = 16  # n / best_of cap per request (each choice takes a KV slot)
 REQUEST = ConfigDict(strict=True, extra="ignore")  # every request model's: OpenAI's types, unknown fields ignored
@@ -38,6 +38,8 @@ class Continuation(BaseModel):
 
     prompt_token_ids: Ids = Field(min_length=1)
     output_token_ids: Ids = Field(default_factory=list)
+    # A batch member's block keys as the router hashed them (engines/batch_wire.py); never from JSON.
+    _router_keys: bytes | None = PrivateAttr(default=None)
 
 
 class _SamplingFields(BaseModel):

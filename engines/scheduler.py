@@ -10,6 +10,7 @@ an error or a truncation for it, only a later token.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import islice
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
@@ -54,6 +55,10 @@ class FairQueue:
             self._continued.append(seq)
         else:
             self._groups.setdefault(seq.group, deque()).append(seq)
+
+    def continuations(self, limit: int) -> list[Sequence]:
+        """The first `limit` continued sequences waiting (in the order they are taken)."""
+        return list(islice(self._continued, limit))
 
     def push_front(self, seq: Sequence) -> None:
         self._front.appendleft(seq)
@@ -128,6 +133,9 @@ class Scheduler:
             scheduled.add(seq)
             budget -= n
         preempted = self.preemptions
+        room = self.max_running - len(self.running)
+        if budget and room > 1:  # (a failover's continuations: their prefixes found at once)
+            self.blocks.match_many([s for s in self.waiting.continuations(room) if not s.block_table])
         while budget and len(self.running) < self.max_running and self.waiting.peek() is not None:
             seq = self.waiting.peek()
             if not seq.block_table:

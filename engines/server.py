@@ -37,6 +37,11 @@ from .tokenizer import ChatTemplateError, Tokenizer
 log = logging.getLogger("engines.server")
 
 
+# A sequence to start: its prompt ids, sampling, how many of the ids a continuation replays, and the
+# router's keys of its prompt's blocks (a failover's batch member; checked by EngineClient.submit).
+Job = tuple["list[int] | np.ndarray", SamplingParams, int, "bytes | None"]
+
+
 class APIError(Exception):
     """A request we refuse; becomes an OpenAI error body with this status."""
 
@@ -121,15 +126,15 @@ class OpenAIServer:
             if bad:
                 raise self._outside_vocabulary(bad[0], param)
 
-    def _start(self, jobs: list[tuple[list[int] | np.ndarray, SamplingParams, int]]) -> Running:
-        """Hand every (prompt, params, replayed) job to the core now."""
+    def _start(self, jobs: list[Job]) -> Running:
+        """Hand every (prompt, params, replayed, block keys) job to the core now."""
         running = Running(self.engine, len(jobs), self.first_output.submitted(), self.first_output)
         group = id(running)  # the request's sequences take turns with other requests
-        running.keys = [self.engine.submit(p, sp, lambda out, i=i: running.emit(i, out), group, r)
-                        for i, (p, sp, r) in enumerate(jobs)]
+        running.keys = [self.engine.submit(p, sp, lambda out, i=i: running.emit(i, out), group, r, keys)
+                        for i, (p, sp, r, keys) in enumerate(jobs)]
         return running
 
-    def _continued(self, req, cont, param: str) -> list[tuple[np.ndarray, SamplingParams, int]]:
+    def _continued(self, req, cont, param: str) -> list[Job]:
         """The one job of a continuation: the original prompt's limits, minus the replayed tokens. Its
         ids are one int64 array (lists from JSON, or arrays read raw from a failover's batch): checked
         at once, hashed in place (block_manager.prompt_keys) and sent to the core as they are."""
@@ -147,7 +152,7 @@ class OpenAIServer:
             raise APIError(400, f"continuation.output_token_ids holds {len(done)} tokens: max_tokens="
                                 f"{params.max_tokens} leaves nothing to generate", "continuation")
         params.max_tokens -= len(done)
-        return [(ids, params, len(done))]
+        return [(ids, params, len(done), cont._router_keys)]
 
     def _outside_vocabulary(self, token: int, param: str) -> APIError:
         return APIError(400, f"prompt token id {token} is outside the vocabulary 0..{self.vocab_size - 1}", param)
@@ -173,7 +178,7 @@ class OpenAIServer:
         else:
             prompts = await completion_prompt_ids(self.tokenizer, req.prompt, req.n, self.limits, self.max_model_len)
             self._check_ids(prompts, "prompt")
-            jobs = [(p, _nth_seed(ensure_seed(self._params(req, len(p), "prompt")), j), 0)
+            jobs = [(p, _nth_seed(ensure_seed(self._params(req, len(p), "prompt")), j), 0, None)
                     for p in prompts for j in range(req.n)]
         prompt_tokens = sum(len(p) for p in prompts)
         rid, created = f"cmpl-{self._ids.next()}", int(time.time())
@@ -213,7 +218,7 @@ class OpenAIServer:
                 raise APIError(400, str(e), "messages") from None
             self._check_ids([prompt], "messages")
             params = ensure_seed(self._params(req, len(prompt), "messages"))
-            jobs = [(prompt, _nth_seed(params, j), 0) for j in range(req.n)]
+            jobs = [(prompt, _nth_seed(params, j), 0, None) for j in range(req.n)]
         rid, created = f"chatcmpl-{self._ids.next()}", int(time.time())
         ids = req.return_token_ids
         if req.stream:

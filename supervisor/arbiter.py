@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from engines.block_keys import key_root
 from supervisor.admin.gate import bearer_gate
 from supervisor.admin.requests import AdminRequests
 from supervisor.admin.status_view import status_view
@@ -213,7 +214,8 @@ class Supervisor:
                                   migration=r.migration if self.cfg.engines.kind == "builtin"
                                   else r.migration.model_copy(update={"enabled": False}),
                                   publish=self.bus.publish, limits=self.cfg.limits,
-                                  body_timeout_s=self.cfg.limits.body_timeout_s)
+                                  body_timeout_s=self.cfg.limits.body_timeout_s,
+                                  key_chain=(self.cfg.engines.kv_block_size, key_root(self.cfg.engines.deterministic)))
         router_limits, admin_limits = listener_limits(self.cfg, raise_open_files_limit())
         self._servers.append(make_server(router_app, self.router_sock, lvl, router_limits, "router"))
         self._essential_task(self._servers[0].serve(sockets=[self.router_sock]), "router")

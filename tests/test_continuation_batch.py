@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from engines.batch_wire import encode_member
+from engines.block_keys import DETERMINISTIC_ROOT, ROOT, prompt_keys
 from engines.config import EngineConfig
 from engines.continuation_batch import GROUP
 from harness.engine_process import EngineProcess
@@ -100,6 +101,25 @@ def test_members_answer_as_their_own_requests_and_a_bad_one_alone_is_refused(eng
     assert refusals[6]["param"] == "requests.6.body.continuation"
 
 
+def test_members_with_the_routers_block_keys_answer_as_their_own_requests(engine, tiny_model):
+    """A member's block keys as the router hashed them (engines/batch_wire.py): the front end takes
+    them when they are its own and hashes the prompt itself when not (another root, another count):
+    each member's tokens are its own request's."""
+    model = tiny_model.name
+    prompt, done = list(range(30, 90)), [3, 4, 5]
+    body = continued(model, prompt, done, 10)
+    ids = prompt + done
+    keys = {"its own": prompt_keys(ids, ROOT, 16), "another root": prompt_keys(ids, DETERMINISTIC_ROOT, 16),
+            "too few": prompt_keys(ids, ROOT, 16)[:-16]}
+    fields = json.dumps({k: v for k, v in body.items() if k != "continuation"}).encode()
+    batch = b"".join(encode_member(b"/v1/completions", fields, array("q", prompt), array("q", done), k)
+                     for k in keys.values())
+    got = frames(post_batch(engine, batch).content)
+    alone = token_ids(httpx.post(engine.url + "/v1/completions", json=body, timeout=60).content)
+    for i in range(len(keys)):
+        assert got[i][-1] == (0, b"") and token_ids(b"".join(p for s, p in got[i] if s == 200)) == alone
+
+
 def test_members_past_the_first_group_answer_as_their_own_requests(engine, tiny_model):
     """More members than one group (GROUP go to the core in one message), a bad one at the boundary:
     every good member's tokens are its own request's."""
@@ -122,7 +142,7 @@ def test_members_past_the_first_group_answer_as_their_own_requests(engine, tiny_
     (b"/v1/completions 2 0\n{}", "requests.0", "expected a head"),
     (b"/v1/completions 2 0 0\n{}/v1/completions two 0 0\n{}", "requests.1", "not integers"),
     (b"/v1/completions 2 -1 0\n{}", "requests.0", "none may be negative"),
-    (b"/v1/completions 2 0 1\n{}" + bytes(8), "requests.0", "output ids need prompt ids"),
+    (b"/v1/completions 2 0 1\n{}" + bytes(8), "requests.0", "output ids and keys need prompt ids"),
     (b"/v1/completions 2 3 0\n{}" + bytes(16), "requests.0", "the body has 18"),
 ])
 def test_a_malformed_batch_is_refused_naming_what_is_wrong(engine, body, param, says):

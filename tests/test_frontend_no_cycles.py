@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from engines.batch_wire import encode_member
-from engines.block_manager import key_root
+from engines.block_keys import key_root
 from engines.engine_client import EngineClient
 from engines.server import OpenAIServer, build_app
 from engines.tokenizer import Tokenizer

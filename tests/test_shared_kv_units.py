@@ -15,11 +15,12 @@ from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, Previ
                              checksum, index_bytes)
 from daemon.kv_layout import KVLayout, plan_layout
 from daemon.kv_pool import KVPool
-from engines.block_manager import (DETERMINISTIC_ROOT, BlockManager, block_key, chain_keys, halves, halves_of,
-                                  prompt_keys)
+from engines.block_keys import DETERMINISTIC_ROOT, block_key, chain_keys, prompt_keys
+from engines.block_manager import BlockManager, halves, halves_of
 from engines.kv_adopted import AdoptedCache
 from engines.kv_publish import Publisher
 from engines.sampling import SamplingParams
+from engines.scheduler import Scheduler
 from engines.sequence import Sequence
 from engines.tokenizer import Tokenizer
 
@@ -209,7 +210,7 @@ def test_one_writer_across_processes(pool: KVPool) -> None:
 def test_block_keys_are_stable_across_processes() -> None:
     tokens = list(range(100, 116))
     here = block_key(block_key(None, tokens), tokens)
-    there = subprocess.run([sys.executable, "-c", "from engines.block_manager import block_key; t = list(range(100, 116)); "
+    there = subprocess.run([sys.executable, "-c", "from engines.block_keys import block_key; t = list(range(100, 116)); "
                             "print(block_key(block_key(None, t), t).hex())"], capture_output=True, text=True, timeout=60)
     assert bytes.fromhex(there.stdout.strip()) == here and len(here) == 16
 
@@ -415,3 +416,61 @@ def test_with_the_heap_keeping_freed_memory_a_rehearsed_claim_takes_no_page_faul
     assert out.returncode == 0, out.stderr
     adopted, faults, sort_faults = map(int, out.stdout.split())
     assert adopted > 65000 and faults <= 64 and sort_faults <= 16, out.stdout  # (without: ~735, the sort ~127)
+
+
+def _continuations(tok: Tokenizer, prompts: list[list[int]], root: bytes) -> list[Sequence]:
+    return [Sequence(ids, GREEDY, tok, set(), 64, lambda o: None, replayed=2, prefix_keys=prompt_keys(ids, root, 4))
+            for ids in prompts]
+
+
+def _outcome(bm: BlockManager, seqs: list[Sequence]) -> tuple:
+    return ([(s.block_table, s.block_keys, s.num_cached, s.num_computed) for s in seqs], list(bm.refs),
+            dict(bm.block_of), bm.adopted.count, bm.adopted.live.tolist(), bm.hit_tokens, bm.queried_tokens)
+
+
+def test_a_failovers_continuations_matched_at_once_find_what_one_by_one_would(pool: KVPool, tok: Tokenizer) -> None:
+    """block_manager.match_many: one lookup for many continuations, the outcome of matching them in
+    order (a chain that ends before the prompt does, a prompt of no full block, one not in the pool)."""
+    old, _ = writer(pool)
+    done = [list(range(100, 113)), list(range(200, 209)), list(range(300, 317))]
+    for ids in done:
+        computed(old, seq_of(tok, ids))
+    prompts = [done[0] + [7] * 8, done[1], [1, 2, 3], done[2], list(range(400, 409))]
+    one_by_one, _ = writer(pool)
+    seqs = _continuations(tok, prompts, one_by_one.root)
+    reports: list[list] = [[], []]
+    one_by_one.on_continuation = lambda r, c: reports[0].append((r, c))
+    for s in seqs:
+        one_by_one.match_prefix(s)
+    want = _outcome(one_by_one, seqs)
+    at_once, _ = writer(pool)
+    at_once.on_continuation = lambda r, c: reports[1].append((r, c))
+    seqs = _continuations(tok, prompts, at_once.root)
+    at_once.match_many(seqs)
+    assert _outcome(at_once, seqs) == want and reports[0] == reports[1]
+    assert [s.num_cached for s in seqs] == [12, 8, 0, 16, 0]
+
+
+@pytest.mark.parametrize("why", ["two share a block", "one finds its head cached", "one has no keys"])
+def test_continuations_that_must_be_matched_in_order_are_left_to_the_scheduler(pool: KVPool, tok: Tokenizer,
+                                                                                why: str) -> None:
+    """Where matching at once could differ from matching in order, match_many matches none: the
+    scheduler then matches each as it takes it."""
+    old, _ = writer(pool)
+    for ids in (list(range(100, 113)), list(range(200, 209))):
+        computed(old, seq_of(tok, ids))
+    new, _ = writer(pool)
+    prompts = [list(range(100, 113)), list(range(100, 109)) if why == "two share a block" else list(range(200, 209))]
+    if why == "one finds its head cached":
+        new.match_prefix(head := seq_of(tok, list(range(200, 205)), replayed=1))
+        new.release(head)
+    seqs = _continuations(tok, prompts, new.root)
+    if why == "one has no keys":
+        seqs[1].prefix_keys = None
+    new.match_many(seqs)
+    assert [s.block_table for s in seqs] == [[], []]
+    sched = Scheduler(new, max_num_seqs=8, max_num_batched_tokens=64)
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()
+    assert [s.num_cached for s in seqs] == [12, 8]

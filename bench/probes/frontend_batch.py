@@ -7,7 +7,7 @@ order). With --steps K, each round then hands the front end K steps of outputs (
 member, in one message as the core sends a step's) and times each to the last of its frames.
 
     python3 bench/probes/frontend_batch.py MODEL_DIR [--n 256] [--prompt 600] [--done 300] [--rounds 5]
-        [--steps K] [--profile [--sort cumulative]] [--no-gc]
+        [--steps K] [--profile [--sort cumulative]] [--no-gc] [--no-router-keys]
 """
 from __future__ import annotations
 
@@ -30,16 +30,17 @@ import zmq
 
 from continuation_burst import burst_arguments
 from engines import gc_pauses
-from engines.block_manager import key_root
+from engines.block_keys import KeyChain, key_root
 from engines.engine_client import EngineClient
 from engines.server import OpenAIServer, build_app
 from engines.tokenizer import Tokenizer
 from supervisor.router.continuation import Tracked
 
 
-def batch_body(model: str, vocab: int, n: int, prompt: int, done: int) -> bytes:
+def batch_body(model: str, vocab: int, n: int, prompt: int, done: int, keys: bool = True) -> bytes:
     """A batch as the router builds it (supervisor/router/continuation.py `upstream_body`): each member
-    a completion whose engine had sent `done` tokens of it."""
+    a completion whose engine had sent `done` tokens of it; with `keys`, its block keys as the router
+    hashed them while the stream went (engines/block_keys.py KeyChain), else none (the front end hashes)."""
     rng = random.Random(0)
     members = []
     for seed in range(n):
@@ -47,6 +48,9 @@ def batch_body(model: str, vocab: int, n: int, prompt: int, done: int) -> bytes:
         req = Tracked("completions", {"model": model, "prompt": ids[:prompt], "max_tokens": done + 16, "stream": True,
                                       "ignore_eos": True, "seed": seed})
         req.prompt_ids, req.output_ids = array("q", ids[:prompt]), array("q", ids[prompt:])
+        if keys:
+            req.keys = KeyChain(16)
+            req.keys.catch_up(req.prompt_ids, req.output_ids)
         members.append(req.batch_member(b"/v1/completions"))
     return b"".join(members)
 
@@ -139,7 +143,7 @@ async def main_async(a) -> None:
     client = EngineClient(f"ipc://{tmp}/in", f"ipc://{tmp}/out", (key_root(False), 16))
     srv = OpenAIServer(client, Tokenizer(model), [model.name], a.prompt + a.done + 64, vocab, lambda: {})
     app = build_app(srv)
-    body = batch_body(model.name, vocab, a.n, a.prompt, a.done)
+    body = batch_body(model.name, vocab, a.n, a.prompt, a.done, not a.no_router_keys)
     gc_pauses.freeze_startup()  # as the front end does before it serves (engines/frontend.py)
     if a.no_gc:
         gc.disable()
@@ -173,6 +177,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=0, help="then relay this many steps' outputs (one token a member)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-router-keys", action="store_true", help="members without the router's block keys (before 2026-12-04)")
     p.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative)")
     p.add_argument("--no-gc", action="store_true", help="the garbage collector off (else as the front end runs it)")
     asyncio.run(main_async(p.parse_args()))

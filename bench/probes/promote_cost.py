@@ -2,7 +2,8 @@
 this host's CPU (no GPU: a memfd pool): the index claim (read and check every entry), the block
 manager's adoption, then the admission of every continued stream (its Sequence and its prefix match),
 with its block keys hashed on the scheduler thread, then given as the front end hashes them
-(block_manager.prompt_keys), in the same run.
+(block_manager.prompt_keys), then the prefix matches alone, all at once (block_manager.match_many), in
+the same run.
 
 The pool holds `--streams` sequences' blocks keyed as an engine keys them (blake2b: keys in random
 order, as a real pool's are), the rest filled with other random keys.
@@ -23,7 +24,8 @@ import torch
 from daemon.kv_index import BlockIndex
 from daemon.kv_layout import KVLayout
 from daemon.kv_pool import KVPool
-from engines.block_manager import ROOT, BlockManager, block_key, halves, prompt_keys
+from engines.block_keys import ROOT, block_key, prompt_keys
+from engines.block_manager import BlockManager, halves
 from engines.kv_publish import Publisher
 from engines.make_model import make_model
 from engines.sampling import SamplingParams
@@ -72,7 +74,7 @@ def main() -> None:
     index.claim(lay, FP)
     fill(index, lay, streams, rng, a.twice)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
-    claims, adopts, admits, hinted, reused = [], [], [], [], 0
+    claims, adopts, admits, hinted, at_once, reused = [], [], [], [], [], 0
     keys = [prompt_keys(ids, ROOT, 16) for ids in streams]  # (as the front end hashes them)
     for _ in range(a.runs):
         t = time.perf_counter()
@@ -98,9 +100,18 @@ def main() -> None:
             bm.match_prefix(seq)
         hinted.append(time.perf_counter() - t)
         assert sum(s.num_cached for s in seqs) == reused
+        bm = BlockManager(lay.num_blocks, 16, scratch=lay.scratch(0), shared=lay.shared_blocks)  # again, at once
+        bm.become_writer(index.claim(lay, FP), index, Publisher(index, bm.gens, torch.device("cpu")))
+        seqs = [Sequence(ids, greedy, tokenizer, set(), 4096, lambda o: None, replayed=len(ids) // 2, prefix_keys=k)
+                for ids, k in zip(streams, keys)]
+        t = time.perf_counter()
+        bm.match_many(seqs)
+        at_once.append(time.perf_counter() - t)
+        assert sum(s.num_cached for s in seqs) == reused
     ms = lambda xs: f"median {statistics.median(xs) * 1e3:.1f} ms (first {xs[0] * 1e3:.1f})"  # noqa: E731
     print(f"{a.blocks} blocks, {len(adoption.sealed)} keyed, runs {a.runs}: claim {ms(claims)}, adopt {ms(adopts)}, "
           f"{a.streams} continuations admitted {ms(admits)}, with their keys hashed by the front end {ms(hinted)}, "
+          f"their prefixes then matched at once (block_manager.match_many, Sequences apart) {ms(at_once)}, "
           f"{reused} of {sum(map(len, streams))} tokens reused")
 
 

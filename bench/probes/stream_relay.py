@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq
 
-from engines.block_manager import key_root
+from engines.block_keys import key_root
 from engines.engine_client import EngineClient
 from engines.server import OpenAIServer, build_app
 from engines.tokenizer import Tokenizer

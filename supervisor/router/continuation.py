@@ -31,6 +31,7 @@ import orjson
 
 from engines import request_body, sse
 from engines.batch_wire import encode_member
+from engines.block_keys import KeyChain
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
@@ -88,8 +89,12 @@ def parse_request(path: str, body: bytes) -> Any:
 class Tracked:
     """A request the router can continue on another engine."""
 
-    def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62, arrived: float | None = None) -> None:
+    def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62, arrived: float | None = None,
+                 key_chain: tuple[int, bytes] | None = None) -> None:
+        """``key_chain``: the engines' KV (block size, key root): the stream's block keys are then
+        hashed as its ids come, for a failover's batch (engines/block_keys.py KeyChain)."""
         self.kind, self.req, self.max_ids = kind, req, max_ids
+        self._key_chain, self.keys = key_chain, None
         self.arrived = time.monotonic() if arrived is None else arrived  # when the router received it
         self.client_stream = bool(req.get("stream"))
         self.client_ids = bool(req.get("return_token_ids"))
@@ -118,7 +123,8 @@ class Tracked:
         self._buf = b""
 
     @classmethod
-    def parse(cls, path: str, req: Any, max_ids: int = 1 << 62, arrived: float | None = None) -> "Tracked | None":
+    def parse(cls, path: str, req: Any, max_ids: int = 1 << 62, arrived: float | None = None,
+              key_chain: tuple[int, bytes] | None = None) -> "Tracked | None":
         """A Tracked for a request (its body as `parse_request` read it) the router can continue
         exactly, else None (passed through as is: not JSON, n > 1, several prompts, a continuation
         already, odd types the engine will refuse)."""
@@ -134,7 +140,7 @@ class Tracked:
         if kind == "completions" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
                 and len(prompt) != 1:
             return None
-        return cls(kind, req, max_ids, arrived)
+        return cls(kind, req, max_ids, arrived, key_chain)
 
     @property
     def replay_tokens(self) -> int:
@@ -152,7 +158,8 @@ class Tracked:
     def batch_member(self, path: bytes) -> bytes:
         """``upstream_body()`` as a member of a failover's batch (engines/batch_wire.py): the same
         request, its continuation's ids framed raw after its JSON."""
-        return encode_member(path, _dump(self._upstream_fields()), self.prompt_ids, self.output_ids)
+        keys = self.keys.prompt(len(self.prompt_ids) + len(self.output_ids)) if self.keys is not None else b""
+        return encode_member(path, _dump(self._upstream_fields()), self.prompt_ids, self.output_ids, keys)
 
     def _upstream_fields(self) -> dict:
         """The client's fields as the engine gets them: a stream with ids; once the prompt ids are
@@ -235,6 +242,13 @@ class Tracked:
                 self.finish_reason = ch["finish_reason"]
         if prompt is not None and self.prompt_ids is None:
             self.prompt_ids = _ids(prompt)
+            if self._key_chain is not None:
+                self.keys = KeyChain(*self._key_chain)
+        if self.keys is not None:
+            if self.overflow:
+                self.keys = None
+            else:
+                self.keys.catch_up(self.prompt_ids, self.output_ids)
         if c.get("usage"):
             self.usage = c["usage"]
         if not self.client_stream or (role and self.role_sent):  # a continuation's role chunk

@@ -36,9 +36,9 @@ class Proxy:
     """``/v1/*`` as a bare ASGI callable."""
 
     def __init__(self, upstreams: Upstreams, migration: MigrationSection, publish: Publish | None,
-                 limits: RequestLimits | None, body_timeout_s: float) -> None:
+                 limits: RequestLimits | None, body_timeout_s: float, key_chain: tuple[int, bytes] | None = None) -> None:
         self.u = upstreams
-        self.migrator = Migrator(upstreams, migration, publish, (limits or DEFAULT_LIMITS).max_body_bytes)
+        self.migrator = Migrator(upstreams, migration, publish, (limits or DEFAULT_LIMITS).max_body_bytes, key_chain)
         self.limits, self.body_timeout_s = limits, body_timeout_s
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -71,7 +71,7 @@ class Proxy:
         if body is None:  # our client left before sending its request whole
             return
         cfg = self.migrator.cfg
-        tracked = Tracked.parse(scope["path"], req, cfg.max_replay_tokens, arrived) \
+        tracked = Tracked.parse(scope["path"], req, cfg.max_replay_tokens, arrived, self.migrator.key_chain) \
             if cfg.enabled and scope["method"] == "POST" else None
         target, headers = target_of(scope)
         if tracked is not None:  # when our client goes away, stop (dropping the upstream connection)
