@@ -188,8 +188,8 @@ class BlockManager:
             return
         lo, hi = halves_of([s.prefix_keys for s in seqs])
         found = adopted.find(lo, hi)
-        hits = found[found >= 0]
-        if len(np.unique(hits)) != len(hits):
+        hits = np.sort(found[found >= 0])  # (not np.unique: its first call in a process took 15 ms on the dev VM)
+        if (hits[1:] == hits[:-1]).any():
             return
         starts = np.cumsum([0] + counts[:-1])
         ends = starts + counts
