@@ -10,8 +10,8 @@ an error or a truncation for it, only a later token.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 
 from .block_manager import BlockManager
 from .sequence import Sequence

@@ -137,7 +137,8 @@ class OpenAIServer:
     def _continued(self, req, cont, param: str) -> list[Job]:
         """The one job of a continuation: the original prompt's limits, minus the replayed tokens. Its
         ids are one int64 array (lists from JSON, or arrays read raw from a failover's batch): checked
-        at once, hashed in place (block_manager.prompt_keys) and sent to the core as they are."""
+        at once and sent to the core as they are, with the router's block keys of a batch member
+        (EngineClient.submit checks them, or hashes the keys in place)."""
         try:
             prompt = np.asarray(cont.prompt_token_ids, dtype=np.int64)
             done = np.asarray(cont.output_token_ids, dtype=np.int64)
