@@ -64,7 +64,7 @@ def prompt_keys(prompt: "list[int] | np.ndarray", root: bytes, block_size: int) 
 
 
 def checked_prompt_keys(given: bytes | None, prompt: "np.ndarray", root: bytes, block_size: int) -> bytes:
-    """`prompt_keys(prompt)`, taking `given` (the router's, hashed as the stream went: RouterKeys)
+    """`prompt_keys(prompt)`, taking `given` (the router's, hashed as the stream went: KeyChain)
     when it is as long and its first key is this engine's (same root, same block size); else hashed."""
     n = (len(prompt) - 1) // block_size
     if given is not None and len(given) == 16 * n and (n == 0 or given[:16] == chain_keys(

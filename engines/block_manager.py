@@ -202,15 +202,9 @@ class BlockManager:
         taken = index - np.repeat(starts, counts) < np.repeat(runs, counts)
         adopted.take(found[taken])
         blocks, los = found.tolist(), lo.tolist()
-        refs, block_of = self.refs, self.block_of
         for seq, start, run in zip(seqs, starts.tolist(), runs.tolist()):
-            mine = blocks[start:start + run]
-            for block in mine:  # (adopted blocks: no sequence holds them, none is evictable)
-                refs[block] = 1
-            block_of.update(zip(los[start:start + run], mine))
-            keys = seq.prefix_keys
-            seq.block_table.extend(mine)
-            seq.block_keys.extend([keys[i:i + 16] for i in range(0, 16 * run, 16)])
+            self._give_adopted(seq, blocks[start:start + run], los[start:start + run], _split_keys(
+                seq.prefix_keys[:16 * run]))
             self._matched(seq)
 
     def _hit(self, seq: Sequence, block: int, key: bytes) -> None:
@@ -231,12 +225,16 @@ class BlockManager:
         n = int(misses[0]) if len(misses) else len(found)  # the leading run of matches
         blocks = found[:n]
         self.adopted.take(blocks)
-        blocks_list = blocks.tolist()
-        self.block_of.update(zip(lo[:n].tolist(), blocks_list))
-        for block in blocks_list:  # (adopted blocks: no sequence holds them, none is evictable)
+        self._give_adopted(seq, blocks.tolist(), lo[:n].tolist(), keys[:n])
+
+    def _give_adopted(self, seq: Sequence, blocks: list[int], los: list[int], keys: list[bytes]) -> None:
+        """Adopted blocks (taken from the adopted cache) become `seq`'s next ones, keyed blocks of this
+        writer's own cache."""
+        self.block_of.update(zip(los, blocks))
+        for block in blocks:  # (adopted blocks: no sequence holds them, none is evictable)
             self.refs[block] = 1
-        seq.block_table.extend(blocks_list)
-        seq.block_keys.extend(keys[:n])
+        seq.block_table.extend(blocks)
+        seq.block_keys.extend(keys)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the sequence can hold `num_tokens` positions after allocating what it lacks."""
