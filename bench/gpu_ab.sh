@@ -8,7 +8,8 @@
 # 8000/8001, the base on 8100/8101, each with its own runtime dir. The same client (this tree's
 # `understudy bench serve`, DURATION=15 s per run, no static decode) loads each in turn, base and this tree
 # alternating in ABBA order. Prints each run's row, then the medians; $OUT/memory.txt has the GPU memory
-# of every process of both nodes.
+# of every process of both nodes. STATIC=1: then one more run of the first point on this tree's node
+# alone, beside bench serve's static decode.
 source bench/gpu_env.sh
 BASE=$(cd "${1:?usage: $0 BASE_DIR}" && pwd) || { echo "gpu_ab.sh: no base tree at $1" >&2; exit 1; }
 ln -sfn "$PWD/.whl" "$BASE/.whl"
@@ -31,4 +32,14 @@ for n in new base; do  # GPU memory per process, and each node's pids (same kv_c
   echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml
 done > "$OUT/memory.txt" 2>&1
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
+if [ -n "${STATIC:-}" ]; then  # the static decode beside the live figures, in the same call: the base node
+  # stopped, one more run of the first point on this tree's node, with bench serve's static decode
+  kill -TERM $pid_base; wait $pid_base
+  p=${POINTS%% *}
+  timeout 300 python3 -m supervisor.cli bench serve --client-procs 8 --duration ${DURATION:-15} --workload ${p%:*} \
+    -c /tmp/new.yaml --concurrency ${p#*:} > "$OUT/static.txt" 2>>"$OUT/bench.err"
+  tail -6 "$OUT/static.txt"
+  kill -TERM $pid_new; wait $pid_new
+  exit 0
+fi
 kill -TERM $pid_new $pid_base; wait $pid_new $pid_base
