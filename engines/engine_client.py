@@ -47,6 +47,7 @@ class EngineClient:
         self._stats: dict = {}
         self._stats_at = time.monotonic()
         self._held: list[dict] | None = None  # adds and aborts of a `together` block, in order
+        self._held_raw = bytearray()  # their continuations' raw ids (the `raw` frame), in order
         self.on_serve: Callable[[dict], None] | None = None
         self.on_drain: Callable[[], None] | None = None
         self.on_stop: Callable[[], None] | None = None
@@ -55,15 +56,19 @@ class EngineClient:
     def submit(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams, emit: Callable[[Output], None],
                group: int | None = None, replayed: int = 0, router_keys: bytes | None = None) -> int:
         """Queue a sequence in the core; `emit` runs on this loop with each Output. Returns its key.
-        (`prompt_ids` as an int64 array: a continuation's, engines/server.py; it goes out as a list.
-        A continuation's prompt keys go with it: the router's when they check out, else hashed here.)"""
+        (`prompt_ids` as an int64 array: a continuation's, engines/server.py; its ids go raw, with
+        its prompt's block keys: the router's when they check out, else hashed here.)"""
         key = next(self._keys)
         self._emits[key] = emit
-        msg = {"op": "add", "key": key, "prompt": prompt_ids, "params": params.wire(),
-               "group": group, "replayed": replayed}
-        if replayed and self.key_chain is not None:
-            msg["keys"] = checked_prompt_keys(router_keys, prompt_ids, *self.key_chain).hex()
-        self._request(msg)
+        msg = {"op": "add", "key": key, "params": params.wire(), "group": group, "replayed": replayed}
+        if not replayed:
+            msg["prompt"] = prompt_ids
+            self._request(msg)
+            return key
+        ids = np.asarray(prompt_ids, dtype="<i8")  # (a continuation's ids go raw: engines/core_link.py)
+        keys = checked_prompt_keys(router_keys, ids, *self.key_chain) if self.key_chain is not None else b""
+        msg["raw"] = [0, len(ids), len(keys) // 16]
+        self._request(msg, ids.tobytes() + keys)
         return key
 
     def abort(self, key: int) -> None:
@@ -78,13 +83,13 @@ class EngineClient:
         if self._held is not None:  # (nested: the outer block sends)
             yield
             return
-        self._held = []
+        self._held, self._held_raw = [], bytearray()
         try:
             yield
         finally:
-            held, self._held = self._held, None
+            held, raw, self._held, self._held_raw = self._held, self._held_raw, None, bytearray()
             if held:
-                self._send({"op": "together", "msgs": held})
+                self._send({"op": "together", "msgs": held}, raw)
 
     def stats(self) -> dict:
         return dict(self._stats)
@@ -146,14 +151,19 @@ class EngineClient:
                 self.on_stop()
             self._stopped.set_result(None)
 
-    def _request(self, msg: dict) -> None:
-        if self._held is not None:
-            self._held.append(msg)
-        else:
-            self._send(msg)
+    def _request(self, msg: dict, raw: bytes = b"") -> None:
+        """Send `msg` (with `raw`, what its `raw` field places at offset 0), or hold it for `together`."""
+        if self._held is None:
+            self._send(msg, raw)
+            return
+        if raw:
+            msg["raw"][0] = len(self._held_raw)
+            self._held_raw += raw
+        self._held.append(msg)
 
-    def _send(self, msg: dict) -> None:
-        self._push.send(encode(msg), zmq.NOBLOCK)  # no high-water mark: zmq queues it
+    def _send(self, msg: dict, raw: bytes | bytearray = b"") -> None:
+        frames = [encode(msg), raw] if raw else [encode(msg)]
+        self._push.send_multipart(frames, zmq.NOBLOCK)  # no high-water mark: zmq queues it
 
 
 def _not_first(item: tuple[int, Output]) -> bool:

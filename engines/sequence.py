@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .sampling import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import CONTEXT, IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
 # Released text a sequence keeps (past what a stop string needs): a long generation's text no longer
@@ -57,7 +58,7 @@ class Sequence:
     as the other engine had it, and usage counts them as completion tokens, so what follows is
     what the other engine would have emitted."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
+    def __init__(self, prompt_ids: list[int] | array, params: SamplingParams, tokenizer: Tokenizer,
                  eos_ids: set[int], max_model_len: int, emit: Callable[[Output], None], group: int | None = None,
                  replayed: int = 0, prefix_keys: bytes | None = None):
         self.seq_id = next(_ids)
@@ -86,7 +87,7 @@ class Sequence:
         self.first_scheduled: float | None = None  # the scheduler first gave it positions to compute
         self._timed = False
 
-    def _replay(self, tokenizer: Tokenizer, ids: list[int], replayed: int) -> tuple[IncrementalDetokenizer, str]:
+    def _replay(self, tokenizer: Tokenizer, ids: list[int] | array, replayed: int) -> tuple[IncrementalDetokenizer, str]:
         """The text state after the replayed tokens, as the other engine had it: only the released
         text's last `holdback` characters matter (stop strings are found in them), so only the
         tail is replayed, longer until it decodes to more than that (a continuation of 300 tokens
@@ -94,7 +95,7 @@ class Sequence:
         that 256 times at once)."""
         tail = min(replayed, self._holdback + REPLAY_TAIL)
         while True:
-            detok = IncrementalDetokenizer(tokenizer, ids[:len(ids) - tail])
+            detok = IncrementalDetokenizer(tokenizer, ids[max(0, len(ids) - tail - CONTEXT):len(ids) - tail])
             text = "".join([detok.add(token) for token in ids[len(ids) - tail:]])
             if len(text) > self._holdback or tail == replayed:
                 return detok, text
@@ -119,9 +120,10 @@ class Sequence:
     def token_ids(self, start: int, end: int) -> list[int]:
         """Known token ids at positions start..end-1 (prompt, then output)."""
         p = len(self.prompt_ids)
-        if end <= p:
-            return self.prompt_ids[start:end]
-        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[max(0, start - p):end - p]
+        ids = self.prompt_ids[start:end] if start < p else []
+        if not isinstance(ids, list):  # (a continuation's prompt: an int64 array, engines/core_link.py)
+            ids = ids.tolist()
+        return ids if end <= p else ids + self.output_ids[max(0, start - p):end - p]
 
     @property
     def last_token(self) -> int:

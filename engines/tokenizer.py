@@ -174,6 +174,9 @@ def load(model_dir: str | Path) -> Tokenizer:
     return hit[1] if hit is not None and hit[0] == _stamp(path) else Tokenizer(model_dir)
 
 
+CONTEXT = 4  # ids before the first new one that an IncrementalDetokenizer decodes with it
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas without re-decoding everything.
 
@@ -183,7 +186,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: list[int]):
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_tail[-4:])  # context so leading spaces decode right
+        self.ids: list[int] = list(prompt_tail[-CONTEXT:])  # so that leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 

@@ -329,3 +329,55 @@ def test_a_bad_add_in_a_together_group_is_left_out_and_the_rest_is_kept(tiny_mod
         link.close()
     assert [kind for kind, _ in items] == ["add", "abort"]
     assert items[0][1].prompt_ids == [5, 6] and items[1][1] == items[0][1].seq_id
+
+
+def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_is_left_out(tiny_model, tmp_path) -> None:
+    """engines/core_link.py: a continuation's ids and prompt block keys travel in the message's second
+    frame, over the real sockets (EngineClient -> CoreLink); a fresh prompt beside them stays JSON. A
+    member whose `raw` does not fit its frame, sent by another peer, is logged and left out; the
+    rest of its group is kept."""
+    import numpy as np
+    import zmq
+
+    from engines.block_keys import prompt_keys
+    from engines.core_link import CoreLink, encode
+    from engines.engine_client import EngineClient
+
+    engine = make_engine(tiny_model)
+    to_core, to_frontend = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
+    link = CoreLink(engine, to_core, to_frontend)
+    link.start()
+    client = EngineClient(to_core, to_frontend, (engine.blocks.root, 16))
+    params = SamplingParams(max_tokens=4, temperature=0).wire()
+    prompts = [np.arange(40, dtype=np.int64) * 7 + i for i in range(3)]
+    with client.together():
+        for p in prompts:
+            client.submit(p, SamplingParams(**params), lambda o: None, 1, replayed=5)
+        client.submit([7, 8, 9], SamplingParams(**params), lambda o: None, 2)
+    kind, items = engine.inbox.get(timeout=10)
+    assert kind == "together" and [k for k, _ in items] == ["add"] * 4
+    for (_, seq), p in zip(items, prompts):
+        assert seq.prompt_ids.tolist() == p.tolist() and seq.replayed == 5
+        assert seq.prefix_keys == prompt_keys(p, engine.blocks.root, 16) and len(seq.prefix_keys) == 16 * 2
+        assert seq.token_ids(30, 40) == p[30:].tolist()  # (a list, as the runner takes it)
+    assert items[3][1].prompt_ids == [7, 8, 9] and items[3][1].replayed == 0
+
+    peer = zmq.Context.instance().socket(zmq.PUSH)
+    peer.connect(to_core)
+    good = {"op": "add", "key": 90, "params": params, "group": 3, "replayed": 2, "raw": [0, 4, 0]}
+    bad = dict(good, key=91, raw=[0, 5, 0])  # 40 bytes of ids in a 32-byte frame
+    peer.send_multipart([encode({"op": "together", "msgs": [bad, good]}), np.arange(4, dtype="<i8").tobytes()])
+    kind, items = engine.inbox.get(timeout=10)
+    peer.close(linger=0)
+    link.close()
+    assert [k for k, _ in items] == ["add"] and items[0][1].prompt_ids.tolist() == [0, 1, 2, 3]
+    assert items[0][1].prefix_keys is None
+
+
+@pytest.mark.parametrize("where", [[0, 5, 0], [8, 4, 0], [0, 3, 1], [0, -1, 0], [0, 1], "0 1 0", [0, 1.0, 0],
+                                   [True, 1, 0]])
+def test_a_raw_that_does_not_fit_its_frame_is_refused_naming_it(where) -> None:
+    from engines.core_link import raw_ids
+
+    with pytest.raises(ValueError, match="raw"):
+        raw_ids(memoryview(bytes(32)), where)

@@ -63,7 +63,7 @@ def core_counter(endpoint: str, n: int, rounds: int, out) -> None:
     for _ in range(rounds):
         got = 0
         while got < n:
-            msg = orjson.loads(core.recv())
+            msg = orjson.loads(core.recv_multipart()[0])  # (a continuation's ids: the second frame)
             got += len(msg["msgs"]) if msg["op"] == "together" else msg["op"] == "add"
         out.send(time.monotonic())
 
