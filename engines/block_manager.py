@@ -37,13 +37,9 @@ PAD_BLOCK = 0
 Mode = Literal["own", "parked", "writer"]
 
 
-def _split_keys(joined: bytes) -> list[bytes]:
-    return [joined[i:i + 16] for i in range(0, len(joined), 16)]
-
-
-def halves_of(keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """`halves` of many keys at once, as two uint64 arrays."""
-    both = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+def halves_of(keys: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """`halves` of many keys at once (joined), as two uint64 arrays."""
+    both = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
     lo = both[:, 0].astype(np.uint64)
     lo[lo == 0] = 1
     return lo, both[:, 1].astype(np.uint64)
@@ -186,7 +182,7 @@ class BlockManager:
                        for s, n in zip(seqs, counts))
                 or any(halves(s.prefix_keys[:16])[0] in self.block_of for s, n in zip(seqs, counts) if n)):
             return
-        lo, hi = halves_of([s.prefix_keys for s in seqs])
+        lo, hi = halves_of(b"".join([s.prefix_keys for s in seqs]))
         found = adopted.find(lo, hi)
         hits = np.sort(found[found >= 0])  # (not np.unique: its first call in a process took 15 ms on the dev VM)
         if (hits[1:] == hits[:-1]).any():
@@ -203,38 +199,39 @@ class BlockManager:
         adopted.take(found[taken])
         blocks, los = found.tolist(), lo.tolist()
         for seq, start, run in zip(seqs, starts.tolist(), runs.tolist()):
-            self._give_adopted(seq, blocks[start:start + run], los[start:start + run], _split_keys(
-                seq.prefix_keys[:16 * run]))
+            self._give_adopted(seq, blocks[start:start + run], los[start:start + run], seq.prefix_keys[16 * run - 16:16 * run])
             self._matched(seq)
 
     def _hit(self, seq: Sequence, block: int, key: bytes) -> None:
         self._ref(block)
         seq.block_table.append(block)
-        seq.block_keys.append(key)
+        seq.keyed, seq.last_key = seq.keyed + 1, key
 
     def _match_adopted(self, seq: Sequence, first: int, key: bytes, given: bytes | None) -> None:
         """Blocks ``first``.. of the prompt from the adopted ones, looked up at once (a continuation's
         whole prompt is there); the matched ones become ordinary keyed blocks. ``given``: the prompt's
         keys, hashed by the front end (`prompt_keys`), else hashed here."""
         bs, prompt = self.block_size, seq.prompt_ids
-        keys = _split_keys(given[16 * first:]) if given is not None else \
-            [key] + chain_keys(key, prompt[(first + 1) * bs:(len(prompt) - 1) // bs * bs], bs)
+        keys = given[16 * first:] if given is not None else \
+            key + b"".join(chain_keys(key, prompt[(first + 1) * bs:(len(prompt) - 1) // bs * bs], bs))
         lo, hi = halves_of(keys)
         found = self.adopted.find(lo, hi)
         misses = np.flatnonzero(found < 0)
         n = int(misses[0]) if len(misses) else len(found)  # the leading run of matches
         blocks = found[:n]
         self.adopted.take(blocks)
-        self._give_adopted(seq, blocks.tolist(), lo[:n].tolist(), keys[:n])
+        self._give_adopted(seq, blocks.tolist(), lo[:n].tolist(), keys[16 * n - 16:16 * n])
 
-    def _give_adopted(self, seq: Sequence, blocks: list[int], los: list[int], keys: list[bytes]) -> None:
+    def _give_adopted(self, seq: Sequence, blocks: list[int], los: list[int], last_key: bytes) -> None:
         """Adopted blocks (taken from the adopted cache) become `seq`'s next ones, keyed blocks of this
-        writer's own cache."""
+        writer's own cache (`last_key`: the last one's key)."""
+        if not blocks:
+            return
         self.block_of.update(zip(los, blocks))
         for block in blocks:  # (adopted blocks: no sequence holds them, none is evictable)
             self.refs[block] = 1
         seq.block_table.extend(blocks)
-        seq.block_keys.extend(keys)
+        seq.keyed, seq.last_key = seq.keyed + len(blocks), last_key
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the sequence can hold `num_tokens` positions after allocating what it lacks."""
@@ -253,9 +250,9 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(seq.num_computed, seq.num_tokens) // bs
-        for i in range(len(seq.block_keys), full):
-            key = block_key(seq.block_keys[-1] if seq.block_keys else self.root, seq.token_ids(i * bs, (i + 1) * bs))
-            seq.block_keys.append(key)
+        for i in range(seq.keyed, full):
+            key = block_key(seq.last_key or self.root, seq.token_ids(i * bs, (i + 1) * bs))
+            seq.keyed, seq.last_key = i + 1, key
             block = seq.block_table[i]
             lo, hi = halves(key)
             if lo in self.block_of or block in self.scratch:  # an identical block computed twice keeps the first
@@ -281,7 +278,7 @@ class BlockManager:
                     self.free.append(block)
                     if self.publisher is not None:  # FREE once no step in flight can still write it
                         self.publisher.free(block, self.gens[block])
-        seq.block_table, seq.block_keys = [], []
+        seq.block_table, seq.keyed, seq.last_key = [], 0, None
         seq.num_computed = seq.num_cached = 0
 
     # ---- steps (the writer's index) --------------------------------------------------------

@@ -67,7 +67,8 @@ class Sequence:
         self.params = params
         self.output_ids: list[int] = []
         self.block_table: list[int] = []  # KV block of each block_size positions
-        self.block_keys: list[bytes] = []  # keys of its full blocks, in order (engines/block_manager.py)
+        self.keyed = 0  # its first blocks that are keyed (full, their key known: engines/block_manager.py)
+        self.last_key: bytes | None = None  # the key of the last of those (the next one's is hashed from it)
         self.prefix_keys = prefix_keys  # its prompt's keys as the front end hashed them (block_manager.prompt_keys)
         self.num_computed = 0  # positions whose keys and values are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache

@@ -175,7 +175,7 @@ def test_a_continuations_keys_hashed_at_once_equal_the_block_by_block_keys() -> 
         prev = block_key(prev, tokens[16 * i:16 * (i + 1)])
         chained.append(prev)
     assert chain_keys(first, tokens[16:16 * 9], 16) == chained
-    lo, hi = halves_of([first, *chained])
+    lo, hi = halves_of(b"".join([first, *chained]))
     assert list(zip(lo.tolist(), hi.tolist())) == [halves(k) for k in [first, *chained]]
 
 
@@ -344,7 +344,7 @@ def test_a_continuation_takes_its_cached_head_then_adopted_blocks_up_to_the_firs
     bm.release(head)  # ... now the new writer's own cached block
     s = seq_of(tok, ids, replayed=8)
     bm.match_prefix(s)  # block 0 from its cache, 1-2 adopted, none past the missing block 3
-    assert s.block_table == [10, 11, 12] and s.block_keys == keys[:3] and s.num_cached == 12
+    assert s.block_table == [10, 11, 12] and (s.keyed, s.last_key) == (3, keys[2]) and s.num_cached == 12
     assert [bm.refs[b] for b in (10, 11, 12)] == [1, 1, 1] and bm.adopted.count == 1  # block 14 stays adopted
 
 
@@ -377,11 +377,12 @@ def test_a_continuation_matches_the_same_blocks_with_its_keys_hashed_by_the_fron
     new, _ = writer(pool)
     new.match_prefix(again := seq_of(tok, ids[:9], replayed=2))  # block 0 moves into the new writer's cache
     keys = prompt_keys(ids, new.root, new.block_size)
-    assert keys == b"".join(s.block_keys[:5])
+    assert len(keys) == 16 * 5 and (s.keyed, s.last_key) == (5, keys[-16:])  # (a chain: the last key sums it up)
     hint = {"front end's": keys, "wrong length": keys[:-16] + b"x" * 16 + keys[-16:], "none": None}[given]
     cont = Sequence(ids, GREEDY, tok, set(), 64, lambda o: None, replayed=8, prefix_keys=hint)
     new.match_prefix(cont)
-    assert cont.block_table == s.block_table[:5] and cont.block_keys == s.block_keys[:5] and cont.num_cached == 20
+    assert cont.block_table == s.block_table[:5] and (cont.keyed, cont.last_key) == (5, s.last_key)
+    assert cont.num_cached == 20
     assert head.block_table[:2] == again.block_table[:2] == s.block_table[:2]
 
 
@@ -424,7 +425,7 @@ def _continuations(tok: Tokenizer, prompts: list[list[int]], root: bytes) -> lis
 
 
 def _outcome(bm: BlockManager, seqs: list[Sequence]) -> tuple:
-    return ([(s.block_table, s.block_keys, s.num_cached, s.num_computed) for s in seqs], list(bm.refs),
+    return ([(s.block_table, s.keyed, s.last_key, s.num_cached, s.num_computed) for s in seqs], list(bm.refs),
             dict(bm.block_of), bm.adopted.count, bm.adopted.live.tolist(), bm.hit_tokens, bm.queried_tokens)
 
 
