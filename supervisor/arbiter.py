@@ -51,7 +51,7 @@ from supervisor.metrics import Metrics
 from supervisor.router.app import build_router
 from supervisor.router.routing import RoutingTable
 from supervisor.router.upstream import Client
-from supervisor.sources import control_messages, on_signal, primary_exit_poll
+from supervisor.sources import on_signal, primary_exit_poll, said
 
 log = logging.getLogger("understudy")
 
@@ -75,6 +75,7 @@ class Supervisor:
         self.exit_code = 0
         self.when_serving: list[Callable[[], None]] = []  # called once, when the first primary is ready
         self.inbox: list[Event] = []
+        self._in_pass = False  # (a pass recording an event runs no pass inside itself)
 
     # ------------------------------------------------------------------ setup
     def prepare(self) -> None:
@@ -98,7 +99,7 @@ class Supervisor:
         self.golden = GoldenStore(self.rd)
         self.zctx, self.azctx = zmq.Context(), zmq.asyncio.Context()
         self.bus = EventBus(self.zctx, str(self.rd / "events.sock"))
-        self.control = ControlChannel(self.azctx, str(self.rd / "control.sock"))
+        self.control = ControlChannel(self.zctx, str(self.rd / "control.sock"))
         self.http = Client(timeout_s=10.0, max_connections=64)  # health checks, canaries, /startup
         cfg = self.cfg
         self.configs = ChildConfigs(cfg, self.model_path, self.device, self.rd, self.control.endpoint)
@@ -167,7 +168,7 @@ class Supervisor:
         become_subreaper()
         self.effects = self._effects()
         self._essential_task(self._passes(), "passes")
-        self._essential_task(control_messages(self.control, self.record), "control")
+        self.control.listen(self.loop, lambda msg: said(msg, self.record))
         if self.cfg.failover.exit_poll_ms > 0:
             self._essential_task(primary_exit_poll(self.node, self.cfg.failover.exit_poll_ms / 1000, self.record),
                                  "primary-exit")
@@ -175,10 +176,15 @@ class Supervisor:
         await self._stopped.wait()
         return self.exit_code
 
-    def record(self, event: Event) -> None:
-        """What every source does: note the event and wake the loop."""
+    def record(self, event: Event, at_once: bool = False) -> None:
+        """What every source does: note the event and wake the loop. ``at_once`` (a failover's events:
+        the primary's exit, a standby's answer to "promote"): the pass runs now, in this loop round,
+        not in the next one, which under load is a burst of lost streams later."""
         self.inbox.append(event)
-        self._wake.set()
+        if at_once and not self._in_pass:
+            self._pass()
+        else:
+            self._wake.set()
 
     async def _passes(self) -> None:
         """One pass per wake-up: every event recorded meanwhile, or the clock (timers, probes)."""
@@ -189,6 +195,12 @@ class Supervisor:
                 except TimeoutError:
                     pass
             self._wake.clear()
+            self._pass()
+
+    def _pass(self) -> None:
+        """Every event recorded so far, through reconcile, and its actions carried out."""
+        self._in_pass = True
+        try:
             events, self.inbox = self.inbox, []
             actions = reconcile(self.node, events, time.monotonic(), time.time())
             try:
@@ -196,8 +208,10 @@ class Supervisor:
                 self.effects.after_pass(self.node)
             except Exception:  # noqa: BLE001 (a bug in an effect: logged, the node goes on)
                 log.exception("internal error carrying out %s", [a.brief() for a in actions])
-            if self.node.phase != "adopting":
-                self._adopted.set()
+        finally:
+            self._in_pass = False
+        if self.node.phase != "adopting":
+            self._adopted.set()
 
     async def _serve(self) -> None:
         """The data plane once re-adoption has decided (connections wait in the backlog meanwhile),

@@ -1,5 +1,6 @@
 """The event sources that are not an effect's answer: signals, the engines' control channel, and the
-primary's exit poll. Each only records an event (the pass does the work)."""
+primary's exit poll. Each only records an event (the pass does the work; for a failover's events,
+at once)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,14 +9,15 @@ import signal
 import time
 from collections.abc import Callable
 
-from supervisor.core.events import Event, Exited, Said, StopAsked
+from supervisor.core.events import Exited, Said, StopAsked
+from supervisor.core.kv_handover import ANSWERS
 from supervisor.core.model import Node
-from supervisor.effects.control import ControlChannel
+from supervisor.effects.control import EngineMessage
 from supervisor.effects.pidwatch import is_exiting
 
 log = logging.getLogger("understudy")
 
-Record = Callable[[Event], None]
+Record = Callable[..., None]  # (event, at_once=False): Arbiter.record
 
 
 def on_signal(sig: int, record: Record) -> None:
@@ -28,12 +30,11 @@ def on_signal(sig: int, record: Record) -> None:
         log.info("SIGHUP: config reload is not supported; use `understudy rollout` to restart engines")
 
 
-async def control_messages(control: ControlChannel, record: Record) -> None:
-    """Every valid message from an engine (malformed ones are logged by the channel)."""
-    while True:
-        msg = await control.recv()
-        if msg is not None:
-            record(Said(msg.engine, msg.incarnation, msg.type, dict(msg.model_extra or {})))
+def said(msg: EngineMessage | None, record: Record) -> None:
+    """A valid message from an engine (malformed ones are logged by the channel); an answer that a
+    failover or a switchover waits on (promoted, demoted: kv_handover.py) has its pass at once."""
+    if msg is not None:
+        record(Said(msg.engine, msg.incarnation, msg.type, dict(msg.model_extra or {})), at_once=msg.type in ANSWERS)
 
 
 async def primary_exit_poll(node: Node, period_s: float, record: Record) -> None:
@@ -49,4 +50,4 @@ async def primary_exit_poll(node: Node, period_s: float, record: Record) -> None
             continue
         if exiting:
             told = p.pid
-            record(Exited(p.name, p.incarnation, p.pid, time.monotonic()))
+            record(Exited(p.name, p.incarnation, p.pid, time.monotonic()), at_once=True)
