@@ -34,7 +34,7 @@ class RoutingTable:
         self.stopping = False
         self._not_ready = "starting: no engine READY yet"
         self.explain: Callable[[], str] | None = None  # what each engine is doing (supervisor/core/why.py)
-        self._changed = asyncio.Event()
+        self._waiting: set[asyncio.Future[None]] = set()  # wait_primary's, each resolved at the next change
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
         self._calls: dict[int, set[Interrupt]] = {}  # epoch -> calls in flight to that primary
@@ -104,8 +104,9 @@ class RoutingTable:
 
     def _wake(self) -> None:
         """Wake every request waiting in wait_primary."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        for waiter in self._waiting:
+            _settle(waiter)
+        self._waiting.clear()
 
     async def wait_primary(self, deadline: float, not_epoch: int | None = None,
                            settle_s: float | None = None) -> Upstream | None:
@@ -123,8 +124,23 @@ class RoutingTable:
             wake = min(deadline, retry_same_at) if retry_same_at is not None else deadline
             if now >= deadline:
                 return None
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(wake - now, 0.001))
-            except asyncio.TimeoutError:
-                if time.monotonic() >= deadline:
-                    return None
+            await self._change(max(wake - now, 0.001))
+
+    async def _change(self, timeout_s: float) -> None:
+        """Until the primary changes (`_wake`), or `timeout_s`. A future and a timer of its own, not
+        `asyncio.wait_for` (a task each, and two more loop rounds before a woken request runs: a
+        failover wakes 256 at once, and their continuations go out once the last has run)."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiting.add(waiter)
+        timer = loop.call_later(timeout_s, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiting.discard(waiter)
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
