@@ -25,6 +25,7 @@
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
+ROOT=$PWD  # (tree_ab runs the sides' trees from their folders; this tree's probes stay here)
 config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own ports, dirs and KV mode
   sed "s#preset: 1b#path: $M#; s#port: 8000#port: $2#; s#port: 8001#port: $(($2 + 1))#" configs/h200-1b.yaml \
     | sed "s#kv_cache_bytes: .*#kv_cache_bytes: $4\n  shared_kv: $3#" \
@@ -87,13 +88,16 @@ for (proc, gen), xs in sorted(pauses.items()):
 PY
 }
 failover_in() {  # failover_in DIR: failover with $OUT/DIR as its $OUT; the new primaries' first second
-  # (engines/promotion_trace.py) in DIR/promotion_trace.txt, its first lines printed
+  # (engines/promotion_trace.py) in DIR/promotion_trace.txt, its first lines printed; where each failover's
+  # time went between the engines and the supervisor (bench/probes/failover_hops.py) in DIR/failover_hops.txt
   local base=$OUT
   OUT=$base/$1; mkdir -p "$OUT"
   failover
   tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
     | sed 's/.*after the promotion: //' | cut -c1-400 > "$OUT/promotion_trace.txt"
   head -3 "$OUT/promotion_trace.txt"
+  python3 "$ROOT/bench/probes/failover_hops.py" "$OUT/streams/logs-shared_kv-true.tgz" > "$OUT/failover_hops.txt"
+  head -1 "$OUT/failover_hops.txt"
   OUT=$base
 }
 delays() {  # failover (shared KV only) once per failover.restart_delay_s in $DELAYS, in one call: does the
@@ -185,7 +189,8 @@ print([e['pid'] for e in json.load(sys.stdin)['engines'] if e['role'] == 'primar
 tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in $BASE (git archive of a commit,
   # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
   # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
-  # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) on each.
+  # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) and this tree's
+  # core_admission.py (the core's share of 256 continuations) on each.
   # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=.")
   local side dir entry
   for entry in ${TREES:-base=$BASE this=.}; do
@@ -198,6 +203,8 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
   for entry in ${TREES:-base=$BASE this=.}; do
     side=${entry%%=*}; dir=${entry#*=}
     echo "== promote_cost, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD python3 bench/probes/promote_cost.py --runs 7) 2>&1 | tail -1)"
+    echo "== core_admission, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD:$ROOT/bench/probes \
+      python3 "$ROOT/bench/probes/core_admission.py") 2>&1 | tail -1)"
   done
 }
 case "${1:-}" in

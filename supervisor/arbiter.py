@@ -181,10 +181,14 @@ class Supervisor:
         the primary's exit, a standby's answer to "promote"): the pass runs now, in this loop round,
         not in the next one, which under load is a burst of lost streams later."""
         self.inbox.append(event)
-        if at_once and not self._in_pass:
-            self._pass()
-        else:
+        if not at_once or self._in_pass:
             self._wake.set()
+            return
+        try:
+            self._pass()
+        except Exception:  # (as when the passes' task ends: never silent, the node stops)
+            log.exception("a pass failed; stopping")
+            self.record(StopAsked("error", exit_code=70))
 
     async def _passes(self) -> None:
         """One pass per wake-up: every event recorded meanwhile, or the clock (timers, probes)."""
