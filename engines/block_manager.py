@@ -199,7 +199,8 @@ class BlockManager:
         adopted.take(found[taken])
         blocks, los = found.tolist(), lo.tolist()
         for seq, start, run in zip(seqs, starts.tolist(), runs.tolist()):
-            self._give_adopted(seq, blocks[start:start + run], los[start:start + run], seq.prefix_keys[16 * run - 16:16 * run])
+            self._give_adopted(seq, blocks[start:start + run], los[start:start + run],
+                               seq.prefix_keys[16 * run - 16:16 * run])
             self._matched(seq)
 
     def _hit(self, seq: Sequence, block: int, key: bytes) -> None:

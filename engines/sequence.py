@@ -88,7 +88,8 @@ class Sequence:
         self.first_scheduled: float | None = None  # the scheduler first gave it positions to compute
         self._timed = False
 
-    def _replay(self, tokenizer: Tokenizer, ids: list[int] | array, replayed: int) -> tuple[IncrementalDetokenizer, str]:
+    def _replay(self, tokenizer: Tokenizer, ids: list[int] | array,
+                replayed: int) -> tuple[IncrementalDetokenizer, str]:
         """The text state after the replayed tokens, as the other engine had it: only the released
         text's last `holdback` characters matter (stop strings are found in them), so only the
         tail is replayed, longer until it decodes to more than that (a continuation of 300 tokens

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from engines.block_keys import key_root
 from supervisor.admin.gate import bearer_gate
@@ -97,7 +96,7 @@ class Supervisor:
         self.token_file = self.cfg.resolved_token_file()
         self.token = ensure_token(self.token_file)
         self.golden = GoldenStore(self.rd)
-        self.zctx, self.azctx = zmq.Context(), zmq.asyncio.Context()
+        self.zctx = zmq.Context()
         self.bus = EventBus(self.zctx, str(self.rd / "events.sock"))
         self.control = ControlChannel(self.zctx, str(self.rd / "control.sock"))
         self.http = Client(timeout_s=10.0, max_connections=64)  # health checks, canaries, /startup

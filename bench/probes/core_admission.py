@@ -1,9 +1,9 @@
-"""What a failover's continuations cost the new primary's core process on this host's CPU, part by part,
-on the path they take there (no model, no GPU): the front end's `together` message (orjson, as
-engines/engine_client.py sends it; an older tree's as it sent it) decoded, each member's Sequence made (engines/core_link.py
-`_together`: its text state replayed), then the scheduler's steps that admit them all into a writer's
-shared pool (memfd) holding their blocks (`Scheduler.schedule`: the prefix lookup, the blocks grown,
-each one's scheduled marker).
+"""What a failover's continuations cost the new primary's core process on this host's CPU, part by
+part, on the path they take there (no model, no GPU): the front end's `together` message (orjson, as
+engines/engine_client.py sends it; an older tree's as it sent it) decoded, each member's Sequence made
+(engines/core_link.py `_together`: its text state replayed), then the scheduler's steps that admit
+them all into a writer's shared pool (memfd) holding their blocks (`Scheduler.schedule`: the prefix
+lookup, the blocks grown, each one's scheduled marker).
 
     python bench/probes/core_admission.py [--streams 256] [--runs 7] [--budget 2048] [--profile]
 """

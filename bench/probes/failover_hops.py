@@ -54,7 +54,8 @@ def hops(logs: dict[str, list[str]]) -> list[dict[str, float]]:
         if not m or m.group(3) == "boot" or (t := seconds(line)) is None or int(m.group(2)) not in promoted:
             continue
         detected, engine = t - float(m.group(4)) / 1e3, m.group(1)
-        row = {"detected->promoted": promoted[int(m.group(2))] - detected, "promoted->primary": t - promoted[int(m.group(2))]}
+        at = promoted[int(m.group(2))]
+        row = {"detected->promoted": at - detected, "promoted->primary": t - at}
         heads = [h for e, h in batches if e == engine and t - 0.05 <= h <= t + 1.0]
         if heads:
             row["primary->batch head"] = min(heads) - t

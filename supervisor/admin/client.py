@@ -83,6 +83,7 @@ def print_token(config_path: str | None, as_json: bool = False) -> int:
 
 
 CONNECT_TIMEOUT_S = 5.0
+IDEMPOTENT = frozenset({"/admin/drain", "/admin/undrain"})  # POSTs asked again after a connection closed unanswered
 
 
 def call(config_path: str | None, method: str, path: str, timeout_s: float = 30.0) -> tuple[int, dict[str, Any]]:
@@ -90,9 +91,18 @@ def call(config_path: str | None, method: str, path: str, timeout_s: float = 30.
     answer does not come within ``timeout_s``, or what answers is not our admin API."""
     import httpx
     url, token = admin_endpoint(config_path)
+    ask = lambda: httpx.request(method, url + path, headers={"Authorization": f"Bearer {token}"},  # noqa: E731
+                                timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
     try:
-        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {token}"},
-                          timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
+        try:
+            r = ask()
+        except httpx.RemoteProtocolError:
+            if method != "GET" and path not in IDEMPOTENT:
+                raise
+            # Closed before any answer: a listener at its connection cap closes an idle connection to
+            # make room, and one accepted before its request's bytes came counts as idle (a local hog
+            # reconnecting whenever closed: engines/connection_share.py). Asking again is harmless.
+            r = ask()
     except httpx.ConnectError as e:
         raise ClientError(f"cannot reach the admin API at {url}: {e} (is the supervisor running, with this "
                           "config: -c?)") from None
