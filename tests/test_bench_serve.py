@@ -111,10 +111,13 @@ def test_nothing_listening_counts_every_request_as_an_error(tmp_path):
 
 
 class FakeServer:
-    """A raw HTTP/1.1 peer on 127.0.0.1 answering every request the same way, then closing."""
+    """A raw HTTP/1.1 peer on 127.0.0.1 answering every request the same way, then closing; the
+    first ``unanswered`` connections it closes unanswered once their request is read. ``paths``:
+    each request's path, in order."""
 
-    def __init__(self, reply: bytes) -> None:
-        self.reply = reply
+    def __init__(self, reply: bytes, unanswered: int = 0) -> None:
+        self.reply, self.unanswered = reply, unanswered
+        self.paths: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -134,7 +137,9 @@ class FakeServer:
                 length = int(lengths[0]) if lengths else 0  # GET /v1/models and /metrics have no body
                 while len(body) < length:
                     body += conn.recv(65536)
-                conn.sendall(self.reply)
+                self.paths.append(head.split(b" ", 2)[1])
+                if len(self.paths) > self.unanswered:
+                    conn.sendall(self.reply)
 
     def close(self) -> None:
         self.sock.close()

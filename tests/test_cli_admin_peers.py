@@ -74,42 +74,18 @@ def test_restart_takes_only_an_engine_name_never_a_path(tmp_path, name):
     assert len(r.stderr) < 300
 
 
-class ClosesFirst:
-    """A server on 127.0.0.1 that reads each request; it closes the first connection unanswered (as
-    a listener at its cap closes an idle one to make room) and answers the others `{"ok": true}`."""
-
-    def __init__(self) -> None:
-        import threading
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.requests: list[bytes] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                head = b""
-                while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
-                    head += chunk
-                self.requests.append(head.split(b" ", 2)[1])
-                if len(self.requests) > 1:
-                    body = b'{"ok": true}'
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n%s" % (len(body), body))
-
-
 @pytest.mark.parametrize("command, asked_again", [("drain", True), ("undrain", True), ("promote", False)])
 def test_an_admin_request_closed_unanswered_is_asked_again_only_when_harmless(tmp_path, command, asked_again):
-    server = ClosesFirst()
-    r = cli(command, "-c", str(config(tmp_path, server.port)))
-    server.sock.close()
+    """As a listener at its cap closes an idle connection to make room (supervisor/admin/client.py)."""
+    from tests.test_bench_serve import FakeServer
+
+    server = FakeServer(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n"
+                        b"connection: close\r\n\r\n{\"ok\": true}", unanswered=1)
+    r = cli(command, "-c", str(config(tmp_path, int(server.url.rsplit(":", 1)[1]))))
+    server.close()
     if asked_again:
         assert r.returncode == 0 and '"ok": true' in r.stdout, r.stderr
-        assert server.requests == [f"/admin/{command}".encode()] * 2
+        assert server.paths == [f"/admin/{command}".encode()] * 2
     else:  # a second promote could be a second switchover: said, not repeated
         assert r.returncode == 2 and "Server disconnected without sending a response" in r.stderr, r.stderr
-        assert server.requests == [b"/admin/promote"]
+        assert server.paths == [b"/admin/promote"]
