@@ -27,11 +27,16 @@ def key_root(deterministic: bool) -> bytes:
     return DETERMINISTIC_ROOT if deterministic else ROOT
 
 
+def _key(prev: bytes, data: bytes) -> bytes:
+    h = _KEY_HASH.copy()  # (a copy: no constructor's arguments parsed)
+    h.update(prev)
+    h.update(data)
+    return h.digest()
+
+
 def block_key(prev: bytes | None, tokens: list[int]) -> bytes:
     """The key of a full block: its tokens and, through `prev`, everything before them."""
-    h = hashlib.blake2b(prev or ROOT, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+    return _key(prev or ROOT, _as_bytes(tokens))
 
 
 def _as_bytes(tokens: "list[int] | array | np.ndarray") -> bytes:
@@ -45,13 +50,9 @@ def _as_bytes(tokens: "list[int] | array | np.ndarray") -> bytes:
 def chain_keys(prev: bytes, tokens: "list[int] | array | np.ndarray", block_size: int) -> list[bytes]:
     """The keys of the full blocks of `tokens` that follow a block keyed `prev`: `block_key` for
     each, hashed from one buffer (a continuation's 100 blocks at a failover, 256 at once)."""
-    data = _as_bytes(tokens)
-    step, keys, fresh = 8 * block_size, [], _KEY_HASH.copy  # (a copy: no constructor's arguments parsed)
+    data, step, keys = _as_bytes(tokens), 8 * block_size, []
     for start in range(0, len(data) - step + 1, step):
-        h = fresh()
-        h.update(prev)
-        h.update(data[start:start + step])
-        prev = h.digest()
+        prev = _key(prev, data[start:start + step])
         keys.append(prev)
     return keys
 
