@@ -232,7 +232,7 @@ class Supervisor:
                                   else r.migration.model_copy(update={"enabled": False}),
                                   publish=self.bus.publish, limits=self.cfg.limits,
                                   body_timeout_s=self.cfg.limits.body_timeout_s,
-                                  key_chain=(self.cfg.engines.kv_block_size, key_root(self.cfg.engines.deterministic)))
+                                  key_chain=(key_root(self.cfg.engines.deterministic), self.cfg.engines.kv_block_size))
         router_limits, admin_limits = listener_limits(self.cfg, raise_open_files_limit())
         self._servers.append(make_server(router_app, self.router_sock, lvl, router_limits, "router"))
         self._essential_task(self._servers[0].serve(sockets=[self.router_sock]), "router")

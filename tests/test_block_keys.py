@@ -52,7 +52,7 @@ def _engine_chunk(prompt: list[int] | None, ids: list[int]) -> bytes:
 def test_a_tracked_stream_carries_its_keys_into_its_batch_member() -> None:
     prompt = list(range(200, 237))
     req = Tracked.parse("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 99, "stream": True},
-                        key_chain=(16, ROOT))
+                        key_chain=(ROOT, 16))
     req.feed(_engine_chunk(prompt, [1]))
     for i in range(30):
         req.feed(_engine_chunk(None, [2 + i]))

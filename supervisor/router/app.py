@@ -17,10 +17,10 @@ from supervisor.router.upstream import Client
 def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float, retry_after_s: int,
                  upstream_timeout_s: float, max_connections: int = 1024, migration: MigrationSection | None = None,
                  publish: Publish | None = None, limits: RequestLimits | None = None,
-                 body_timeout_s: float = 30.0, key_chain: tuple[int, bytes] | None = None) -> ASGIApp:
+                 body_timeout_s: float = 30.0, key_chain: tuple[bytes, int] | None = None) -> ASGIApp:
     """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else to the probes (and lifespan).
     ``publish`` gets the migration events; ``limits`` bound prompts and n (None: body size only);
-    ``key_chain``: the engines' KV (block size, key root), for a failover batch's block keys."""
+    ``key_chain``: the engines' block keys' (key root, block size), for a failover batch's block keys."""
     client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections)
     upstreams = Upstreams(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
                           upstream_timeout_s=upstream_timeout_s)

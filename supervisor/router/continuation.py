@@ -90,9 +90,9 @@ class Tracked:
     """A request the router can continue on another engine."""
 
     def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62, arrived: float | None = None,
-                 key_chain: tuple[int, bytes] | None = None) -> None:
-        """``key_chain``: the engines' KV (block size, key root): the stream's block keys are then
-        hashed as its ids come, for a failover's batch (engines/block_keys.py KeyChain)."""
+                 key_chain: tuple[bytes, int] | None = None) -> None:
+        """``key_chain``: the engines' block keys' (key root, block size): the stream's block keys are
+        then hashed as its ids come, for a failover's batch (engines/block_keys.py KeyChain)."""
         self.kind, self.req, self.max_ids = kind, req, max_ids
         self._key_chain, self.keys = key_chain, None
         self.arrived = time.monotonic() if arrived is None else arrived  # when the router received it
@@ -124,7 +124,7 @@ class Tracked:
 
     @classmethod
     def parse(cls, path: str, req: Any, max_ids: int = 1 << 62, arrived: float | None = None,
-              key_chain: tuple[int, bytes] | None = None) -> "Tracked | None":
+              key_chain: tuple[bytes, int] | None = None) -> "Tracked | None":
         """A Tracked for a request (its body as `parse_request` read it) the router can continue
         exactly, else None (passed through as is: not JSON, n > 1, several prompts, a continuation
         already, odd types the engine will refuse)."""
@@ -243,7 +243,8 @@ class Tracked:
         if prompt is not None and self.prompt_ids is None:
             self.prompt_ids = _ids(prompt)
             if self._key_chain is not None:
-                self.keys = KeyChain(*self._key_chain)
+                root, block_size = self._key_chain
+                self.keys = KeyChain(block_size, root)
         if self.keys is not None:
             if self.overflow:
                 self.keys = None

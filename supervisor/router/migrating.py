@@ -56,8 +56,9 @@ class Migrator:
     """Serves Tracked requests (with the table, client, metrics and hold policy of ``upstreams``)."""
 
     def __init__(self, upstreams: Upstreams, cfg: MigrationSection, publish: Publish | None,
-                 max_body_bytes: int, key_chain: tuple[int, bytes] | None = None) -> None:
-        """``key_chain``: the engines' KV (block size, key root), for the block keys a batch member carries."""
+                 max_body_bytes: int, key_chain: tuple[bytes, int] | None = None) -> None:
+        """``key_chain``: the engines' block keys' (key root, block size), as EngineClient's: a batch
+        member carries its prompt's keys."""
         self.u, self.cfg, self.publish = upstreams, cfg, publish
         self.key_chain = key_chain if cfg.batch else None
         self.batcher = Batcher(upstreams.client, max_body_bytes, upstreams.upstream_timeout_s) if cfg.batch else None

@@ -36,7 +36,8 @@ class Proxy:
     """``/v1/*`` as a bare ASGI callable."""
 
     def __init__(self, upstreams: Upstreams, migration: MigrationSection, publish: Publish | None,
-                 limits: RequestLimits | None, body_timeout_s: float, key_chain: tuple[int, bytes] | None = None) -> None:
+                 limits: RequestLimits | None, body_timeout_s: float,
+                 key_chain: tuple[bytes, int] | None = None) -> None:
         self.u = upstreams
         self.migrator = Migrator(upstreams, migration, publish, (limits or DEFAULT_LIMITS).max_body_bytes, key_chain)
         self.limits, self.body_timeout_s = limits, body_timeout_s
