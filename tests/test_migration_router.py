@@ -374,7 +374,7 @@ def test_a_failovers_batch_is_split_to_fit_the_engines_body_limit():
     from supervisor.router.batching import Batcher, Member
 
     async def go():
-        b = Batcher(None, max_bytes=250, timeout_s=1)  # (splitting sends nothing)
+        b = Batcher(None, RoutingTable(), max_bytes=250, timeout_s=1)  # (splitting sends nothing)
         members = [Member(b"x" * n, 1) for n in (100, 100, 60, 500, 10)]
         return [[len(m.frame) for m in batch] for batch in b._split(members)]
     assert asyncio.run(go()) == [[100, 100], [60], [500], [10]]
@@ -422,7 +422,7 @@ def test_a_member_waiting_longer_than_its_timeout_fails_and_one_fed_in_time_does
         silent = Member(b"", 0.2)
         silent.take(200, b"data: 0\n\n")
         aborted = []
-        silent.abort = lambda: aborted.append(True)
+        silent.bind_abort(lambda: aborted.append(True))
         try:
             async for _ in silent.stream():
                 pass
@@ -430,3 +430,117 @@ def test_a_member_waiting_longer_than_its_timeout_fails_and_one_fed_in_time_does
             return b"".join(got).count(b"data:"), str(e), aborted
     count, error, aborted = asyncio.run(go())
     assert count == 8 and "within 0.2s" in error and aborted == [True]
+
+
+def test_a_member_closed_before_its_batch_ran_is_stopped_in_the_engine_once_it_runs():
+    """A continuation whose request ended (its client left) before its batch's answer came is
+    aborted in the engine as the batch starts running there, not left to run to its end."""
+    from supervisor.router.batching import Member
+
+    async def go():
+        aborted = []
+        early = Member(b"", 1)
+        early.close()
+        early.bind_abort(lambda: aborted.append("early"))
+        done = Member(b"", 1)
+        done.take(0, b"")  # (the engine ended it: nothing to stop)
+        done.close()
+        done.bind_abort(lambda: aborted.append("done"))
+        return aborted
+    assert asyncio.run(go()) == ["early"]
+
+
+def promoted_after(delay_s: float, promoted_at: list[float], leaver: list[asyncio.Task] | None = None):
+    """The supervisor's part on a shared KV pool: u1 exits; requests are held while u2 takes the pool
+    over (`delay_s`), then u2 is primary (the moment noted in `promoted_at`). ``leaver``: its one
+    request's client leaves during the hold."""
+    async def supervise(table: RoutingTable, engines) -> None:
+        (p1, url1), (_, url2), _ = engines
+        table.set_primary(Upstream(url1, "u1", 1))
+        while p1.poll() is None:
+            await asyncio.sleep(0.005)
+        table.mark_lost(1)
+        table.set_primary(None, "u2 is taking the KV pool over")
+        await asyncio.sleep(delay_s)
+        if leaver:
+            leaver[0].cancel()
+            await asyncio.sleep(0.05)
+        table.set_primary(Upstream(url2, "u2", 2))
+        promoted_at.append(time.monotonic())
+    return supervise
+
+
+def streams_across(engines, n: int, supervisor, leaver: list[asyncio.Task] | None = None):
+    """`n` streaming completions at once (6 tokens, u1 dies after its 3rd chunk of one): the
+    responses (the first one's task in `leaver` if given, None for its response), the events."""
+    async def go():
+        table, events = RoutingTable(), []
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
+                           migration=MigrationSection(batch=BATCH), publish=events.append)
+        watcher = asyncio.ensure_future(supervisor(table, engines))
+        body = {"model": "m", "prompt": "p", "max_tokens": 6, "stream": True, "die_after": {"u1": 3}}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=30) as c:
+            tasks = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(n)]
+            if leaver is not None:
+                leaver.append(tasks[0])
+            answers = await asyncio.gather(*tasks, return_exceptions=True)
+        watcher.cancel()
+        return [a if isinstance(a, httpx.Response) else None for a in answers], events
+    return asyncio.run(go())
+
+
+def texts(r: httpx.Response) -> str:
+    return "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in r.text.splitlines()
+                   if ln.startswith("data: {"))
+
+
+def test_a_failovers_continuations_leave_at_the_routing_change_that_brings_the_next_primary(engines, monkeypatch):
+    """Continuations held while the next primary takes the pool over go to it from the routing
+    table's change itself, together (batched); not once each request's task has run again. One
+    each, they go the usual way, after the change."""
+    monkeypatch.setattr("supervisor.router.migrating.SAME_PRIMARY_RETRY_S", 5.0)  # (a slow CI is slow to lose them)
+    promoted_at: list[float] = []
+    answers, events = streams_across(engines, 4, promoted_after(0.3, promoted_at))
+    assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 4
+    assert [e["result"] for e in events] == ["continued"] * 4
+    sent = [e["timeline"]["sent"] for e in events]
+    if BATCH:
+        assert max(sent) <= promoted_at[0], (sent, promoted_at)
+        assert len(httpx.get(engines[1][1] + "/peers").json()) == 1, "one batch"
+    else:
+        assert min(sent) > promoted_at[0], (sent, promoted_at)
+
+
+def test_a_continuation_whose_client_left_while_held_is_never_sent(engines, monkeypatch):
+    monkeypatch.setattr("supervisor.router.migrating.SAME_PRIMARY_RETRY_S", 5.0)
+    leaver: list[asyncio.Task] = []
+    answers, events = streams_across(engines, 2, promoted_after(0.3, [], leaver), leaver)
+    assert answers[0] is None and texts(answers[1]) == "t0 t1 t2 t3 t4 t5 "
+    assert len(seen(engines[1][1])) == 1, "only the stayer's continuation reached u2"
+
+
+def test_continuations_held_past_the_early_window_still_go_to_the_next_primary(engines):
+    """A promotion slower than SAME_PRIMARY_RETRY_S: the continuations wait the usual way and go
+    after the change."""
+    promoted_at: list[float] = []
+    answers, events = streams_across(engines, 2, promoted_after(0.8, promoted_at))
+    assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 2
+    assert min(e["timeline"]["sent"] for e in events) > promoted_at[0]
+
+
+def test_continuations_held_when_the_router_stops_end_with_their_error(engines, caplog):
+    """Streams cut by u1's death, held for the next primary when the supervisor stops: each ends
+    with its error event and a cut connection, saying why."""
+    async def stop_during_hold(table: RoutingTable, engines) -> None:
+        (p1, url1), _, _ = engines
+        table.set_primary(Upstream(url1, "u1", 1))
+        while p1.poll() is None:
+            await asyncio.sleep(0.005)
+        table.mark_lost(1)
+        table.set_primary(None, "u2 is taking the KV pool over")
+        await asyncio.sleep(0.1)
+        table.stop()
+    answers, events = streams_across(engines, 2, stop_during_hold)
+    assert answers == [None, None], "each stream is cut (after its error event)"
+    assert [e["result"] for e in events] == ["failed"] * 2
+    assert caplog.text.count("the supervisor is stopping") == 2, caplog.text

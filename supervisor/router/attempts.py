@@ -72,6 +72,12 @@ class Attempts:
             self.u.metrics.router_retries.inc()
         return up
 
+    def held(self, seconds: float) -> None:
+        """The next attempt went without ``primary()`` (a continuation sent as the next primary came,
+        supervisor/router/batching.py), after ``seconds`` on hold."""
+        self.u.metrics.router_hold.observe(seconds)
+        self.u.metrics.router_retries.inc()
+
     async def call(self, up: Upstream, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` (a call to ``up``); PrimaryLost if ``up`` is fenced first."""
         return await self.u.table.unless_lost(up.epoch, coro)

@@ -1,12 +1,22 @@
 """The continuations of one failover, sent to the new primary as one request (engines/continuation_batch.py
-says why and gives the frames): the requests that ask for the same engine in the same pass of the
-event loop (the streams a failover wakes at once) go together, up to the engines' body limit a
-request, and each gets a Response-like view of its own part of the answer, so that the continuation
-loop (supervisor/router/migrating.py) reads it as it reads a response of its own."""
+says why and gives the frames), up to the engines' body limit a request; each gets a Response-like view
+of its own part of the answer, so that the continuation loop (supervisor/router/migrating.py) reads it
+as it reads a response of its own.
+
+Two ways in. A continuation that lost its primary while none serves (a failover's promotion under
+way) waits with its member built (`at_next_primary`): the routing table's change that brings the next
+primary sends every such member at once, from the supervisor's pass itself. Before, each went once its
+request's task had run again: a failover woke 256 of them at once, and their batch left once the last
+had run (~12 ms on an H200 host, bench/RESULTS.md). The others (`request`) go together when they ask
+for the same primary in the same pass of the event loop.
+
+A batch runs under its primary's epoch (routing.RoutingTable.unless_lost): one fenced before or while
+its batch goes fails its members at once, and none reaches an engine after its fence."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -14,6 +24,7 @@ from engines import sse
 from engines.batch_wire import BATCH_HEADER, END, FRAMES_TYPE
 from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
 from supervisor.router.idle_guard import IdleGuard
+from supervisor.router.routing import PrimaryLost, RoutingTable, Upstream
 from supervisor.router.upstream import Client
 
 log = logging.getLogger("understudy.router")
@@ -35,8 +46,11 @@ class Member:
         self._ran = ran  # called when the engine's scheduled marker arrives (it began running this one)
         self.status, self.headers = 0, SSE
         self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.abort = None  # set by the batch once it runs: stops this member in the engine
+        self.sent_to: Upstream | None = None  # sent at a routing change (Batcher.at_next_primary): where
+        self.sent_at = 0.0  # ... and when (time.monotonic)
         self.ended = False  # the engine sent all of it (or failed it)
+        self._abort: Callable[[], None] | None = None  # stops this member in the engine, once its batch runs
+        self._abort_due = False  # closed unfinished before its batch ran: stopped as it runs
         self._chunks: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._error: UpstreamError | None = None
@@ -47,6 +61,19 @@ class Member:
     @property
     def is_event_stream(self) -> bool:
         return self.status == 200
+
+    def bind_abort(self, abort: Callable[[], None]) -> None:
+        """Its batch runs in the engine: `abort` stops this member there (now, if it was closed unfinished)."""
+        self._abort = abort
+        if self._abort_due:
+            self._abort_due = False
+            abort()
+
+    def answer(self) -> "Member":
+        """This member, its head in; its failure raised if it failed before its first frame."""
+        if self.status == 0:
+            raise self.error()
+        return self
 
     def take(self, status: int, payload: bytes) -> None:
         """A frame for this member (from the batch's reader)."""
@@ -122,43 +149,99 @@ class Member:
             return
         self._closed = True
         self._guard.stop()
-        if not self.ended and self.abort is not None:
-            self.abort()
+        if not self.ended:
+            if self._abort is not None:
+                self._abort()
+            else:
+                self._abort_due = True
         self.ended = True
 
 
 class Batcher:
-    """``await batcher.request(url, target, body)``: a Member once its first frame is in (as
-    ``Client.request`` returns once a response head is in)."""
+    """``await batcher.request(up, frame)``: a Member once its first frame is in (as
+    ``Client.request`` returns once a response head is in); ``await batcher.at_next_primary(...)``:
+    one sent when the next primary comes."""
 
-    def __init__(self, client: Client, max_bytes: int, timeout_s: float) -> None:
-        self.client, self.max_bytes, self.timeout_s = client, max_bytes, timeout_s
-        self._pending: dict[str, list[Member]] = {}
+    def __init__(self, client: Client, table: RoutingTable, max_bytes: int, timeout_s: float) -> None:
+        self.client, self.table, self.max_bytes, self.timeout_s = client, table, max_bytes, timeout_s
+        self._pending: dict[Upstream, list[Member]] = {}
+        self._early: dict[Member, int | None] = {}  # waiting for the next primary (in order): the epoch not to take
         self._running: set[asyncio.Task] = set()
+        table.on_change.append(self._on_change)
 
-    async def request(self, url: str, frame: bytes, ran: Callable[[], None] | None = None) -> Member:
+    async def request(self, up: Upstream, frame: bytes, ran: Callable[[], None] | None = None) -> Member:
         """``frame``: the request as a member of the batch (continuation.py `Tracked.batch_member`);
         ``ran``: called as the engine's scheduled marker for this member arrives."""
         member = Member(frame, self.timeout_s, ran)
-        pending = self._pending.get(url)
+        pending = self._pending.get(up)
         if pending is None:
-            pending = self._pending[url] = []
-            asyncio.get_running_loop().call_soon(self._send, url)  # after the others woken in this pass
+            pending = self._pending[up] = []
+            asyncio.get_running_loop().call_soon(self._send, up)  # after the others woken in this pass
         pending.append(member)
+        await self._answered(member)
+        return member.answer()
+
+    async def at_next_primary(self, frame: Callable[[], bytes], ran: Callable[[], None] | None,
+                              not_epoch: int | None, until: float) -> Member | None:
+        """A member (its frame: ``frame()``) sent by the routing table's change that brings a primary
+        (of an epoch other than ``not_epoch``), returned once its first frame is in (or it failed:
+        ``Member.answer``), the primary it went to in ``sent_to``. None when a primary is there
+        already, or none came by ``until`` (monotonic), or the router is stopping: nothing was sent,
+        the request waits the usual way (supervisor/router/attempts.py)."""
+        table = self.table
+        if table.stopping or (table.primary is not None and table.primary.epoch != not_epoch):
+            return None
+        member = Member(frame(), self.timeout_s, ran)
+        self._early[member] = not_epoch
+        timer = asyncio.get_running_loop().call_later(max(until - time.monotonic(), 0.0), self._unsent, member)
+        try:
+            await self._answered(member)
+        finally:
+            timer.cancel()
+        return member if member.sent_to is not None else None
+
+    async def _answered(self, member: Member) -> None:
         try:
             await member.head
-        except BaseException:
+        except BaseException:  # (its request ended: its client left)
+            self._early.pop(member, None)
             member.close()
             raise
-        if member.status == 0:  # failed before its first frame
-            raise member.error()
-        return member
 
-    def _send(self, url: str) -> None:
-        for members in self._split(self._pending.pop(url)):
-            task = asyncio.ensure_future(self._run(url, members))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+    def _unsent(self, member: Member) -> None:
+        """``member``'s wait for the next primary is over, unsent: its request goes the usual way."""
+        if member in self._early:
+            del self._early[member]
+            member.head.set_result(None)
+
+    def _on_change(self) -> None:
+        """The routing table changed: the members waiting for a primary go to the new one now (the
+        router stopping: they go the usual way, to their 503)."""
+        if not self._early:
+            return
+        up = self.table.primary
+        if self.table.stopping:
+            for member in list(self._early):
+                self._unsent(member)
+            return
+        if up is None:
+            return
+        members = [m for m, not_epoch in self._early.items() if not_epoch != up.epoch]
+        now = time.monotonic()
+        for m in members:
+            del self._early[m]
+            m.sent_to, m.sent_at = up, now
+        self._start(up, members)
+
+    def _send(self, up: Upstream) -> None:
+        self._start(up, self._pending.pop(up))
+
+    def _start(self, up: Upstream, members: list[Member]) -> None:
+        for batch in self._split(members):
+            if batch:
+                task = asyncio.ensure_future(self._run(up, batch))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
 
     def _split(self, members: list[Member]) -> list[list[Member]]:
         """Batches whose bodies fit the engines' limit (a member over it alone: refused as it would be alone)."""
@@ -173,7 +256,15 @@ class Batcher:
             size += n
         return out
 
-    async def _run(self, url: str, members: list[Member]) -> None:
+    async def _run(self, up: Upstream, members: list[Member]) -> None:
+        """One batch, as long as its primary is not fenced: a fence fails its members at once."""
+        try:
+            await self.table.unless_lost(up.epoch, self._exchange(up.url, members))
+        except PrimaryLost:
+            for m in members:
+                m.fail(UpstreamError(f"{up.name} (epoch {up.epoch}) was fenced before this continuation's end"))
+
+    async def _exchange(self, url: str, members: list[Member]) -> None:
         """One batch: sent, its frames dealt to its members; any failure fails those not ended."""
         body = b"".join(m.frame for m in members)
         resp = None
@@ -186,16 +277,17 @@ class Batcher:
                 return
             batch = (resp.header(BATCH_HEADER) or b"").decode()
             for i, m in enumerate(members):
-                m.abort = lambda i=i: self._abort(url, batch, i)
+                m.bind_abort(lambda i=i: self._abort(url, batch, i))
             await self._deal(resp, members)
             error: UpstreamError = RemoteProtocolError("the batch's answer ended before this continuation's end")
         except UpstreamError as e:
             error = e
         except ValueError as e:  # a malformed frame
             error = RemoteProtocolError(f"malformed batch frame: {e}")
-        except BaseException:  # (the router is stopping)
+        except BaseException:  # (its primary fenced, or the router stopping)
             for m in members:
-                m.fail(UpstreamError("the router stopped this batch of continuations"))
+                m.fail(UpstreamError("this batch of continuations was stopped (its primary fenced, or the router "
+                                     "stopping)"))
             raise
         finally:
             if resp is not None:

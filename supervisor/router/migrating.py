@@ -23,8 +23,8 @@ from typing import Any
 
 from engines import sse
 from supervisor.config import MigrationSection
-from supervisor.router.attempts import Upstreams
-from supervisor.router.batching import Batcher
+from supervisor.router.attempts import SAME_PRIMARY_RETRY_S, Attempts, Upstreams
+from supervisor.router.batching import Batcher, Member
 from supervisor.router.continuation import Tracked, error_event
 from supervisor.router.replies import Send
 from supervisor.router.routing import PrimaryLost, Upstream
@@ -61,7 +61,8 @@ class Migrator:
         member carries its prompt's keys."""
         self.u, self.cfg, self.publish = upstreams, cfg, publish
         self.key_chain = key_chain if cfg.batch else None
-        self.batcher = Batcher(upstreams.client, max_body_bytes, upstreams.upstream_timeout_s) if cfg.batch else None
+        self.batcher = Batcher(upstreams.client, upstreams.table, max_body_bytes, upstreams.upstream_timeout_s) \
+            if cfg.batch else None
         m = upstreams.metrics
         self._results = {r: m.migrations.labels(result=r) for r in
                          ("continued", "failed", "quarantined", "unsupported", "limit")}
@@ -98,14 +99,15 @@ class _Call:
         self.epoch = 0
         self.timeline: dict[str, float] = {}  # the current continuation's moments (time.monotonic): TIMELINE
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
+        self.early: Member | None = None  # the continuation, sent as the next primary came (_send_early)
 
     async def run(self) -> None:
         u = self.m.u
         attempts = u.attempts()
-        while (up := await attempts.primary()) is not None:
-            self.epoch, self.req.ran = up.epoch, False  # (here: an attempt fenced before it ran took nothing)
+        while (up := await self._primary(attempts)) is not None:
+            self.epoch, early, self.early = up.epoch, self.early, None
             try:
-                await attempts.call(up, self._attempt(up))
+                await attempts.call(up, self._attempt(up, early))
                 return await self._finish()
             except _Refused as r:
                 if attempts.may_retry(r.status):
@@ -133,7 +135,34 @@ class _Call:
             self.chunks_before = self.req.chunks_sent
             self.timeline = {"lost": time.monotonic()}
             attempts.hold_again()
+            await self._send_early(attempts)
         return await self._give_up("failed" if self.migrations else None, 503, attempts.unavailable())
+
+    async def _primary(self, attempts: Attempts) -> Upstream | None:
+        """Where the next attempt goes: where the continuation went already, else the primary."""
+        if self.early is not None:
+            return self.early.sent_to
+        self.req.ran = False  # (an attempt fenced before it ran took nothing)
+        return await attempts.primary()
+
+    async def _send_early(self, attempts: Attempts) -> None:
+        """While no primary serves (a promotion under way), the continuation waits built, and goes with
+        the failover's others at the routing change that brings the next primary (Batcher.at_next_primary);
+        up to SAME_PRIMARY_RETRY_S, then the usual wait."""
+        if self.m.batcher is None:
+            return
+        self.req.ran = False
+        began = time.monotonic()
+        self.early = await self.m.batcher.at_next_primary(self._member, self._ran, attempts.failed_epoch,
+                                                          min(attempts.deadline, began + SAME_PRIMARY_RETRY_S))
+        if self.early is not None:
+            attempts.held(self.early.sent_at - began)
+
+    def _member(self) -> bytes:
+        return self.req.batch_member(self.target.partition(b"?")[0])
+
+    def _ran(self) -> None:
+        self.req.ran = True
 
     def _moment(self, name: str, now: float | None = None) -> None:
         """Note the first `name` moment of the current continuation (none before the first loss)."""
@@ -163,14 +192,15 @@ class _Call:
                                   f"{cfg.max_replay_tokens}")
         return None
 
-    async def _attempt(self, up: Upstream) -> None:
-        """Send the request (or its continuation) to `up` and relay its stream until [DONE]."""
-        u, req = self.m.u, self.req
-        self._moment("sent")
-        batcher = self.m.batcher
-        if self.migrations and batcher is not None:  # (a failover's continuations go together)
-            resp = await batcher.request(up.url, req.batch_member(self.target.partition(b"?")[0]),
-                                         ran=lambda: setattr(req, "ran", True))
+    async def _attempt(self, up: Upstream, early: Member | None = None) -> None:
+        """Send the request (or its continuation) to `up` and relay its stream until [DONE] (``early``:
+        the continuation went already, its head is in)."""
+        u, req, batcher = self.m.u, self.req, self.m.batcher
+        self._moment("sent", early.sent_at if early is not None else None)
+        if early is not None:
+            resp = early.answer()
+        elif self.migrations and batcher is not None:  # (a failover's continuations go together)
+            resp = await batcher.request(up, self._member(), self._ran)
         else:
             resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
         self._moment("answered")

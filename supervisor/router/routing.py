@@ -3,6 +3,7 @@ requests to wait for a primary instead of failing during a failover."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from engines.interrupt import Interrupt
 from supervisor.router.collector_hold import CollectorHold
 
 T = TypeVar("T")
+log = logging.getLogger("understudy.router")
 
 
 class PrimaryLost(Exception):
@@ -35,6 +37,9 @@ class RoutingTable:
         self._not_ready = "starting: no engine READY yet"
         self.explain: Callable[[], str] | None = None  # what each engine is doing (supervisor/core/why.py)
         self._waiting: set[asyncio.Future[None]] = set()  # wait_primary's, each resolved at the next change
+        # Called at each change (a primary, a hold, the router stopping), before the waiting requests
+        # wake: a failover's continuations are sent from here (supervisor/router/batching.py).
+        self.on_change: list[Callable[[], None]] = []
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
         self._calls: dict[int, set[Interrupt]] = {}  # epoch -> calls in flight to that primary
@@ -103,7 +108,13 @@ class RoutingTable:
         self._wake()
 
     def _wake(self) -> None:
-        """Wake every request waiting in wait_primary."""
+        """Tell the listeners, then wake every request waiting in wait_primary. (The supervisor's pass
+        calls this: a listener's failure is logged, never the pass's.)"""
+        for listener in self.on_change:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001
+                log.exception("the router's routing-change listener %r failed", listener)
         for waiter in self._waiting:
             _settle(waiter)
         self._waiting.clear()
