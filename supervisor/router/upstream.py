@@ -22,6 +22,9 @@ __all__ = ["HOP_BY_HOP", "NOT_RELAYED", "Client", "ConnectError", "Headers", "Re
            "Response", "UpstreamError", "UpstreamTimeout", "take_chunks"]
 
 
+LARGE_BODY = 1 << 16
+
+
 class _Origin:
     """One upstream (http[s]://host[:port][/prefix]) and its idle connections, most recently used last."""
     __slots__ = ("url", "host", "port", "tls", "host_header", "prefix", "idle")
@@ -70,7 +73,10 @@ class Client:
             raise
         try:
             head = request_head(method, origin.prefix + target, origin.host_header, headers, body)
-            conn.writer.write(head + body)
+            if len(body) > LARGE_BODY:  # (a failover's batch, ~2 MB: written as it is, not copied after the head)
+                conn.writer.writelines((head, body))
+            else:
+                conn.writer.write(head + body)
             async with asyncio.timeout(self.timeout_s):
                 await conn.writer.drain()
                 version, status, resp_headers = await read_head(conn.reader)
