@@ -125,6 +125,20 @@ def test_forwards_to_the_primary_and_passes_errors_through(upstreams):
     run(go())
 
 
+def test_a_body_over_the_large_body_size_reaches_the_engine_whole(upstreams):
+    """The upstream client writes a large body (a failover's batch) after its head without joining
+    them (supervisor/router/upstream.py LARGE_BODY): the engine still gets every byte, in order."""
+    from supervisor.router.upstream import LARGE_BODY
+
+    async def go():
+        table, _, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+        prompt = "".join(chr(97 + i % 26) for i in range(LARGE_BODY * 3))
+        r = await c.post("/v1/completions", json={"prompt": prompt})
+        assert r.status_code == 200 and r.json()["echo"] == prompt
+    run(go())
+
+
 def test_the_engines_batch_endpoints_and_the_continuation_field_are_not_for_clients(upstreams):
     async def go():
         table, metrics, c = make()
