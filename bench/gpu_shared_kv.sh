@@ -190,7 +190,8 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
   # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
   # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
   # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) and this tree's
-  # core_admission.py (the core's share of 256 continuations) on each.
+  # core_admission.py (the core's share of 256 continuations) and member_frames.py (the router's batch
+  # members) on each; then router_losses.py on this tree.
   # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=.")
   local side dir entry
   for entry in ${TREES:-base=$BASE this=.}; do
@@ -205,7 +206,13 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
     echo "== promote_cost, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD python3 bench/probes/promote_cost.py --runs 7) 2>&1 | tail -1)"
     echo "== core_admission, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD:$ROOT/bench/probes \
       python3 "$ROOT/bench/probes/core_admission.py") 2>&1 | tail -1)"
+    echo "== member_frames, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD \
+      python3 "$ROOT/bench/probes/member_frames.py") 2>&1 | tail -1)"
   done
+  # the router's handling of 256 losses on this host's CPU (this tree's router only: it times the
+  # continuations built and waiting for the next primary, batching.Batcher.at_next_primary)
+  echo "== router_losses, this tree: $( (PYTHONPATH=/tmp/site:$ROOT:$ROOT/bench/probes timeout 180 \
+    python3 "$ROOT/bench/probes/router_losses.py" --rounds 7) 2>&1 | tail -1)"
 }
 case "${1:-}" in
 tree_ab) tree_ab ;;
