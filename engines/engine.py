@@ -342,8 +342,10 @@ class LLMEngine:
         """One scheduler step: launch the scheduled work, then read the previous step's tokens and
         release the sequences that finished."""
         marks = [time.monotonic()]  # (for the promotion trace: began, scheduled, launched, read back)
+        cpu = time.thread_time() if self.trace.armed else None
         work = self.scheduler.schedule()
         marks.append(time.monotonic())
+        schedule_cpu = time.thread_time() - cpu if cpu is not None else None
         # The scheduled markers of sequences run for the first time go out before the step runs:
         # a request that kills the engine in its first step was seen to run here (by the router).
         self._flush()
@@ -367,7 +369,7 @@ class LLMEngine:
         self.steps += 1
         self._flush()
         self._report_continued()
-        self.trace.step(marks, len(work), sum(w.num_new for w in work))
+        self.trace.step(marks, len(work), sum(w.num_new for w in work), schedule_cpu)
 
     def _read_back(self) -> None:
         """Apply the last step's tokens to their sequences (dropping those of finished ones)."""

@@ -23,6 +23,7 @@ class _Step:
     marks: list[float]  # began, scheduled, launched, read back, ended
     rows: int
     tokens: int
+    schedule_cpu: float | None = None  # the scheduler thread's CPU seconds in the schedule phase
 
 
 @dataclass
@@ -33,6 +34,10 @@ class PromotionTrace:
     steps: list[_Step] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # continued requests admitted
 
+    @property
+    def armed(self) -> bool:
+        return self.since is not None
+
     def arm(self) -> None:
         self.since, self.steps, self.arrivals = time.monotonic(), [], []
 
@@ -40,11 +45,13 @@ class PromotionTrace:
         if self.since is not None:
             self.arrivals.append(time.monotonic())
 
-    def step(self, marks: list[float], rows: int, tokens: int) -> None:
-        """A step with `rows` sequences and `tokens` tokens, its moments up to the read back; it ended now."""
+    def step(self, marks: list[float], rows: int, tokens: int, schedule_cpu: float | None = None) -> None:
+        """A step with `rows` sequences and `tokens` tokens, its moments up to the read back; it ended now.
+        ``schedule_cpu``: the thread's CPU time (time.thread_time) in its schedule phase: well below
+        that phase's wall time, the thread waited (for the GIL, held by the thread admitting arrivals)."""
         if self.since is None:
             return
-        self.steps.append(_Step([*marks, time.monotonic()], rows, tokens))
+        self.steps.append(_Step([*marks, time.monotonic()], rows, tokens, schedule_cpu))
         if self.steps[-1].marks[-1] - self.since >= WINDOW_S:
             log.info("%s", self.summary())
             self.since = None
@@ -61,7 +68,8 @@ class PromotionTrace:
         for i, s in enumerate(self.steps[:SHOWN_STEPS]):
             idle = (s.marks[0] - self.steps[i - 1].marks[-1]) * 1e3 if i else ms(s.marks[0])
             parts = "/".join(f"{(b - a) * 1e3:.1f}" for a, b in zip(s.marks, s.marks[1:]))
-            shown.append(f"+{ms(s.marks[0]):.0f}: {s.rows} rows {s.tokens} tokens, {took[i]:.1f} ms ({parts}), "
+            cpu = f", schedule's CPU {s.schedule_cpu * 1e3:.1f}" if s.schedule_cpu is not None else ""
+            shown.append(f"+{ms(s.marks[0]):.0f}: {s.rows} rows {s.tokens} tokens, {took[i]:.1f} ms ({parts}{cpu}), "
                          f"{idle:.1f} ms between")
         return (f"after the promotion: {arrived}; {len(self.steps)} steps in {WINDOW_S:g} s, median "
                 f"{statistics.median(took):.1f} ms, longest {took[longest]:.1f} ms at "

@@ -76,7 +76,7 @@ def test_the_supervisors_cpu_share_is_its_cpu_seconds_per_wall_second():
 
 
 def test_a_continuations_moments_count_from_the_kill_that_lost_its_primary():
-    from harness.bench.failover_streams import timeline_after_kills
+    from harness.bench.failover_streams import timeline_after_kills, timeline_by_kill
     events = [{"type": "migration", "result": "continued",
                "timeline": {"lost": 10.01, "sent": 10.05, "answered": 10.1, "token": 10.2}},
               {"type": "migration", "result": "continued",
@@ -87,6 +87,9 @@ def test_a_continuations_moments_count_from_the_kill_that_lost_its_primary():
     t = timeline_after_kills(events, [10.0, 20.0])
     assert t["lost"]["n"] == 2 and abs(t["lost"]["max"] - 20.0) < 1e-6
     assert abs(t["token"]["p50"] - 300.0) < 1e-6 and abs(t["answered"]["min"] - 100.0) < 1e-6
+    by_kill = timeline_by_kill(events, [10.0, 20.0, 30.0])
+    assert [round(k["lost"][0]) if k["lost"] else None for k in by_kill] == [10, 20, None]
+    assert by_kill[1]["answered"] == [300.0, 300.0] and by_kill[2]["token"] == []
 
 
 def test_the_supervisors_collections_between_two_scrapes_by_generation():

@@ -86,11 +86,12 @@ def test_promotion_trace_logs_its_first_second_once(monkeypatch, caplog):
         t.step([now, now, now, now], 5, 40)
         time.sleep(0.06)
         now = time.monotonic()
-        t.step([now, now + 0.001, now + 0.002, now + 0.003], 7, 7)
+        t.step([now, now + 0.001, now + 0.002, now + 0.003], 7, 7, schedule_cpu=0.0004)
         t.step([now] * 4, 7, 7)  # disarmed once logged
     lines = [r.getMessage() for r in caplog.records if "after the promotion" in r.getMessage()]
     assert len(lines) == 1 and "1 continued requests admitted" in lines[0] and "2 steps" in lines[0]
     assert "5 rows 40 tokens" in lines[0] and t.since is None
+    assert "7 rows 7 tokens" in lines[0] and " ms (1.0/1.0/1.0/" in lines[0] and ", schedule's CPU 0.4)" in lines[0]
 
 
 @pytest.mark.parametrize("arrivals", [0, 2])

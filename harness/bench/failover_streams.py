@@ -55,6 +55,7 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
         recomputed = [n for e in h.events if e["type"] == "continuations" for n in e["recomputed"]]
         return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
                 "continuation_timeline_ms": timeline_after_kills(h.events, k.kills),
+                "continuation_timeline_by_kill_ms": timeline_by_kill(h.events, k.kills),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
                 "supervisor_cpu_share": supervisor_cpu, "supervisor_gc": supervisor_gc,
                 "primary_front_end_cpu_share": bench_summary(k.front_end_cpu)}
@@ -154,16 +155,28 @@ def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
 def timeline_after_kills(events: list[dict[str, Any]], kills: list[float]) -> dict[str, dict[str, float]]:
     """Each moment of the continuations' timelines (supervisor/router/migrating.py TIMELINE), in ms
     after the kill that lost their primary (the last kill before the loss): where a stall goes."""
+    per_kill = _moments_by_kill(events, kills)
+    return {name: bench_summary([x for k in per_kill for x in k[name]], 2) for name in TIMELINE}
+
+
+def timeline_by_kill(events: list[dict[str, Any]], kills: list[float]) -> list[dict[str, list[float]]]:
+    """Per kill, each moment's median and max over its continuations ([] where it had none): whether
+    a tail is a few slow failovers or every failover's slowest streams."""
+    summaries = ({name: bench_summary(xs, 2) for name, xs in k.items()} for k in _moments_by_kill(events, kills))
+    return [{name: [s["p50"], s["max"]] if s else [] for name, s in k.items()} for k in summaries]
+
+
+def _moments_by_kill(events: list[dict[str, Any]], kills: list[float]) -> list[dict[str, list[float]]]:
     import bisect
-    after: dict[str, list[float]] = {name: [] for name in TIMELINE}
+    out: list[dict[str, list[float]]] = [{name: [] for name in TIMELINE} for _ in kills]
     for e in events:
         t = e.get("timeline") if e["type"] == "migration" and e.get("result") == "continued" else None
         if not t or "lost" not in t or (i := bisect.bisect_right(kills, t["lost"])) == 0:
             continue
         for name, at in t.items():
-            if name in after:
-                after[name].append((at - kills[i - 1]) * 1000)
-    return {name: bench_summary(xs, 2) for name, xs in after.items()}
+            if name in out[i - 1]:
+                out[i - 1][name].append((at - kills[i - 1]) * 1000)
+    return out
 
 
 def keep_logs(workdir: Path, dest: Path) -> None:
