@@ -26,13 +26,13 @@ from supervisor.router.routing import RoutingTable, Upstream
 from tests.test_supervisor_router import start_upstream
 
 ENGINE = textwrap.dedent('''
-    import asyncio, json, os, sys
+    import asyncio, json, os, sys, time
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
     import uvicorn
     from engines.batch_wire import read_members
     app = FastAPI()
-    seen, peers, tails = [], [], []
+    seen, peers, tails, batch_at = [], [], [], []
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -43,6 +43,7 @@ ENGINE = textwrap.dedent('''
 
     @app.post("/v1/continuations")  # the router's batch: the members' streams, framed (engines/continuation_batch.py)
     async def continuations(request: Request):
+        batch_at.append(time.monotonic())  # (the host's clock: the tests compare it with their own)
         members = [{"body": json.loads(m.json), "ids": m} for m in read_members(await request.body())]
         for m in members:  # (a continuation's ids are framed raw: seen as its own request would carry them)
             if m["ids"].prompt_ids is not None:
@@ -105,6 +106,10 @@ ENGINE = textwrap.dedent('''
     @app.get("/peers")
     async def get_peers():  # the port each request came from: which connection the router used
         return peers
+
+    @app.get("/batch_at")
+    async def get_batch_at():  # when each batch's head came (time.monotonic)
+        return batch_at
 
     @app.get("/tails")
     async def get_tails():  # for each stream with a tail: whether the router left before its end
@@ -509,6 +514,36 @@ def test_a_failovers_continuations_leave_at_the_routing_change_that_brings_the_n
         assert len(httpx.get(engines[1][1] + "/peers").json()) == 1, "one batch"
     else:
         assert min(sent) > promoted_at[0], (sent, promoted_at)
+
+
+def test_a_failovers_batch_goes_out_from_the_routing_change_on_the_connection_kept_to_the_next_primary(
+        engines, monkeypatch):
+    """The router keeps a connection open to the next primary (RoutingTable.set_next_primary): the
+    held continuations' batch is written on it by the routing change itself. It reaches u2 while the
+    supervisor's pass still holds the loop (blocked here for 1 s after the change), on that connection."""
+    if not BATCH:
+        pytest.skip("one request each: no batch")
+    monkeypatch.setattr("supervisor.router.migrating.SAME_PRIMARY_RETRY_S", 5.0)
+    changed_at: list[float] = []
+
+    async def supervise(table: RoutingTable, engines) -> None:
+        (p1, url1), (_, url2), _ = engines
+        table.set_primary(Upstream(url1, "u1", 1))
+        table.set_next_primary(url2)
+        while p1.poll() is None:
+            await asyncio.sleep(0.005)
+        table.mark_lost(1)
+        table.set_primary(None, "u2 is taking the KV pool over")
+        await asyncio.sleep(0.3)
+        table.set_primary(Upstream(url2, "u2", 2))
+        changed_at.append(time.monotonic())
+        time.sleep(1.0)  # (the rest of the pass: nothing else runs in the loop meanwhile)
+        changed_at.append(time.monotonic())
+    answers, events = streams_across(engines, 4, supervise)
+    assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 4
+    (arrived,) = httpx.get(engines[1][1] + "/batch_at").json()
+    assert changed_at[0] <= arrived < changed_at[1], (changed_at, arrived)
+    assert len(httpx.get(engines[1][1] + "/peers").json()) == 1
 
 
 def test_a_continuation_whose_client_left_while_held_is_never_sent(engines, monkeypatch):

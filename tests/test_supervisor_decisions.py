@@ -32,6 +32,11 @@ ROWS = [
         ["fence a", "publish failover", "publish a EXITED", "reap a", "promote b epoch 2",
          "publish a BACKOFF", "start a via spawn", "probe a ready", "publish a READY", "publish recovered"],
         {"a": "READY standby", "b": "READY primary"}),
+    Row("the router is told the next primary (a connection kept open to it): none while the standby is the "
+        "primary and the dead one restarts, the restarted one's URL once it is READY",
+        [("exit", "a"), *EXIT, ("wait", 0.2), ("launched", "a"), ("ready", "a")],
+        ["promote b epoch 2", "next primary none", "probe a ready", "next primary http://127.0.0.1:1005"],
+        {"a": "READY standby"}, counts={"next primary none": 1}),
     Row("a killed TP worker rank takes its engine down: the group is waited for before the restart",
         [("exit", "a")], ["fence a", "reap a", "promote b epoch 2"], {"a": "EXITED standby"},
         options={"tp_size": 2}),

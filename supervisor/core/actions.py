@@ -123,6 +123,17 @@ class RouterFlags:
 
 
 @dataclass(frozen=True)
+class NextPrimary:
+    """The engine a failover would promote now (its URL; "" for none): the router keeps a connection
+    to it open, so that a failover's continuations go out with no connect first."""
+
+    url: str
+
+    def brief(self) -> str:
+        return f"next primary {self.url or 'none'}"
+
+
+@dataclass(frozen=True)
 class Probe:
     """One check of a child: ``what`` = "ready" (HTTP up, canary vs golden), "health" (canary of the
     primary), "status" (a daemon loading), "ping" (a READY daemon, a starting spawn server).
@@ -260,5 +271,5 @@ class Finish:
         return f"finish {self.exit_code}"
 
 
-Action = Union[Start, Attach, Fence, Stop, Drain, Tell, Promote, Hold, RouterFlags, Probe, Reap, SweepLinks, Publish,
-               Measure, Notify, Answer, Survey, CheckAdoptable, AwaitGone, Finish]
+Action = Union[Start, Attach, Fence, Stop, Drain, Tell, Promote, Hold, RouterFlags, NextPrimary, Probe, Reap,
+               SweepLinks, Publish, Measure, Notify, Answer, Survey, CheckAdoptable, AwaitGone, Finish]

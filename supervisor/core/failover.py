@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from supervisor.core.actions import Hold, Notify, Promote, Publish, RouterFlags, Tell
+from supervisor.core.actions import Hold, NextPrimary, Notify, Promote, Publish, RouterFlags, Tell
 from supervisor.core.model import Engine, Failover, Node, Promotion
 from supervisor.core.states import Role
 from supervisor.core.why import roles_text
@@ -124,3 +124,7 @@ def route(node: Node) -> None:
     if flags != node.routed_flags:
         node.routed_flags = flags
         node.emit(RouterFlags(*flags))
+    standby = node.ready_standby() if not node.stopping else None
+    if (next_url := standby.url if standby is not None else "") != node.routed_next:
+        node.routed_next = next_url
+        node.emit(NextPrimary(next_url))

@@ -212,6 +212,7 @@ class Node:
     dirty: bool = True                 # something state.json / children.json show changed
     routed: tuple | None = None        # the routing last emitted (see failover.route)
     routed_flags: tuple[bool, bool] = (False, False)  # (drained, stopping) last emitted
+    routed_next: str = ""              # the next primary's URL last emitted (NextPrimary)
     lost_epoch: int | None = None      # a fenced primary's epoch, not yet told to the router
     clock: tuple[int, float] | None = None  # (new epoch, failure detected): the router's failover clock
     promoting: Promotion | None = None  # shared KV: a promotion waiting for the engine's answer

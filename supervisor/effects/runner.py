@@ -12,8 +12,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from supervisor.core.actions import (Action, Answer, Attach, AwaitGone, CheckAdoptable, Drain, Fence, Finish, Hold,
-                                     Measure, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start, Stop, Survey,
-                                     SweepLinks, Tell)
+                                     Measure, NextPrimary, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start,
+                                     Stop, Survey, SweepLinks, Tell)
 from supervisor.core.events import (AdoptionChecked, DaemonAnswered, Event, ExitRead, GroupsGone, HealthChecked,
                                     LaunchFailed, Pinged, ReadyChecked, Surveyed)
 from supervisor.core.model import Node
@@ -48,9 +48,10 @@ class Effects:
         self._reap_errors = 0
         self._quick: dict[type, Callable[[Any], object]] = {  # done in place
             Fence: lambda a: kill_group(a.pid), Stop: lambda a: kill_group(a.pid, a.sig),
-            Promote: self._promote, Hold: self._hold, RouterFlags: self._flags, Tell: self._tell,
-            Publish: self.publisher.publish, Measure: self.publisher.measure, Notify: self.publisher.notify,
-            Answer: self.answer, Attach: self.launcher.attach, SweepLinks: self.reaper.sweep_links}
+            Promote: self._promote, Hold: self._hold, RouterFlags: self._flags, NextPrimary: self._next,
+            Tell: self._tell, Publish: self.publisher.publish, Measure: self.publisher.measure,
+            Notify: self.publisher.notify, Answer: self.answer, Attach: self.launcher.attach,
+            SweepLinks: self.reaper.sweep_links}
         self._slow: dict[type, Callable[[Any], Coroutine[Any, Any, Event | None]]] = {  # tasks: results as events
             Start: self.launcher.start, Probe: self.checks.probe, Reap: self.reaper.reap, Drain: self._drain,
             Survey: self.surveyor.survey, CheckAdoptable: self.surveyor.check, AwaitGone: self.surveyor.await_gone,
@@ -79,6 +80,9 @@ class Effects:
         self.table.drained = a.drained
         if a.stopping:
             self.table.stop()
+
+    def _next(self, a: NextPrimary) -> None:
+        self.table.set_next_primary(a.url or None)
 
     def _task(self, coro: Coroutine[Any, Any, Event | None], action: Action) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=action.brief())

@@ -25,13 +25,14 @@ from engines.batch_wire import BATCH_HEADER, END, FRAMES_TYPE
 from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
 from supervisor.router.idle_guard import IdleGuard
 from supervisor.router.routing import PrimaryLost, RoutingTable, Upstream
-from supervisor.router.upstream import Client
+from supervisor.router.upstream import Client, Sent
 
 log = logging.getLogger("understudy.router")
 
 BATCH_PATH = b"/v1/continuations"
 ABORT_PATH = "/v1/continuations/abort"
 ABORT_TIMEOUT_S = 5.0
+WARM_EVERY_S = 1.0  # how often the connection to the next primary is checked (Client.warm renews it)
 JSON: Headers = [(b"content-type", b"application/json")]
 FRAMES: Headers = [(b"content-type", FRAMES_TYPE)]
 SSE: Headers = [(b"content-type", b"text/event-stream")]
@@ -167,7 +168,9 @@ class Batcher:
         self._pending: dict[Upstream, list[Member]] = {}
         self._early: dict[Member, int | None] = {}  # waiting for the next primary (in order): the epoch not to take
         self._running: set[asyncio.Task] = set()
+        self._warm_timer: asyncio.TimerHandle | None = None
         table.on_change.append(self._on_change)
+        table.on_next.append(self._keep_warm)
 
     async def request(self, up: Upstream, frame: bytes, ran: Callable[[], None] | None = None) -> Member:
         """``frame``: the request as a member of the batch (continuation.py `Tracked.batch_member`);
@@ -233,13 +236,29 @@ class Batcher:
             m.sent_to, m.sent_at = up, now
         self._start(up, members)
 
+    def _keep_warm(self) -> None:
+        """A connection to the next primary kept open (Client.warm), checked every WARM_EVERY_S while
+        there is one: a failover's continuations are written on it from the routing change itself."""
+        if self._warm_timer is not None:
+            self._warm_timer.cancel()
+            self._warm_timer = None
+        url = self.table.next_primary
+        if url is None or self.table.stopping:
+            return
+        self.client.warm(url)
+        self._warm_timer = asyncio.get_running_loop().call_later(WARM_EVERY_S, self._keep_warm)
+
     def _send(self, up: Upstream) -> None:
         self._start(up, self._pending.pop(up))
 
     def _start(self, up: Upstream, members: list[Member]) -> None:
+        """Each batch written now where a connection to ``up`` is idle (one kept warm: ``warm``), else
+        once its task runs; its answer read by its task."""
         for batch in self._split(members):
             if batch:
-                task = asyncio.ensure_future(self._run(up, batch))
+                body = b"".join(m.frame for m in batch)
+                sent = self.client.send_now("POST", up.url, BATCH_PATH, FRAMES, body)
+                task = asyncio.ensure_future(self._run(up, batch, body, sent))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
 
@@ -256,20 +275,24 @@ class Batcher:
             size += n
         return out
 
-    async def _run(self, up: Upstream, members: list[Member]) -> None:
+    async def _run(self, up: Upstream, members: list[Member], body: bytes, sent: Sent | None) -> None:
         """One batch, as long as its primary is not fenced: a fence fails its members at once."""
         try:
-            await self.table.unless_lost(up.epoch, self._exchange(up.url, members))
+            await self.table.unless_lost(up.epoch, self._exchange(up.url, members, body, sent))
         except PrimaryLost:
             for m in members:
                 m.fail(UpstreamError(f"{up.name} (epoch {up.epoch}) was fenced before this continuation's end"))
+        finally:
+            if sent is not None and not sent.awaited:  # (fenced before its exchange began: never read)
+                self.client.abandon(sent)
 
-    async def _exchange(self, url: str, members: list[Member]) -> None:
-        """One batch: sent, its frames dealt to its members; any failure fails those not ended."""
-        body = b"".join(m.frame for m in members)
+    async def _exchange(self, url: str, members: list[Member], body: bytes, sent: Sent | None) -> None:
+        """One batch: sent (``sent``: written already), its frames dealt to its members; any failure
+        fails those not ended."""
         resp = None
         try:
-            resp = await self.client.request("POST", url, BATCH_PATH, FRAMES, body)
+            resp = await (self.client.response(sent) if sent is not None else
+                          self.client.request("POST", url, BATCH_PATH, FRAMES, body))
             if resp.status != 200 or resp.header(b"content-type") != FRAMES_TYPE:
                 content = await resp.read()
                 for m in members:  # (the engine refused the batch: each member as its own request would be)

@@ -40,6 +40,8 @@ class RoutingTable:
         # Called at each change (a primary, a hold, the router stopping), before the waiting requests
         # wake: a failover's continuations are sent from here (supervisor/router/batching.py).
         self.on_change: list[Callable[[], None]] = []
+        self.next_primary: str | None = None  # the URL of the engine a failover would promote now
+        self.on_next: list[Callable[[], None]] = []  # called when it changes (batching.Batcher keeps it warm)
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
         self._calls: dict[int, set[Interrupt]] = {}  # epoch -> calls in flight to that primary
@@ -102,6 +104,11 @@ class RoutingTable:
             self.not_ready_reason = reason or "no primary"
         self._wake()
 
+    def set_next_primary(self, url: str | None) -> None:
+        """The engine a failover would promote now (None: none is ready)."""
+        self.next_primary = url
+        _tell(self.on_next)
+
     def stop(self) -> None:
         """The supervisor is stopping: held requests get their 503 now instead of at the deadline."""
         self.stopping = True
@@ -110,11 +117,7 @@ class RoutingTable:
     def _wake(self) -> None:
         """Tell the listeners, then wake every request waiting in wait_primary. (The supervisor's pass
         calls this: a listener's failure is logged, never the pass's.)"""
-        for listener in self.on_change:
-            try:
-                listener()
-            except Exception:  # noqa: BLE001
-                log.exception("the router's routing-change listener %r failed", listener)
+        _tell(self.on_change)
         for waiter in self._waiting:
             _settle(waiter)
         self._waiting.clear()
@@ -150,6 +153,15 @@ class RoutingTable:
         finally:
             timer.cancel()
             self._waiting.discard(waiter)
+
+
+def _tell(listeners: list[Callable[[], None]]) -> None:
+    """Call each listener; one that fails is logged (the supervisor's pass calls this: never its failure)."""
+    for listener in listeners:
+        try:
+            listener()
+        except Exception:  # noqa: BLE001
+            log.exception("the router's routing-change listener %r failed", listener)
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:

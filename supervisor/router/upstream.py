@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import ssl
 import time
 from collections import deque
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 from supervisor.router.http_wire import (HOP_BY_HOP, NETWORK_ERRORS, NOT_RELAYED, READ_LIMIT, ConnectError, Headers,
                                          ReadError, RemoteProtocolError, UpstreamError, UpstreamTimeout, read_head,
                                          request_head, take_chunks, upstream_error)
+from supervisor.router.slots import Slots
 from supervisor.router.upstream_response import Connection, Response
 
 __all__ = ["HOP_BY_HOP", "NOT_RELAYED", "Client", "ConnectError", "Headers", "ReadError", "RemoteProtocolError",
@@ -23,11 +25,12 @@ __all__ = ["HOP_BY_HOP", "NOT_RELAYED", "Client", "ConnectError", "Headers", "Re
 
 
 LARGE_BODY = 1 << 16
+log = logging.getLogger("understudy.router")
 
 
 class _Origin:
     """One upstream (http[s]://host[:port][/prefix]) and its idle connections, most recently used last."""
-    __slots__ = ("url", "host", "port", "tls", "host_header", "prefix", "idle")
+    __slots__ = ("url", "host", "port", "tls", "host_header", "prefix", "idle", "warming")
 
     def __init__(self, url: str) -> None:
         u = urlsplit(url)
@@ -39,6 +42,17 @@ class _Origin:
         self.host_header = u.netloc.rpartition("@")[2].encode("ascii")
         self.prefix = u.path.rstrip("/").encode("ascii")  # engines are served at the root, usually
         self.idle: deque[Connection] = deque()
+        self.warming = False  # a connection is being opened to be kept idle (Client.warm)
+
+
+class Sent:
+    """A request written on a connection, its response head not read yet (Client.send_now). Its
+    connection is released by ``Client.response`` (once called, whatever happens) or ``Client.abandon``."""
+    __slots__ = ("origin", "conn", "method", "awaited")
+
+    def __init__(self, origin: _Origin, conn: Connection, method: str) -> None:
+        self.origin, self.conn, self.method = origin, conn, method
+        self.awaited = False  # Client.response took it over
 
 
 class Client:
@@ -50,37 +64,50 @@ class Client:
     def __init__(self, *, timeout_s: float, connect_timeout_s: float = 5.0, max_connections: int = 1024,
                  keepalive_s: float = 4.0) -> None:
         self.timeout_s, self.connect_timeout_s, self.keepalive_s = timeout_s, connect_timeout_s, keepalive_s
-        self._slots = asyncio.Semaphore(max_connections)
+        self._slots = Slots(max_connections)
         self._origins: dict[str, _Origin] = {}
+        self._warming: set[asyncio.Task] = set()  # connections being opened by warm()
         self._closed = False
 
     async def request(self, method: str, url: str, target: bytes, headers: Headers, body: bytes) -> Response:
         """Send one request to ``url`` (http://host:port, a base URL) for ``target`` (path?query);
         return once the response head is in. The caller reads or closes the returned Response."""
         origin = self._origins.get(url) or self._add_origin(url)
-        if self._slots.locked():
+        if not self._slots.take_now():
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    await self._slots.acquire()
+                    await self._slots.take()
             except TimeoutError:
                 raise UpstreamTimeout(f"no free connection within {self.timeout_s:g}s") from None
-        else:
-            await self._slots.acquire()  # does not suspend
         try:
             conn = self._take_idle(origin) or await self._connect(origin)
         except BaseException:
             self._slots.release()
             raise
+        return await self.response(self._write(origin, conn, method, target, headers, body))
+
+    def send_now(self, method: str, url: str, target: bytes, headers: Headers, body: bytes) -> Sent | None:
+        """Write the request now, without a wait, on an idle pooled connection to ``url`` (one kept by
+        ``warm``); None (nothing sent) when no connection is free or idle there. Its answer:
+        ``await response(sent)``, which also fails it if the connection broke."""
+        origin = self._origins.get(url)
+        if origin is None or not origin.idle or not self._slots.take_now():
+            return None
+        conn = self._take_idle(origin)
+        if conn is None:  # (the idle ones had expired)
+            self._slots.release()
+            return None
+        return self._write(origin, conn, method, target, headers, body)
+
+    async def response(self, sent: Sent) -> Response:
+        """The response head to a request written (``send_now``, or ``request``'s own)."""
+        origin, conn = sent.origin, sent.conn
+        sent.awaited = True
         try:
-            head = request_head(method, origin.prefix + target, origin.host_header, headers, body)
-            if len(body) > LARGE_BODY:  # (a failover's batch, ~2 MB: written as it is, not copied after the head)
-                conn.writer.writelines((head, body))
-            else:
-                conn.writer.write(head + body)
             async with asyncio.timeout(self.timeout_s):
                 await conn.writer.drain()
                 version, status, resp_headers = await read_head(conn.reader)
-            return Response(conn, partial(self._release, origin), self.timeout_s, method, version, status,
+            return Response(conn, partial(self._release, origin), self.timeout_s, sent.method, version, status,
                             resp_headers)
         except NETWORK_ERRORS as e:
             self._release(origin, conn, reuse=False)
@@ -88,6 +115,37 @@ class Client:
         except BaseException:
             self._release(origin, conn, reuse=False)
             raise
+
+    def abandon(self, sent: Sent) -> None:
+        """A request written whose answer will not be read: its connection is closed."""
+        self._release(sent.origin, sent.conn, reuse=False)
+
+    def warm(self, url: str) -> None:
+        """Keep a connection to ``url`` open and idle (the engine a failover would promote: its
+        continuations then go out at once, with no connect first, ``send_now``): one is opened in the
+        background unless one idle there is younger than half the keep-alive."""
+        origin = self._origins.get(url) or self._add_origin(url)
+        now = time.monotonic()
+        if origin.warming or self._closed or any(now - c.idle_since < self.keepalive_s / 2 for c in origin.idle):
+            return
+        origin.warming = True
+        task = asyncio.ensure_future(self._open_idle(origin))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    def _write(self, origin: _Origin, conn: Connection, method: str, target: bytes, headers: Headers,
+               body: bytes) -> Sent:
+        """The request written on ``conn`` (its slot taken); a failure releases both."""
+        try:
+            head = request_head(method, origin.prefix + target, origin.host_header, headers, body)
+            if len(body) > LARGE_BODY:  # (a failover's batch, ~2 MB: written as it is, not copied after the head)
+                conn.writer.writelines((head, body))
+            else:
+                conn.writer.write(head + body)
+        except BaseException:
+            self._release(origin, conn, reuse=False)
+            raise
+        return Sent(origin, conn, method)
 
     async def fetch(self, method: str, url: str, path: str, json_body: Any = None,
                     timeout_s: float | None = None) -> tuple[int, bytes]:
@@ -115,12 +173,12 @@ class Client:
 
     def _add_origin(self, url: str) -> _Origin:
         """A new upstream (engines get a new port per incarnation): also forget upstreams with no
-        usable idle connection left."""
+        usable idle connection left (and none being opened for warm)."""
         now = time.monotonic()
         for key, o in list(self._origins.items()):
             while o.idle and not o.idle[0].usable(now, self.keepalive_s):
                 o.idle.popleft().close()
-            if not o.idle:
+            if not o.idle and not o.warming:
                 del self._origins[key]
         origin = self._origins[url] = _Origin(url)
         return origin
@@ -148,7 +206,11 @@ class Client:
     def _release(self, origin: _Origin, conn: Connection, reuse: bool) -> None:
         """A request is done with ``conn``: pool it (``reuse``) or close it; free its slot."""
         self._slots.release()
-        if not reuse or self._closed or self._origins.get(origin.url) is not origin:
+        self._pool(origin, conn) if reuse else conn.close()
+
+    def _pool(self, origin: _Origin, conn: Connection) -> None:
+        """``conn`` is idle now (closed instead if its origin is gone); expired ones are closed."""
+        if self._closed or self._origins.get(origin.url) is not origin:
             conn.close()
             return
         now = conn.idle_since = time.monotonic()
@@ -156,5 +218,13 @@ class Client:
         while idle and now - idle[0].idle_since >= self.keepalive_s:  # expired ones, oldest first
             idle.popleft().close()
         idle.append(conn)
+
+    async def _open_idle(self, origin: _Origin) -> None:
+        try:
+            self._pool(origin, await self._connect(origin))
+        except UpstreamError as e:  # (the engine is going: the next pass's warm tries again)
+            log.debug("keeping a connection to %s open: %s", origin.url, e)
+        finally:
+            origin.warming = False
 
 
