@@ -11,7 +11,9 @@ failover's batch of continuations), `ready` (port). A continuation's ids are not
 says where they are (`raw`: offset, ids, keys) in the message's second frame, raw int64
 little-endian ids followed by its prompt's 16-byte block keys. 256 continuations' ~280,000 ids as
 JSON lists took the core's link thread 7 ms of parsing on the dev VM, each id a Python int; raw,
-each prompt is one array. Core -> front end: `out` (one step's outputs: key and the
+each prompt is one array. The link's thread only decodes a message and gives each add its
+sequence id: the scheduler thread makes the Sequences while the device runs its step (engines/engine.py
+`put_later`), never while it schedules, under the same GIL. Core -> front end: `out` (one step's outputs: key and the
 Output fields; and the stats after the step), `stats` (every heartbeat), `serve` (start listening; the startup summary),
 `drain` (refuse new requests), `stop` (finish and exit).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -41,7 +44,7 @@ from daemon.runtime_dir import ensure_private_dir
 
 from .link_sockets import socket_paths
 from .sampling import SamplingParams
-from .sequence import Output
+from .sequence import Output, new_seq_id
 
 log = logging.getLogger("engines.core_link")
 
@@ -99,8 +102,8 @@ class Route:
 
 
 class CoreLink:
-    """The core's side: a thread turns front-end messages into engine calls; the scheduler thread
-    sends each step's outputs and its stats."""
+    """The core's side: a thread reads the front end's messages and queues them for the scheduler
+    thread, which makes their Sequences (`_later`) and sends each step's outputs and its stats."""
 
     def __init__(self, engine, to_core: str, to_frontend: str):  # noqa: ANN001 (LLMEngine: no import cycle)
         self.engine = engine
@@ -160,14 +163,12 @@ class CoreLink:
                 msg = decode(frames[0].buffer)
                 raw = frames[1].buffer if len(frames) > 1 else memoryview(b"")
                 op = msg["op"]
-                if op == "add":
-                    self._keys[msg["key"]] = self.engine.submit(*self._add_args(msg, raw))
+                if op in ("add", "together"):
+                    self.engine.put_later(self._later([msg] if op == "add" else msg["msgs"], raw))
                 elif op == "abort":
                     seq_id = self._keys.pop(msg["key"], None)
                     if seq_id is not None:
                         self.engine.abort(seq_id)
-                elif op == "together":
-                    self.engine.put_together(self._together(msg["msgs"], raw))
                 elif op == "ready":  # the front end is connected both ways: the files are not needed
                     self.close()
                     self.port = int(msg["port"])
@@ -179,24 +180,46 @@ class CoreLink:
             except Exception:  # a bad message must not stop the link
                 log.exception("bad message from the front end")
 
+    def _later(self, msgs: list[dict], raw: memoryview) -> Callable[[], list[tuple[str, object]]]:
+        """The inbox items of these adds and aborts (an `add`, or a `together`'s), built when the
+        scheduler thread calls the result (LLMEngine.put_later): here, on this thread, each add only
+        gets its sequence id, so that an abort arriving after it maps to it. A malformed one is
+        logged and left out; the others go on."""
+        plan: list[tuple[dict, int]] = []
+        for msg in msgs:
+            try:
+                key = msg["key"]
+                if msg["op"] == "add":
+                    plan.append((msg, new_seq_id()))
+                    self._keys[key] = plan[-1][1]
+                elif msg["op"] == "abort" and (seq_id := self._keys.pop(key, None)) is not None:
+                    plan.append((msg, seq_id))
+            except Exception:  # noqa: BLE001
+                log.exception("bad message from the front end, in a group")
+        return functools.partial(self._build, plan, raw)
+
+    def _build(self, plan: list[tuple[dict, int]], raw: memoryview) -> list[tuple[str, object]]:
+        """`_later`'s items (the scheduler thread): an add whose Sequence cannot be made is answered
+        with an error output naming why, never left waiting."""
+        items: list[tuple[str, object]] = []
+        for msg, seq_id in plan:
+            if msg["op"] == "abort":
+                items.append(("abort", seq_id))
+                continue
+            try:
+                items.append(("add", self.engine.sequence(*self._add_args(msg, raw), seq_id=seq_id)))
+            except Exception as e:  # noqa: BLE001 (the others go on)
+                log.exception("bad add from the front end (key %r)", msg["key"])
+                self._keys.pop(msg["key"], None)
+                error = Output(seq_id, "", "error", 0, 0, error=f"the engine could not take this request: {e}")
+                self.send({"op": "out", "outs": [[msg["key"], *error.to_row()]]})
+        return items
+
     @staticmethod
     def _add_args(msg: dict, raw: memoryview) -> tuple:
         """An `add`'s arguments for LLMEngine.submit (and .sequence); `raw`: its message's second frame."""
+        if "raw" not in msg and "prompt" not in msg:
+            raise ValueError("an add carries its prompt's ids: a `prompt`, or a `raw` in its second frame")
         prompt, keys = raw_ids(raw, msg["raw"]) if "raw" in msg else (msg["prompt"], None)
         return (prompt, SamplingParams(**msg["params"]), Route(msg["key"]), msg["group"],
                 msg.get("replayed", 0), keys)
-
-    def _together(self, msgs: list[dict], raw: memoryview = memoryview(b"")) -> list[tuple[str, object]]:
-        """`together`'s adds and aborts, as one inbox item's (a bad one is logged and left out)."""
-        items: list[tuple[str, object]] = []
-        for msg in msgs:
-            try:
-                if msg["op"] == "add":
-                    seq = self.engine.sequence(*self._add_args(msg, raw))
-                    self._keys[msg["key"]] = seq.seq_id
-                    items.append(("add", seq))
-                elif msg["op"] == "abort" and (seq_id := self._keys.pop(msg["key"], None)) is not None:
-                    items.append(("abort", seq_id))
-            except Exception:  # noqa: BLE001 (the others go on)
-                log.exception("bad message from the front end, in a group")
-        return items

@@ -3,6 +3,10 @@ one packed step, sample, stream.
 
 Requests and aborts arrive through a thread-safe inbox and join or leave between steps. The loop
 also sends heartbeats and polls control commands, so a stuck loop goes silent to the supervisor.
+The core link's requests arrive unbuilt (`put_later`): this thread makes their Sequences while
+the device runs the step it just launched, instead of the link's thread making them under the
+same GIL while this one schedules (an H200 failover's first admission step waited 8.8 and 14.7 ms
+so: bench/RESULTS.md, seventeenth session).
 
 Steps overlap (engines/inflight.py): a step launches its work, whose decode rows read their input
 ids from the previous step's sampled tokens still on the device, and only then reads the previous
@@ -78,6 +82,7 @@ class LLMEngine:
         self._outbox: list[tuple[Callable[[Output], None], Output]] = []  # this step's outputs, in order
         self._inflight: InFlight | None = None  # the last step's sampled tokens, read back by the next step
         self._pending: dict[int, int] = {}  # seq_id -> its row in self._inflight.tokens
+        self._arrived: list[tuple[str, object]] = []  # inbox items taken (and built) during the last step
         if control is not None:  # commands wake the loop through the inbox (engines/control.py)
             control.on_command(lambda cmd: self.inbox.put(("cmd", cmd)))
 
@@ -94,16 +99,18 @@ class LLMEngine:
         return seq.seq_id
 
     def sequence(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[Output], None],
-                 group: int | None = None, replayed: int = 0, prefix_keys: bytes | None = None) -> Sequence:
-        """The Sequence `submit` queues, not queued yet (for `put_together`)."""
+                 group: int | None = None, replayed: int = 0, prefix_keys: bytes | None = None,
+                 seq_id: int | None = None) -> Sequence:
+        """The Sequence `submit` queues, not queued yet (for `put_later`)."""
         return Sequence(prompt_ids, ensure_seed(params), self.tokenizer, self.eos_ids, self.max_model_len,
                         lambda out: self._outbox.append((emit, out)), group, replayed=replayed,
-                        prefix_keys=prefix_keys)
+                        prefix_keys=prefix_keys, seq_id=seq_id)
 
-    def put_together(self, items: list[tuple[str, object]]) -> None:
-        """Inbox items (("add", Sequence), ("abort", seq_id)) taken in order between the same two
-        steps: a failover's continuations, sent together, start in the same step."""
-        self.inbox.put(("together", items))
+    def put_later(self, build: Callable[[], list[tuple[str, object]]]) -> None:
+        """Queue what `build()` returns, inbox items (("add", Sequence), ("abort", seq_id)) taken in
+        order between the same two steps (a failover's continuations, sent together, start in the
+        same step). The loop calls `build` itself, while the device runs a step if one is in flight."""
+        self.inbox.put(("later", build))
 
     def abort(self, seq_id: int) -> None:
         self.inbox.put(("abort", seq_id))
@@ -189,23 +196,34 @@ class LLMEngine:
             self.stopped.set()
 
     def _take_inbox(self, block: bool) -> None:
-        timeout = min(self.heartbeat_interval_s, 0.1) if block else 0
-        try:
-            item = self.inbox.get(timeout=timeout) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, obj = item
-            if kind == "together":
-                for one in obj:  # type: ignore[attr-defined]
-                    self._take(*one)
-            else:
+        """Take every inbox item, in order: those taken during the last step first. Waits up to a
+        heartbeat interval (at most 0.1 s) for one if `block` and none is here."""
+        items = self._arrivals(min(self.heartbeat_interval_s, 0.1) if block else None)
+        while items:
+            for kind, obj in items:
                 self._take(kind, obj)
+            items = self._arrivals(None)
+        self._flush()
+
+    def _arrivals(self, wait_s: float | None) -> list[tuple[str, object]]:
+        """The items taken during the last step, then the inbox's (a `later` one built into its
+        items); waits up to `wait_s` for one if there are none."""
+        items, self._arrived = self._arrived, []
+        if items:
+            wait_s = None
+        while True:
             try:
-                item = self.inbox.get_nowait()
+                kind, obj = self.inbox.get(timeout=wait_s) if wait_s else self.inbox.get_nowait()
             except queue.Empty:
-                self._flush()
-                return
+                return items
+            wait_s = None
+            if kind != "later":
+                items.append((kind, obj))
+                continue
+            try:
+                items += obj()  # type: ignore[operator]
+            except Exception:  # noqa: BLE001 (a bug in one message's build must not stop the loop)
+                log.exception("building the front end's requests failed; they are left out")
 
     def _take(self, kind: str, obj: object) -> None:
         if kind == "add":
@@ -341,7 +359,7 @@ class LLMEngine:
     def step(self) -> None:
         """One scheduler step: launch the scheduled work, then read the previous step's tokens and
         release the sequences that finished."""
-        marks = [time.monotonic()]  # (for the promotion trace: began, scheduled, launched, read back)
+        marks = [time.monotonic()]  # (the promotion trace's: began, scheduled, launched, built, read back)
         cpu = time.thread_time() if self.trace.armed else None
         work = self.scheduler.schedule()
         marks.append(time.monotonic())
@@ -357,6 +375,8 @@ class LLMEngine:
             logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
             self.blocks.launched()
             launch = self._sample([w for w in work if w.samples], logits, picks)
+        marks.append(time.monotonic())
+        self._arrived = self._arrivals(None)  # (their Sequences made while the device computes)
         marks.append(time.monotonic())
         self._read_back()
         marks.append(time.monotonic())

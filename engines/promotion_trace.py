@@ -14,13 +14,14 @@ log = logging.getLogger("engines.promotion_trace")
 WINDOW_S = 1.0
 SHOWN_STEPS = 10
 # A step's moments (time.monotonic): began, scheduled, launched (inputs prepared, graph run, sampling
-# launched), read back (the previous step's tokens on the host), ended (blocks sealed, outputs out).
-PHASES = ("schedule", "launch", "wait", "seal")
+# launched), built (the Sequences of requests that arrived meanwhile made), read back (the previous
+# step's tokens on the host), ended (blocks sealed, outputs out).
+PHASES = ("schedule", "launch", "build", "wait", "seal")
 
 
 @dataclass
 class _Step:
-    marks: list[float]  # began, scheduled, launched, read back, ended
+    marks: list[float]  # began, scheduled, launched, built, read back, ended
     rows: int
     tokens: int
     schedule_cpu: float | None = None  # the scheduler thread's CPU seconds in the schedule phase
@@ -48,7 +49,7 @@ class PromotionTrace:
     def step(self, marks: list[float], rows: int, tokens: int, schedule_cpu: float | None = None) -> None:
         """A step with `rows` sequences and `tokens` tokens, its moments up to the read back; it ended now.
         ``schedule_cpu``: the thread's CPU time (time.thread_time) in its schedule phase: well below
-        that phase's wall time, the thread waited (for the GIL, held by the thread admitting arrivals)."""
+        that phase's wall time, the thread waited (for the GIL, held by another thread of the core)."""
         if self.since is None:
             return
         self.steps.append(_Step([*marks, time.monotonic()], rows, tokens, schedule_cpu))

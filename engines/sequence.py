@@ -11,6 +11,13 @@ from .sampling import SamplingParams
 from .tokenizer import CONTEXT, IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
+
+
+def new_seq_id() -> int:
+    """A sequence id no other sequence of this process has (given before its Sequence is made:
+    engines/core_link.py maps a front-end key to it as the message arrives)."""
+    return next(_ids)
+
 # Released text a sequence keeps (past what a stop string needs): a long generation's text no longer
 # grows, and is no longer copied whole for every token it appends.
 TEXT_KEPT = 1024
@@ -60,8 +67,8 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int] | array, params: SamplingParams, tokenizer: Tokenizer,
                  eos_ids: set[int], max_model_len: int, emit: Callable[[Output], None], group: int | None = None,
-                 replayed: int = 0, prefix_keys: bytes | None = None):
-        self.seq_id = next(_ids)
+                 replayed: int = 0, prefix_keys: bytes | None = None, seq_id: int | None = None):
+        self.seq_id = new_seq_id() if seq_id is None else seq_id
         self.group = self.seq_id if group is None else group  # the request it belongs to (fair scheduling)
         self.prompt_ids = prompt_ids
         self.params = params

@@ -1,6 +1,8 @@
 """In-process engine parts on the tiny checkpoint: tokenizer, sampler, stop rules, continuous batching."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -300,42 +302,98 @@ def test_a_continued_sequence_waits_behind_preempted_ones_only(tok: Tokenizer) -
     assert [q.pop() for _ in range(4)] == [preempted, cont[0], *new] and q.peek() is None
 
 
-def test_sequences_put_together_start_in_one_step_and_an_abort_among_them_holds(tiny_model) -> None:
-    """`put_together` (a failover's batch, engines/core_link.py `together`): every add is taken
+def test_sequences_put_later_start_in_one_step_and_an_abort_among_them_holds(tiny_model) -> None:
+    """`put_later` (a failover's batch, engines/core_link.py `together`): every add is taken
     before the next step, in order, so an abort after its add stops it."""
     engine = make_engine(tiny_model)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     seqs = [engine.sequence([5 + i, 6, 7], SamplingParams(**params.wire()), lambda o: None) for i in range(5)]
-    engine.put_together([("add", s) for s in seqs] + [("abort", seqs[2].seq_id)])
+    engine.put_later(lambda: [("add", s) for s in seqs] + [("abort", seqs[2].seq_id)])
     engine._take_inbox(block=False)
     engine.step()
     assert [s.num_computed > 0 for s in seqs] == [True, True, False, True, True]
     assert seqs[2].finish_reason == "abort"
 
 
-def test_a_bad_add_in_a_together_group_is_left_out_and_the_rest_is_kept(tiny_model, tmp_path) -> None:
-    """engines/core_link.py `_together`: one malformed add (no prompt) is logged and left out; the
-    group's other adds and aborts become inbox items, in order."""
-    from engines.core_link import CoreLink
+def test_requests_arriving_during_a_step_are_built_in_it_and_taken_first_in_order(tiny_model) -> None:
+    """The scheduler thread makes the Sequences of what arrived while the step it launched runs
+    (engines/engine.py `_arrivals`, called in `step`), and takes them before the step after it, in
+    arrival order with the items queued after them; a build that raises is logged and left out,
+    the loop goes on."""
+    engine = make_engine(tiny_model)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    running = engine.sequence([3, 4, 5], SamplingParams(**params.wire()), lambda o: None)
+    engine.put_later(lambda: [("add", running)])
+    engine._take_inbox(block=False)
+    built: list[int] = []
+
+    def build(seq) -> list[tuple[str, object]]:
+        built.append(engine.steps)
+        return [("add", seq)]
+
+    late = [engine.sequence([9, 8 + i], SamplingParams(**params.wire()), lambda o: None) for i in range(2)]
+    engine.put_later(lambda: 1 / 0)  # (a bug in one build)
+    engine.put_later(lambda: build(late[0]))
+    engine.abort(late[0].seq_id)
+    engine.put_later(lambda: build(late[1]))
+    engine.step()  # builds them while its own work runs; admits none of them
+    assert built == [0, 0] and engine.steps == 1 and not engine.scheduler.waiting
+    assert [kind for kind, _ in engine._arrived] == ["add", "abort", "add"]
+    engine._take_inbox(block=True)  # (never waits: the step took items)
+    engine.step()
+    assert late[0].finish_reason == "abort" and late[0].num_computed == 0 and late[1].num_computed == 2
+    assert engine._arrived == [] and engine.inbox.empty()
+
+
+def test_an_add_the_core_cannot_build_is_answered_with_an_error_and_its_group_goes_on(tiny_model, tmp_path) -> None:
+    """engines/core_link.py: a malformed add in a `together` group (no prompt), over the real
+    sockets, is answered with an error output under its key, naming why, never left waiting; the
+    group's other adds and aborts become inbox items, in order. An abort sent after an add, in its
+    own message, stops it though its Sequence was made after the abort arrived."""
+    import zmq
+
+    from engines.core_link import CoreLink, decode, encode
 
     engine = make_engine(tiny_model)
-    link = CoreLink(engine, f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock")
+    to_core, to_frontend = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
+    link = CoreLink(engine, to_core, to_frontend)
+    link.start()
+    ctx = zmq.Context.instance()
+    peer, outs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    peer.connect(to_core)
+    outs.connect(to_frontend)
     try:
         params = SamplingParams(max_tokens=4, temperature=0).wire()
-        items = link._together([{"op": "add", "key": 1, "params": params, "group": 1},
-                                {"op": "add", "key": 2, "prompt": [5, 6], "params": params, "group": 2},
-                                {"op": "abort", "key": 2}, {"op": "abort", "key": 1}])
+        peer.send(encode({"op": "together", "msgs": [
+            {"op": "add", "key": 1, "params": params, "group": 1},
+            {"op": "add", "key": 2, "prompt": [5, 6], "params": params, "group": 2},
+            {"op": "add", "key": 3, "prompt": [7, 8], "params": params, "group": 3},
+            {"op": "abort", "key": 3}]}))
+        peer.send(encode({"op": "add", "key": 4, "prompt": [9, 9], "params": params, "group": 4}))
+        peer.send(encode({"op": "abort", "key": 4}))
+        deadline = time.monotonic() + 10
+        while engine.inbox.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine._take_inbox(block=False)
+        assert outs.poll(10_000), "no answer to the add the core could not build"
+        answer = decode(outs.recv())
     finally:
+        peer.close(linger=0)
+        outs.close(linger=0)
         link.close()
-    assert [kind for kind, _ in items] == ["add", "abort"]
-    assert items[0][1].prompt_ids == [5, 6] and items[1][1] == items[0][1].seq_id
+    assert answer["op"] == "out" and len(answer["outs"]) == 1
+    key, _seq_id, _delta, finish, *_rest = answer["outs"][0]
+    assert key == 1 and finish == "error" and "could not take this request" in answer["outs"][0][7]
+    assert "prompt" in answer["outs"][0][7] and 1 not in link._keys
+    waiting = list(engine.scheduler.waiting)
+    assert [s.prompt_ids for s in waiting] == [[5, 6]] and link._keys == {2: waiting[0].seq_id}
 
 
 def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_is_left_out(tiny_model, tmp_path) -> None:
     """engines/core_link.py: a continuation's ids and prompt block keys travel in the message's second
     frame, over the real sockets (EngineClient -> CoreLink); a fresh prompt beside them stays JSON. A
     member whose `raw` does not fit its frame, sent by another peer, is logged and left out; the
-    rest of its group is kept."""
+    rest of its group is kept (it is answered with an error: the previous test)."""
     import numpy as np
     import zmq
 
@@ -354,8 +412,9 @@ def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_i
         for p in prompts:
             client.submit(p, SamplingParams(**params), lambda o: None, 1, replayed=5)
         client.submit([7, 8, 9], SamplingParams(**params), lambda o: None, 2)
-    kind, items = engine.inbox.get(timeout=10)
-    assert kind == "together" and [k for k, _ in items] == ["add"] * 4
+    kind, build = engine.inbox.get(timeout=10)
+    items = build()
+    assert kind == "later" and [k for k, _ in items] == ["add"] * 4
     for (_, seq), p in zip(items, prompts):
         assert seq.prompt_ids.tolist() == p.tolist() and seq.replayed == 5
         assert seq.prefix_keys == prompt_keys(p, engine.blocks.root, 16) and len(seq.prefix_keys) == 16 * 2
@@ -367,7 +426,8 @@ def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_i
     good = {"op": "add", "key": 90, "params": params, "group": 3, "replayed": 2, "raw": [0, 4, 0]}
     bad = dict(good, key=91, raw=[0, 5, 0])  # 40 bytes of ids in a 32-byte frame
     peer.send_multipart([encode({"op": "together", "msgs": [bad, good]}), np.arange(4, dtype="<i8").tobytes()])
-    kind, items = engine.inbox.get(timeout=10)
+    kind, build = engine.inbox.get(timeout=10)
+    items = build()
     peer.close(linger=0)
     link.close()
     assert [k for k, _ in items] == ["add"] and items[0][1].prompt_ids.tolist() == [0, 1, 2, 3]
