@@ -190,8 +190,8 @@ class CoreLink:
             try:
                 key = msg["key"]
                 if msg["op"] == "add":
-                    plan.append((msg, new_seq_id()))
-                    self._keys[key] = plan[-1][1]
+                    seq_id = self._keys[key] = new_seq_id()
+                    plan.append((msg, seq_id))
                 elif msg["op"] == "abort" and (seq_id := self._keys.pop(key, None)) is not None:
                     plan.append((msg, seq_id))
             except Exception:  # noqa: BLE001
@@ -210,9 +210,8 @@ class CoreLink:
                 items.append(("add", self.engine.sequence(*self._add_args(msg, raw), seq_id=seq_id)))
             except Exception as e:  # noqa: BLE001 (the others go on)
                 log.exception("bad add from the front end (key %r)", msg["key"])
-                self._keys.pop(msg["key"], None)
-                error = Output(seq_id, "", "error", 0, 0, error=f"the engine could not take this request: {e}")
-                self.send({"op": "out", "outs": [[msg["key"], *error.to_row()]]})
+                self._deliver([(Route(msg["key"]),
+                                Output(seq_id, "", "error", 0, 0, error=f"the engine could not take this request: {e}"))])
         return items
 
     @staticmethod

@@ -206,7 +206,10 @@ class Client:
     def _release(self, origin: _Origin, conn: Connection, reuse: bool) -> None:
         """A request is done with ``conn``: pool it (``reuse``) or close it; free its slot."""
         self._slots.release()
-        self._pool(origin, conn) if reuse else conn.close()
+        if reuse:
+            self._pool(origin, conn)
+        else:
+            conn.close()
 
     def _pool(self, origin: _Origin, conn: Connection) -> None:
         """``conn`` is idle now (closed instead if its origin is gone); expired ones are closed."""
