@@ -22,6 +22,9 @@
 #                                         # heap's thresholds and rehearsals, in turn; py-spy on two primaries
 #   BASE=DIR bash bench/gpu_shared_kv.sh tree_ab  # failover on an older tree (DIR) and on this one, in turn
 #                                         # (TREES="name=DIR ..." for other sides)
+#   bash bench/gpu_shared_kv.sh warm_ab   # failover (shared KV only) without, then with the first-use warm-up
+#                                         # (UNDERSTUDY_WARM_FIRST_USE: WARMS= names the sides' values, "-" for
+#                                         # none); the new primaries' stalled launches (trace_stalls.py) on each
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
@@ -94,7 +97,7 @@ failover_in() {  # failover_in DIR: failover with $OUT/DIR as its $OUT; the new 
   OUT=$base/$1; mkdir -p "$OUT"
   failover
   tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
-    | sed 's/.*after the promotion: //' | cut -c1-400 > "$OUT/promotion_trace.txt"
+    | sed 's/.*after the promotion: //' > "$OUT/promotion_trace.txt"
   head -3 "$OUT/promotion_trace.txt"
   python3 "$ROOT/bench/probes/failover_hops.py" "$OUT/streams/logs-shared_kv-true.tgz" > "$OUT/failover_hops.txt"
   head -1 "$OUT/failover_hops.txt"
@@ -116,6 +119,19 @@ batch_ab() {  # failover (shared KV only) with a failover's continuations one re
     echo "== router.migration.batch: $b"
     BATCH=$b COMPARE= failover_in batch_$b
     rm -f "$OUT/batch_$b/failover_streams.log"  # (its lines are in the printed output; fewer files come back)
+  done
+}
+warm_ab() {  # failover (shared KV only, RUNS kills) per UNDERSTUDY_WARM_FIRST_USE of $WARMS ("-": none), in
+  # one call; each side's logs in one .tgz; the launches over 8 ms in its new primaries' first steps
+  local w
+  for w in ${WARMS:-- sampling,graphs}; do
+    local side=warm_${w//,/_}
+    echo "== UNDERSTUDY_WARM_FIRST_USE=${w#-}"
+    UNDERSTUDY_WARM_FIRST_USE=${w#-} COMPARE= failover_in "$side"
+    python3 bench/probes/trace_stalls.py "$OUT/$side/promotion_trace.txt" > "$OUT/$side/trace_stalls.txt"
+    tail -1 "$OUT/$side/trace_stalls.txt"
+    rm -f "$OUT/$side/failover_streams.log"
+    tar czf "$OUT/$side.tgz" -C "$OUT" "$side" && rm -rf "${OUT:?}/$side"
   done
 }
 gc_ab() {  # the collector with the objects of startup frozen out (the default) against all in reach
@@ -216,6 +232,7 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
 }
 case "${1:-}" in
 tree_ab) tree_ab ;;
+warm_ab) warm_ab ;;
 profile) profile ;;
 ab) ab ;;
 serve_diag) serve_diag ;;
@@ -224,5 +241,5 @@ batch_ab) batch_ab ;;
 failover) failover ;;
 delays) delays ;;
 all) ab > "$OUT/ab.txt" 2>&1; failover; tail -8 "$OUT/ab.txt" ;;
-*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|profile|tree_ab|all" >&2; exit 2 ;;
+*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|profile|tree_ab|warm_ab|all" >&2; exit 2 ;;
 esac

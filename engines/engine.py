@@ -279,7 +279,7 @@ class LLMEngine:
         except PreviousWriterAlive as e:
             log.error("promotion refused: %s", e)
             return "promote_failed", {"error": str(e)}
-        self.trace.arm()
+        self.trace.arm(self._reserved())
         log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined (%.1f ms, "
                  "the claim %.1f, of which waiting for the previous writer %.1f, the keys' sort %.1f: %.1f on CPU, "
                  "%d page faults)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
@@ -359,11 +359,17 @@ class LLMEngine:
     def step(self) -> None:
         """One scheduler step: launch the scheduled work, then read the previous step's tokens and
         release the sequences that finished."""
-        marks = [time.monotonic()]  # (the promotion trace's: began, scheduled, launched, built, read back)
-        cpu = time.thread_time() if self.trace.armed else None
+        marks: list[float] = []  # (the promotion trace's: began, scheduled, prepared, run, sampled, built, read back)
+        cpu: list[float] | None = [] if self.trace.armed else None
+
+        def mark() -> None:
+            marks.append(time.monotonic())
+            if cpu is not None:
+                cpu.append(time.thread_time())
+
+        mark()
         work = self.scheduler.schedule()
-        marks.append(time.monotonic())
-        schedule_cpu = time.thread_time() - cpu if cpu is not None else None
+        mark()
         # The scheduled markers of sequences run for the first time go out before the step runs:
         # a request that kills the engine in its first step was seen to run here (by the router).
         self._flush()
@@ -372,14 +378,20 @@ class LLMEngine:
             if self.runner.tp_size > 1:
                 self._read_back()  # workers need every input token on the host: no overlap under TP
             step = self.runner.prepare(work, self._pending)
+            mark()
             logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
             self.blocks.launched()
+            mark()
             launch = self._sample([w for w in work if w.samples], logits, picks)
-        marks.append(time.monotonic())
+        else:
+            mark()
+            mark()
+        mark()
+        reserved = self._reserved() if cpu is not None else None
         self._arrived = self._arrivals(None)  # (their Sequences made while the device computes)
-        marks.append(time.monotonic())
+        mark()
         self._read_back()
-        marks.append(time.monotonic())
+        mark()
         for w in work:  # their input tokens are all known now: key the blocks they filled
             self.blocks.seal(w.seq)
         self.blocks.publish_completed()  # before this step's outputs go out (engines/block_manager.py)
@@ -389,7 +401,11 @@ class LLMEngine:
         self.steps += 1
         self._flush()
         self._report_continued()
-        self.trace.step(marks, len(work), sum(w.num_new for w in work), schedule_cpu)
+        self.trace.step(marks, len(work), sum(w.num_new for w in work), cpu, reserved)
+
+    def _reserved(self) -> int | None:
+        """The device bytes torch's caching allocator holds (None off CUDA)."""
+        return torch.cuda.memory_reserved(self._device) if self._device.type == "cuda" else None
 
     def _read_back(self) -> None:
         """Apply the last step's tokens to their sequences (dropping those of finished ones)."""

@@ -25,7 +25,7 @@ from .config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from .control import ControlChannel
 from .engine import LLMEngine
 from .forked import fork_into
-from . import gc_pauses, heap
+from . import first_use, gc_pauses, heap
 from .loopback import free_port
 from .models import CheckpointError, read_model_args
 from .runner import KVBudgetError, ModelRunner, init_distributed
@@ -181,6 +181,7 @@ def run_engine(cfg: EngineConfig) -> int:
         if cfg.device == "cuda" and cfg.gpu_ids and len(cfg.gpu_ids) != cfg.tp_size:
             raise ValueError(f"gpu_ids has {len(cfg.gpu_ids)} entries but tp_size is {cfg.tp_size} "
                              "(one GPU per rank, or leave gpu_ids empty for cuda:0..tp_size-1)")
+        warm_first_use = first_use.asked()
         with timer.phase("tokenizer"):
             args = read_model_args(cfg.model_path)  # first: names a missing folder as such
             tokenizer = load_tokenizer(cfg.model_path)
@@ -226,6 +227,7 @@ def run_engine(cfg: EngineConfig) -> int:
             heap.keep_freed_memory()  # (before the pool's first read: a promotion then touches no new page)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching, SharedPool(pool, cfg.kv_slot) if pool else None)
+        first_use.warm(engine, warm_first_use)
         link = CoreLink(engine, *link_eps)
         gc_pauses.freeze_startup()
         rc = _serve(cfg, engine, link, frontend, timer, control)

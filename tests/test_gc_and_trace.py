@@ -77,21 +77,27 @@ def test_the_supervisor_calls_its_serving_hooks_once_the_first_primary_is_ready(
 def test_promotion_trace_logs_its_first_second_once(monkeypatch, caplog):
     monkeypatch.setattr(promotion_trace, "WINDOW_S", 0.05)
     t = PromotionTrace()
-    t.step([time.monotonic()] * 5, 3, 3)  # not armed: nothing kept
+    t.step([time.monotonic()] * 7, 3, 3)  # not armed: nothing kept
     assert t.steps == []
-    t.arm()
+    t.arm(reserved=100 << 20)
     t.continued()
     with caplog.at_level(logging.INFO, "engines.promotion_trace"):
         now = time.monotonic()
-        t.step([now] * 5, 5, 40)
+        t.step([now] * 7, 5, 40, reserved=100 << 20)
         time.sleep(0.06)
         now = time.monotonic()
-        t.step([now, now + 0.001, now + 0.002, now + 0.003, now + 0.004], 7, 7, schedule_cpu=0.0004)
-        t.step([now] * 5, 7, 7)  # disarmed once logged
+        cpu = time.thread_time()
+        t.step([now + i * 0.001 for i in range(7)], 7, 7, cpu=[cpu + i * 0.0004 for i in range(7)],
+               reserved=164 << 20)
+        t.step([now] * 7, 7, 7)  # disarmed once logged
     lines = [r.getMessage() for r in caplog.records if "after the promotion" in r.getMessage()]
     assert len(lines) == 1 and "1 continued requests admitted" in lines[0] and "2 steps" in lines[0]
+    assert "schedule/prepare/run/sample/build/wait/seal ms" in lines[0]
     assert "5 rows 40 tokens" in lines[0] and t.since is None
-    assert "7 rows 7 tokens" in lines[0] and " ms (1.0/1.0/1.0/1.0/" in lines[0] and ", schedule's CPU 0.4)" in lines[0]
+    first, second = lines[0].split("5 rows 40 tokens")[1].split("7 rows 7 tokens")
+    assert "device memory" not in first  # (the allocator held as much as at the promotion)
+    assert " ms (1.0/1.0/1.0/1.0/1.0/1.0/" in second and "; CPU 0.4/0.4/0.4/0.4/0.4/0.4/" in second
+    assert "; device memory +64 MiB)" in second
 
 
 @pytest.mark.parametrize("arrivals", [0, 2])
@@ -101,6 +107,17 @@ def test_promotion_trace_summary_without_or_with_arrivals(arrivals):
     for _ in range(arrivals):
         t.continued()
     now = time.monotonic()
-    t.steps.append(promotion_trace._Step([now] * 6, 1, 1))
+    t.steps.append(promotion_trace._Step([now] * 8, 1, 1))
     text = t.summary()
     assert ("no continued request" in text) == (arrivals == 0)
+
+
+def test_first_use_warm_up_names_are_checked(monkeypatch):
+    from engines import first_use
+    monkeypatch.setenv("UNDERSTUDY_WARM_FIRST_USE", " sampling, graphs ")
+    assert first_use.asked() == ["sampling", "graphs"]
+    monkeypatch.setenv("UNDERSTUDY_WARM_FIRST_USE", "sampling,kernels")
+    with pytest.raises(ValueError, match="UNDERSTUDY_WARM_FIRST_USE: kernels not one of sampling, graphs"):
+        first_use.asked()
+    monkeypatch.delenv("UNDERSTUDY_WARM_FIRST_USE")
+    assert first_use.asked() == []
