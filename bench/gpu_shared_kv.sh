@@ -98,7 +98,7 @@ failover_in() {  # failover_in DIR: failover with $OUT/DIR as its $OUT; the new 
   failover
   tar xzf "$OUT/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "after the promotion" \
     | sed 's/.*after the promotion: //' > "$OUT/promotion_trace.txt"
-  head -3 "$OUT/promotion_trace.txt"
+  cut -c1-700 "$OUT/promotion_trace.txt" | head -2
   python3 "$ROOT/bench/probes/failover_hops.py" "$OUT/streams/logs-shared_kv-true.tgz" > "$OUT/failover_hops.txt"
   head -1 "$OUT/failover_hops.txt"
   OUT=$base
