@@ -124,7 +124,7 @@ batch_ab() {  # failover (shared KV only) with a failover's continuations one re
 warm_ab() {  # failover (shared KV only, RUNS kills) per UNDERSTUDY_WARM_FIRST_USE of $WARMS ("-": none), in
   # one call; each side's logs in one .tgz; the launches over 8 ms in its new primaries' first steps
   local w
-  for w in ${WARMS:-- sampling,graphs}; do
+  for w in ${WARMS:-- gather sampling,graphs,gather}; do
     local side=warm_${w//,/_}
     echo "== UNDERSTUDY_WARM_FIRST_USE=${w#-}"
     UNDERSTUDY_WARM_FIRST_USE=${w#-} COMPARE= failover_in "$side"

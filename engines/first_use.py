@@ -1,9 +1,12 @@
 """What a new primary would otherwise do for the first time in its first steps after a failover,
-done once at startup instead (UNDERSTUDY_WARM_FIRST_USE: a comma list of `sampling`, `graphs`).
+done once at startup instead (UNDERSTUDY_WARM_FIRST_USE: a comma list of `sampling`, `graphs`, `gather`).
 
 A parked standby has served only its canary: one row at a time. Promoted, it draws for up to
 max_num_seqs rows at once, with torch's caching allocators (device memory and pinned host memory)
-asked for buffers they never held, and it replays CUDA graphs it captured but never ran."""
+asked for buffers they never held; it replays CUDA graphs it captured but never ran; and once its
+batch changes (a sequence ends), it gathers the previous step's tokens into new rows with index
+kernels that no step of an unchanging batch runs (engines/runner.py `_gather_pending`), which CUDA
+loads on their first call."""
 from __future__ import annotations
 
 import logging
@@ -18,7 +21,7 @@ from .sample_guard import greedy_picks, guarded_sample
 from .sampling import SamplingParams
 
 log = logging.getLogger("engines.first_use")
-WHAT = ("sampling", "graphs")
+WHAT = ("sampling", "graphs", "gather")
 
 
 def asked() -> list[str]:
@@ -39,20 +42,25 @@ def warm(engine: LLMEngine, names: list[str]) -> None:
         warm_sampling(engine, runner.max_seqs)
     if "graphs" in names:
         runner.replay_graphs()
+    if "gather" in names:
+        runner.warm_pending_gather()
     torch.cuda.synchronize(runner.device)
     log.info("warmed %s in %.1f ms; torch's allocator holds %.0f MiB", ", ".join(names),
              (time.perf_counter() - t0) * 1e3, torch.cuda.memory_reserved(runner.device) / 2**20)
 
 
 def warm_sampling(engine: LLMEngine, rows: int) -> None:
-    """A draw for `rows` rows with temperature, top-k and top-p, and its copy to the host, twice (two
-    steps are in flight at once), as a full batch's step makes them."""
+    """Draws for `rows` rows with temperature, top-k and top-p, for the same rows half of them
+    greedy, and for one row, each with its copy to the host, as steps make them (two in flight)."""
     model = engine.runner.model
     logits = torch.zeros(rows, model.args.vocab_size, dtype=model.dtype, device=engine.runner.device)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i) for i in range(rows)]
+    drawn = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i) for i in range(rows)]
+    mixed = [p if i % 2 else SamplingParams(temperature=0) for i, p in enumerate(drawn)]
     flights = []
-    for _ in range(2):
-        tokens, read_back, _ = guarded_sample(engine.sampler, logits, greedy_picks(logits), params, list(range(rows)))
+    for params in (drawn, mixed, drawn[:1], drawn):
+        n = len(params)
+        tokens, read_back, _ = guarded_sample(engine.sampler, logits[:n], greedy_picks(logits[:n]), params,
+                                              list(range(n)))
         flights.append(InFlight.launch([], tokens, read_back))
     for flight in flights:
         flight.wait()

@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -236,6 +237,12 @@ class ModelRunner:
             self._pad(host.numpy(), step, 0, 0, 0)
             self._dev[:step.layout.size].copy_(host[:step.layout.size])
             graph.replay()
+
+    def warm_pending_gather(self) -> None:
+        """Gather tokens into reordered rows once (`_gather_pending` when the batch changed)."""
+        prev = torch.zeros(self.max_seqs, dtype=torch.long, device=self.device)
+        rows = list(range(self.max_seqs - 1, -1, -1))
+        self._gather_pending(torch.zeros_like(prev), SimpleNamespace(pending_rows=rows, pending_src=rows[::-1]), prev)
 
     def _graph_step(self, key: tuple[int, int], host: torch.Tensor) -> Step:
         kind, size = key

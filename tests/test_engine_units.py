@@ -441,3 +441,17 @@ def test_a_raw_that_does_not_fit_its_frame_is_refused_naming_it(where) -> None:
 
     with pytest.raises(ValueError, match="raw"):
         raw_ids(memoryview(bytes(32)), where)
+
+
+def test_first_use_warm_ups_leave_the_engine_as_it_was(tiny_model) -> None:
+    """The startup warm-ups (engines/first_use.py) run their draws and gathers here too (on CUDA
+    they load kernels and fill the allocators' caches); the engine's tokens and blocks are untouched."""
+    from engines import first_use
+    engine = make_engine(tiny_model, max_num_seqs=8)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    before = engine.generate(prompts, params)
+    first_use.warm_sampling(engine, engine.runner.max_seqs)
+    engine.runner.warm_pending_gather()
+    assert engine.generate(prompts, params) == before
+    assert engine.blocks.used == 0
