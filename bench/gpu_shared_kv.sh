@@ -22,9 +22,10 @@
 #                                         # heap's thresholds and rehearsals, in turn; py-spy on two primaries
 #   BASE=DIR bash bench/gpu_shared_kv.sh tree_ab  # failover on an older tree (DIR) and on this one, in turn
 #                                         # (TREES="name=DIR ..." for other sides)
-#   bash bench/gpu_shared_kv.sh warm_ab   # failover (shared KV only) without, then with the first-use warm-up
-#                                         # (UNDERSTUDY_WARM_FIRST_USE: WARMS= names the sides' values, "-" for
-#                                         # none); the new primaries' stalled launches (trace_stalls.py) on each
+#   bash bench/gpu_shared_kv.sh warm_ab   # first_kernel.py, then failover (shared KV only) without and with the
+#                                         # first-use warm-up (UNDERSTUDY_WARM_FIRST_USE: WARMS= names the sides'
+#                                         # values, "-" for none; default "- gather sampling,graphs,gather"); the new
+#                                         # primaries' stalled launches (trace_stalls.py) on each
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
@@ -122,7 +123,9 @@ batch_ab() {  # failover (shared KV only) with a failover's continuations one re
   done
 }
 warm_ab() {  # failover (shared KV only, RUNS kills) per UNDERSTUDY_WARM_FIRST_USE of $WARMS ("-": none), in
-  # one call; each side's logs in one .tgz; the launches over 8 ms in its new primaries' first steps
+  # one call; each side's logs in one .tgz; the launches over 8 ms in its new primaries' first steps.
+  # First, first_kernel.py: does a kernel's first call wait for the work on the GPU?
+  python3 bench/probes/first_kernel.py | tee "$OUT/first_kernel.txt"
   local w
   for w in ${WARMS:-- gather sampling,graphs,gather}; do
     local side=warm_${w//,/_}

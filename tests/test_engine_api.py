@@ -286,12 +286,14 @@ def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:
         "tiny-kv": ({"kv_cache_bytes": 1 << 16}, "kv_cache_bytes=65536 cannot hold one sequence"),
         # under TP a worker rank may hit it first: still exit 3, not a SIGKILL of the group
         "tp2-tiny-kv": ({"kv_cache_bytes": 1 << 16, "tp_size": 2}, "kv_cache_bytes=65536 cannot hold one sequence"),
+        "bad-warm": ({}, "UNDERSTUDY_WARM_FIRST_USE: kernels not one of sampling, graphs, gather"),
     }
     procs = {}
     for name, (override, _) in cases.items():
         fields = {"name": name, "model_path": str(tiny_model), "port": 0, "runtime_dir": str(tmp_path / "rt")}
         cfg = EngineConfig(**{**fields, **override})
-        procs[name] = EngineProcess(cfg, tmp_path / f"{name}.log")
+        env = {"UNDERSTUDY_WARM_FIRST_USE": "sampling,kernels"} if name == "bad-warm" else None
+        procs[name] = EngineProcess(cfg, tmp_path / f"{name}.log", env=env)
     for name, (_, message) in cases.items():
         assert procs[name].proc.wait(60) == 3
         log = (tmp_path / f"{name}.log").read_text()

@@ -1,0 +1,61 @@
+"""Does a kernel's first call in a process wait for the work already on the GPU? (CUDA loads a
+kernel on its first call under lazy loading, torch's default, and loading may synchronize the
+context.) The promotion traces of bench/RESULTS.md (nineteenth session) show one launch of 14-26 ms
+in most new primaries' first steps, at the first step after their batch changed, when the previous
+step's tokens are gathered into new rows (engines/runner.py `_gather_pending`: index kernels that
+no unchanging batch runs).
+
+For each op below, in a fresh process: enqueue ~--busy-ms of matrix products, then time the host's
+call of the op (its launch only: nothing waits for the device), the first time and again.
+
+    python3 bench/probes/first_kernel.py [--busy-ms 10]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--busy-ms", type=float, default=10.0)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    products = max(1, round(args.busy_ms / ((time.perf_counter() - t) * 1e3 / 20)))  # about busy_ms of them
+    prev = torch.zeros(256, dtype=torch.long, device=dev)
+    rows = torch.arange(255, -1, -1, device=dev)
+    logits = torch.randn(256, 32000, device=dev, dtype=torch.bfloat16)
+    ops = {
+        "index_copy_ + index_select (the gather of a changed batch)":
+            lambda: torch.zeros_like(prev).index_copy_(0, rows[:128], prev.index_select(0, rows[128:])),
+        "sort (top-k / top-p)": lambda: logits.float().sort(dim=-1, descending=True),
+        "cumsum + softmax": lambda: logits.float().softmax(dim=-1).cumsum(dim=-1),
+        "a host list to the device (pageable)": lambda: torch.tensor(list(range(256))).to(dev, non_blocking=True),
+    }
+    print(f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '(unset: torch sets LAZY)')}; "
+          f"{torch.cuda.get_device_name()}; each op's call timed behind ~{args.busy_ms:g} ms of queued products")
+    for name, op in ops.items():
+        took = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            for _product in range(products):
+                a @ a
+            t = time.perf_counter()
+            op()
+            took.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        print(f"  {name}: first call {took[0]:.2f} ms, second {took[1]:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
