@@ -387,7 +387,7 @@ class LLMEngine:
             mark()
             mark()
         mark()
-        reserved = self._reserved() if cpu is not None else None
+        reserved = self._reserved() if cpu is not None else None  # (a traced step's build phase holds it)
         self._arrived = self._arrivals(None)  # (their Sequences made while the device computes)
         mark()
         self._read_back()

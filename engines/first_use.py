@@ -37,6 +37,9 @@ def warm(engine: LLMEngine, names: list[str]) -> None:
     runner = engine.runner
     if runner.device.type != "cuda" or not names:
         return
+    if "graphs" in names and runner.tp_size > 1:  # (a replay under TP needs every rank: not done here)
+        log.info("graphs not replayed at startup: tp_size %d", runner.tp_size)
+        names = [n for n in names if n != "graphs"]
     t0 = time.perf_counter()
     if "sampling" in names:
         warm_sampling(engine, runner.max_seqs)
