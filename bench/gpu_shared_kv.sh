@@ -133,6 +133,9 @@ warm_ab() {  # failover (shared KV only, RUNS kills) per UNDERSTUDY_WARM_FIRST_U
     UNDERSTUDY_WARM_FIRST_USE=${w#-} COMPARE= failover_in "$side"
     python3 bench/probes/trace_stalls.py "$OUT/$side/promotion_trace.txt" > "$OUT/$side/trace_stalls.txt"
     tail -1 "$OUT/$side/trace_stalls.txt"
+    # what the warm-up took and left in torch's allocator (the standby's memory), per engine start
+    tar xzf "$OUT/$side/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "engines.first_use: warmed" \
+      | sed 's/.*warmed/warmed/' | head -3
     rm -f "$OUT/$side/failover_streams.log"
     tar czf "$OUT/$side.tgz" -C "$OUT" "$side" && rm -rf "${OUT:?}/$side"
   done

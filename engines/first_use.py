@@ -40,7 +40,7 @@ def warm(engine: LLMEngine, names: list[str]) -> None:
     if "graphs" in names and runner.tp_size > 1:  # (a replay under TP needs every rank: not done here)
         log.info("graphs not replayed at startup: tp_size %d", runner.tp_size)
         names = [n for n in names if n != "graphs"]
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), torch.cuda.memory_reserved(runner.device)
     if "sampling" in names:
         warm_sampling(engine, runner.max_seqs)
     if "graphs" in names:
@@ -48,8 +48,8 @@ def warm(engine: LLMEngine, names: list[str]) -> None:
     if "gather" in names:
         runner.warm_pending_gather()
     torch.cuda.synchronize(runner.device)
-    log.info("warmed %s in %.1f ms; torch's allocator holds %.0f MiB", ", ".join(names),
-             (time.perf_counter() - t0) * 1e3, torch.cuda.memory_reserved(runner.device) / 2**20)
+    log.info("warmed %s in %.1f ms; torch's allocator holds %.0f MiB (%.0f before)", ", ".join(names),
+             (time.perf_counter() - t0) * 1e3, torch.cuda.memory_reserved(runner.device) / 2**20, before / 2**20)
 
 
 def warm_sampling(engine: LLMEngine, rows: int) -> None:
