@@ -5,8 +5,10 @@ A parked standby has served only its canary: one row at a time. Promoted, it dra
 max_num_seqs rows at once, with torch's caching allocators (device memory and pinned host memory)
 asked for buffers they never held; it replays CUDA graphs it captured but never ran; and once its
 batch changes (a sequence ends), it gathers the previous step's tokens into new rows with index
-kernels that no step of an unchanging batch runs (engines/runner.py `_gather_pending`), which CUDA
-loads on their first call."""
+kernels that no step of an unchanging batch runs (engines/runner.py `_gather_pending`). CUDA loads
+a kernel on its first call. Whether these first uses are the launch of 14-27 ms that most new
+primaries showed in their first steps is not yet measured (bench/RESULTS.md, nineteenth session):
+off by default until it is."""
 from __future__ import annotations
 
 import logging
