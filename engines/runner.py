@@ -18,7 +18,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -242,7 +241,7 @@ class ModelRunner:
         """Gather tokens into reordered rows once (`_gather_pending` when the batch changed)."""
         prev = torch.zeros(self.max_seqs, dtype=torch.long, device=self.device)
         rows = list(range(self.max_seqs - 1, -1, -1))
-        self._gather_pending(torch.zeros_like(prev), SimpleNamespace(pending_rows=rows, pending_src=rows[::-1]), prev)
+        self._gather_pending(torch.zeros_like(prev), rows, rows[::-1], prev)
 
     def _graph_step(self, key: tuple[int, int], host: torch.Tensor) -> Step:
         kind, size = key
@@ -402,22 +401,23 @@ class ModelRunner:
         if step.graph:  # the graph reads its inputs from the buffer: no views to build
             if step.pending_rows:
                 at = step.layout.ids
-                self._gather_pending(self._dev[at:at + step.layout.t], step, prev_tokens)
+                self._gather_pending(self._dev[at:at + step.layout.t], step.pending_rows, step.pending_src, prev_tokens)
             graph, (logits, picks) = self.graphs[step.graph]
             graph.replay()
             n = step.num_seqs if step.graph[0] == DECODE else step.num_logits
             return logits[:n], picks[:n]
         ids, pos, meta = self._views(step)
         if step.pending_rows:
-            self._gather_pending(ids, step, prev_tokens)
+            self._gather_pending(ids, step.pending_rows, step.pending_src, prev_tokens)
         return self._forward(ids, pos, meta)
 
-    def _gather_pending(self, ids: torch.Tensor, step: Step, prev_tokens: torch.Tensor) -> None:
-        n = len(step.pending_rows)
-        if step.pending_rows == list(range(n)) and step.pending_src == list(range(n)):
+    def _gather_pending(self, ids: torch.Tensor, rows: list[int], src: list[int], prev_tokens: torch.Tensor) -> None:
+        """ids[rows[i]] = prev_tokens[src[i]] on the device (the rows whose input is a token not read back yet)."""
+        n = len(rows)
+        if rows == list(range(n)) and src == list(range(n)):
             ids[:n].copy_(prev_tokens[:n])  # steady state: the same sequences, in the same order
             return
-        idx = torch.tensor(step.pending_rows + step.pending_src, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = torch.tensor(rows + src, dtype=torch.long).to(self.device, non_blocking=True)
         ids.index_copy_(0, idx[:n], prev_tokens.index_select(0, idx[n:]))
 
     def _broadcast(self, header: list[int], payload: torch.Tensor | None) -> None:
