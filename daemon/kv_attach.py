@@ -50,7 +50,7 @@ def attach_kv_pool(cache_config: CacheConfig, expected: dict, runtime_dir: str |
             raise CacheMiss("attach_failed", f"the KV pool at {path} is a {handle.size}-byte {handle.transport} "
                                              f"region; this engine needs {layout.pool_bytes} bytes on {device.type}")
         region, keep = _map(fds[0], handle.size, device)
-        index = BlockIndex(fds[1], handle.index_bytes) if with_index else None
+        index = BlockIndex(fds[1], handle.index_bytes, layout) if with_index else None
     except (OSError, RuntimeError, ValueError, ValidationError, UntrustedIndex) as e:
         raise CacheMiss("attach_failed", f"cannot map the KV pool from {path}: {str(e).splitlines()[0]}") from None
     finally:

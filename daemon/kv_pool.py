@@ -47,10 +47,10 @@ class KVPool:
             self._arena.region.zero_()  # every block finite: a masked-out position times 0 stays 0
             self._arena.finish()
             self._fd, self.size = self._arena.export_fd(), self._arena.size
-        self.index_bytes = index_bytes(layout.num_blocks)
+        self.index_bytes = index_bytes(layout.num_blocks, layout.block_size)
         self._index_fd = os.memfd_create(f"understudy-kv-index-rank{rank}", os.MFD_CLOEXEC)
         os.ftruncate(self._index_fd, self.index_bytes)
-        index = BlockIndex(self._index_fd, self.index_bytes)
+        index = BlockIndex(self._index_fd, self.index_bytes, layout)
         index.initialise(layout, fingerprint, self.pool_id)
         index.close()
 

@@ -15,7 +15,9 @@ Three modes:
   is OWNED there before any step that writes it is launched, SEALED once the step that filled it
   completed, FREE once no step in flight can write it (engines/kv_publish.py). At promotion the
   writer adopts what the index holds: keyed blocks become its cache, and blocks the previous writer
-  left OWNED are quarantined until that writer's processes are gone (`unquarantine`).
+  left OWNED are quarantined until that writer's processes are gone (`unquarantine`). A
+  continuation whose last partial block the dead writer named as a tail copies it (`copies`, which
+  the runner makes before the next step) and recomputes one token (engines/kv_tails.py).
 
 Block 0 is never handed out: CUDA-graph padding rows write their keys and values there.
 """
@@ -31,6 +33,7 @@ from daemon.kv_index import Adoption, BlockIndex
 from .block_keys import ROOT, block_key, chain_keys
 from .kv_adopted import AdoptedCache
 from .kv_publish import Publisher
+from .kv_tails import AdoptedTails
 from .sequence import Sequence
 
 PAD_BLOCK = 0
@@ -77,6 +80,8 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced, oldest first
         self.quarantined: set[int] = set()
         self.adopted: AdoptedCache | None = None  # writer: keyed blocks found in the pool, not used yet
+        self.tails: AdoptedTails | None = None  # writer: the tails the pool named when it took the role
+        self.copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next step
         self.index: BlockIndex | None = None
         self.publisher: Publisher | None = None
         self._stamp = 1
@@ -117,24 +122,26 @@ class BlockManager:
         self.adopted = AdoptedCache(adoption, self.num_blocks)  # every other block is unkeyed already)
         self.block_of, self.evictable = {}, OrderedDict()
         self.quarantined = set(adoption.quarantined.tolist())
+        self.tails = AdoptedTails(adoption.tails)
         self._stamp = adoption.next_stamp
 
     def park(self) -> None:
         """Give the shared blocks up (every sequence that held some is gone): scratch only."""
         if any(self.refs[self.shared.start:self.shared.stop]):
             raise RuntimeError("sequences still hold shared blocks: hand them off before parking")
-        self.mode, self.index, self.publisher, self.adopted = "parked", None, None, None
+        self.mode, self.index, self.publisher, self.adopted, self.tails = "parked", None, None, None, None
         self.free, self.evictable, self.block_of = [], OrderedDict(), {}
         self.key_lo[:] = self.key_hi[:] = 0
         self.quarantined = set()
 
     def unquarantine(self) -> int:
-        """The previous writer's processes are gone: the blocks it left unfinished are free."""
+        """The previous writer's processes are gone: the blocks it left unfinished are free, taken last
+        (the tails among them stay whole for continuations that come later)."""
         blocks, self.quarantined = sorted(self.quarantined), set()
         for block in blocks:
             if self.index is not None:
                 self.index.freed(block)
-            self.free.append(block)
+        self.free[:0] = blocks[::-1]  # (pop() takes from the end)
         return len(blocks)
 
     # ---- sequences -------------------------------------------------------------------------
@@ -161,9 +168,9 @@ class BlockManager:
         self._matched(seq)
 
     def _matched(self, seq: Sequence) -> None:
-        """A sequence's cached prefix is found: its counts."""
+        """A sequence's cached prefix is found (and a continuation's tail, if the pool named it): its counts."""
         self.queried_tokens += len(seq.prompt_ids)
-        seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size
+        seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size + self._take_tail(seq)
         self.hit_tokens += seq.num_cached
         if seq.replayed and seq.first_scheduled is None and self.on_continuation is not None:
             self.on_continuation(seq.num_cached, len(seq.prompt_ids) - seq.num_cached)
@@ -202,6 +209,55 @@ class BlockManager:
             self._give_adopted(seq, blocks[start:start + run], los[start:start + run],
                                seq.prefix_keys[16 * run - 16:16 * run])
             self._matched(seq)
+
+    def _take_tail(self, seq: Sequence) -> int:
+        """A continuation whose prompt, past its full blocks, is a tail the pool named (or all but the
+        last token of a keyed block): that block copied into a new last block (`copies`); returns
+        how many positions it holds (0 if none)."""
+        bs, prompt, n = self.block_size, seq.prompt_ids, len(seq.block_table)
+        need = len(prompt) - 1 - n * bs  # (the last token is computed: its logits draw the next)
+        if self.tails is None or not seq.replayed or not 0 < need < bs or not self.available:
+            return 0
+        ids = prompt[n * bs:n * bs + need + 1]
+        ids = ids if isinstance(ids, list) else ids.tolist()
+        prev = seq.last_key if n else self.root
+        parent = halves(prev)
+        source = self.tails.find(parent, ids[:need], self.gens)
+        if source is None and need == bs - 1:  # its block was sealed before the writer died
+            source = self._keyed_block(block_key(prev, ids))
+        if source is None:
+            return 0
+        ids = ids[:need]
+        block = self._take()
+        self.index.tail_copied(block, *parent, ids)  # (its tail goes on: the next failover finds it too)
+        self.copies.append((source, block))
+        seq.block_table.append(block)
+        return need
+
+    def _keyed_block(self, key: bytes) -> int | None:
+        """The keyed block of `key`, in this writer's cache or adopted, if there is one."""
+        lo, hi = halves(key)
+        block = self.block_of.get(lo)
+        if block is not None and int(self.key_hi[block]) == hi:
+            return block
+        if self.adopted is not None and self.adopted.count:
+            found = int(self.adopted.find(np.array([lo], np.uint64), np.array([hi], np.uint64))[0])
+            return found if found >= 0 else None
+        return None
+
+    def key_before(self, seq: Sequence, j: int) -> tuple[int, int] | None:
+        """The key that `seq`'s block `j` follows, as halves: the root's, else its block j-1's (None
+        where that is not known: a block computed twice keeps its key on the first)."""
+        if j == 0:
+            return halves(self.root)
+        block = seq.block_table[j - 1]
+        if lo := int(self.key_lo[block]):
+            return lo, int(self.key_hi[block])
+        return halves(seq.last_key) if seq.keyed == j and seq.last_key is not None else None
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def _hit(self, seq: Sequence, block: int, key: bytes) -> None:
         self._ref(block)
@@ -263,8 +319,9 @@ class BlockManager:
             if self.publisher is not None:
                 self.publisher.seal(block, self.gens[block], lo, hi, self._stamp)
 
-    def release(self, seq: Sequence) -> None:
-        """Drop the sequence's blocks (it finished, was aborted or preempted)."""
+    def release(self, seq: Sequence, handed_off: bool = False) -> None:
+        """Drop the sequence's blocks (it finished, was aborted or preempted, or was `handed_off` to
+        another engine: its tail stays named in the index, for its continuation)."""
         for block in reversed(seq.block_table):  # the tail is the least likely to be shared: evict it first
             self.refs[block] -= 1
             if self.refs[block] == 0:
@@ -278,7 +335,7 @@ class BlockManager:
                 else:
                     self.free.append(block)
                     if self.publisher is not None:  # FREE once no step in flight can still write it
-                        self.publisher.free(block, self.gens[block])
+                        self.publisher.free(block, self.gens[block], handed_off)
         seq.block_table, seq.keyed, seq.last_key = [], 0, None
         seq.num_computed = seq.num_cached = 0
 

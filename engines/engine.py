@@ -28,6 +28,7 @@ from daemon.kv_index import FencedError, PreviousWriterAlive
 
 from .control import ControlChannel
 from .inflight import InFlight
+from .kv_tails import TailPublisher
 from .promotion_trace import PromotionTrace
 from .block_keys import key_root
 from .block_manager import BlockManager
@@ -59,6 +60,7 @@ class LLMEngine:
         self._continued_now: list[list[int]] = []  # this step's continuations: [reused, recomputed] each
         self.trace = PromotionTrace()  # the first second after a promotion, logged
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
+        self.tails = TailPublisher(self.blocks)
         self.sampler = Sampler()
         self.control = control
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -280,10 +282,10 @@ class LLMEngine:
             log.error("promotion refused: %s", e)
             return "promote_failed", {"error": str(e)}
         self.trace.arm(self._reserved())
-        log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined (%.1f ms, "
-                 "the claim %.1f, of which waiting for the previous writer %.1f, the keys' sort %.1f: %.1f on CPU, "
-                 "%d page faults)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
-                 report["quarantined_blocks"], report["seconds"] * 1e3, report["claim_seconds"] * 1e3,
+        log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined, %d tails "
+                 "(%.1f ms, the claim %.1f, of which waiting for the previous writer %.1f, the keys' sort %.1f: %.1f "
+                 "on CPU, %d page faults)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
+                 report["quarantined_blocks"], report["tails"], report["seconds"] * 1e3, report["claim_seconds"] * 1e3,
                  report["claim_wait_seconds"] * 1e3, report["claim_sort_seconds"] * 1e3,
                  report["claim_sort_cpu_seconds"] * 1e3, report["claim_sort_faults"])
         return "promoted", {"kv_mode": "writer", **report}
@@ -294,6 +296,7 @@ class LLMEngine:
         if self.pool is None or self.blocks.mode != "writer":
             return {"handed_off": 0}
         self._read_back()
+        self.tails.publish()
         seqs = self.scheduler.take_all()
         for seq in seqs:
             if seq.finish_reason is None:
@@ -369,6 +372,8 @@ class LLMEngine:
 
         mark()
         work = self.scheduler.schedule()
+        if self.blocks.copies:  # continuations' tails, copied before any step reads them
+            self.runner.copy_blocks(self.blocks.take_copies())
         mark()
         # The scheduled markers of sequences run for the first time go out before the step runs:
         # a request that kills the engine in its first step was seen to run here (by the router).
@@ -390,11 +395,16 @@ class LLMEngine:
         reserved = self._reserved() if cpu is not None else None  # (a traced step's build phase holds it)
         self._arrived = self._arrivals(None)  # (their Sequences made while the device computes)
         mark()
+        before = self._inflight
         self._read_back()
         mark()
+        self.tails.publish()  # the step before this one has completed: its tokens were just read back
         for w in work:  # their input tokens are all known now: key the blocks they filled
             self.blocks.seal(w.seq)
         self.blocks.publish_completed()  # before this step's outputs go out (engines/block_manager.py)
+        if work:
+            self.tails.record(work, *step.rows(), step.pending_rows, step.pending_src,
+                              before.host.numpy() if before is not None else None)
         self._inflight = launch
         self._pending = {s.seq_id: row for row, s in enumerate(launch.seqs)} if launch else {}
         self.served += len(self.scheduler.release_finished())

@@ -31,8 +31,8 @@ class Publisher:
     def seal(self, block: int, gen: int, key_lo: int, key_hi: int, stamp: int) -> None:
         self._defer(("seal", block, gen, key_lo, key_hi, stamp))
 
-    def free(self, block: int, gen: int) -> None:
-        self._defer(("free", block, gen))
+    def free(self, block: int, gen: int, keep_tail: bool = False) -> None:
+        self._defer(("free", block, gen, keep_tail))
 
     def publish_completed(self) -> None:
         """Apply the writes of every step that has completed (oldest first)."""
@@ -60,4 +60,4 @@ class Publisher:
             if op[0] == "seal":
                 self.index.sealed(block, gen, *op[3:])
             else:
-                self.index.freed(block)
+                self.index.freed(block, op[3])

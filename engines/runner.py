@@ -34,7 +34,7 @@ from .scheduler import Scheduled
 
 log = logging.getLogger("engines.runner")
 
-EXIT, STEP = 0, 1
+EXIT, STEP, COPY = 0, 1, 2
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 GRAPH_TOKEN_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DECODE, MIXED = 1, 2  # graph kinds: decode-only steps by sequence count, mixed steps by row count
@@ -101,6 +101,12 @@ class Step:
     seq_lens: list[int]
     pending_rows: list[int] = field(default_factory=list)  # rows whose input token is the previous step's
     pending_src: list[int] = field(default_factory=list)  # sampled token at these rows of its tokens
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The KV slot and the input token id of each real row (views of the packed buffer; a
+        pending row's id is 0 here)."""
+        h, lay = self.host.numpy(), self.layout
+        return h[lay.slots:lay.slots + self.num_rows], h[lay.ids:lay.ids + self.num_rows]
 
     def header(self) -> list[int]:
         kind, size = self.graph or (0, 0)
@@ -183,6 +189,8 @@ class ModelRunner:
         self._tables_written: list[list[tuple[list[int], int]]] = [[], []]  # per buffer, see _write_tables
         self._arange = np.arange(self.max_rows + 1)
         self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
+        if self.device.type == "cuda":  # (its kernels' first call, before a failover needs them)
+            self._copy_blocks(torch.tensor([PAD_BLOCK, PAD_BLOCK]))
         reason = ("deterministic" if self.deterministic else "fused_kernels is false") if not self.fused_kernels \
             else fused_decode_unavailable(self.model)
         self.model.use_fused_decode = reason is None
@@ -343,6 +351,20 @@ class ModelRunner:
             self._broadcast(step.header(), step.host[:step.layout.size])
         return self._execute(step, prev_tokens)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer's keys and values, (source, destination) pairs, before
+        the next step (on every rank)."""
+        ids = torch.tensor([s for s, _ in pairs] + [d for _, d in pairs], dtype=torch.long)
+        if self.tp_size > 1:
+            self._broadcast([COPY, len(pairs)] + [0] * (HEADER_LEN - 2), ids)
+        self._copy_blocks(ids)
+
+    def _copy_blocks(self, ids: torch.Tensor) -> None:
+        n = len(ids) // 2
+        ids = ids.to(self.device, non_blocking=True)  # (not waiting for the step in flight)
+        for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]: one layer's copy at a time
+            layer.index_copy_(1, ids[n:], layer.index_select(1, ids[:n]))
+
     def shutdown(self) -> None:
         """Tell the workers to leave their loop (rank 0)."""
         if self.tp_size > 1:
@@ -357,6 +379,11 @@ class ModelRunner:
             kind, t, b, rows, seqs, max_q, num_logits, graph_kind, graph_size, bq, programs = header.tolist()
             if kind == EXIT:
                 return
+            if kind == COPY:
+                ids = torch.zeros(2 * t, dtype=torch.long)
+                dist.broadcast(ids, 0, group=self.ctrl_group)
+                self._copy_blocks(ids)
+                continue
             if kind != STEP:
                 raise RuntimeError(f"rank {self.rank}: unknown step kind {kind} from rank 0")
             layout = Layout(t, b, self.max_blocks)

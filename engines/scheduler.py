@@ -203,7 +203,7 @@ class Scheduler:
         seqs = self.running + list(self.waiting)
         self.running, self.waiting = [], FairQueue()
         for s in seqs:
-            self.blocks.release(s)
+            self.blocks.release(s, handed_off=True)
         return seqs
 
     @property

@@ -83,7 +83,8 @@ class SharedPool:
                       adoption.reset_reason)
         blocks.become_writer(adoption, index, Publisher(index, blocks.gens, device))
         return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
-                "quarantined_blocks": len(adoption.quarantined), "index_reset": adoption.reset_reason,
+                "quarantined_blocks": len(adoption.quarantined), "tails": len(adoption.tails.blocks),
+                "index_reset": adoption.reset_reason,
                 "claim_seconds": claimed - t0, "claim_wait_seconds": adoption.waited_s,
                 "claim_sort_seconds": adoption.sort_s, "claim_sort_cpu_seconds": adoption.sort_cpu_s,
                 "claim_sort_faults": adoption.sort_faults,

@@ -14,9 +14,11 @@ import socket
 import httpx
 import psutil
 import pytest
+import torch
 
 from daemon.framing import recv_frame, send_frame
 from daemon.kv_index import SEALED, BlockIndex
+from daemon.kv_layout import KVLayout
 from daemon.runtime_dir import daemon_socket_path, ensure_private_dir
 from engines.config import EngineConfig
 from harness.engine_process import EngineProcess
@@ -30,8 +32,8 @@ BS = 16
 class Node:
     """A daemon with a KV pool per rank, engines started on them in turn, and the control endpoint."""
 
-    def __init__(self, model, tmp, tp: int = 1) -> None:
-        self.model, self.tmp, self.tp = model, tmp, tp
+    def __init__(self, model, tmp, tp: int = 1, device: str = "cpu") -> None:
+        self.model, self.tmp, self.tp, self.device = model, tmp, tp, device
         self.rt = ensure_private_dir(tmp / "rt")
         self.control = f"ipc://{tmp}/control.sock"
         self.router = Router(self.control)
@@ -39,7 +41,8 @@ class Node:
         for rank in range(tp):
             log = tmp / f"daemon-{rank}.log"
             self.daemons.append(start_daemon(model, rank, tp, self.rt, log,
-                                             ["--kv-pool-bytes", str(POOL_BYTES), "--kv-slots", "3"]))
+                                             ["--kv-pool-bytes", str(POOL_BYTES), "--kv-slots", "3",
+                                              "--device", device]))
             wait_daemon_ready(self.daemons[-1], self.rt, rank, log)
         self.engines: list[EngineProcess] = []
 
@@ -48,7 +51,8 @@ class Node:
                            tp_size=self.tp, weight_cache_mode="client", shared_kv=True, kv_slot=slot, kv_block_size=BS,
                            kv_cache_bytes=2 << 30,  # what an engine of its own would take: never allocated here
                            control_endpoint=self.control, incarnation=incarnation, heartbeat_interval_s=0.1,
-                           max_model_len=1024, max_num_seqs=4)
+                           max_model_len=1024, max_num_seqs=4, device=self.device,
+                           gpu_ids=[0] if self.device == "cuda" else [])
         proc = EngineProcess(cfg, self.tmp / f"{name}-{incarnation}.log")
         self.engines.append(proc)
         proc.wait_ready(120)
@@ -134,38 +138,45 @@ def test_promotion_adopts_the_pool_and_the_prefix_cache_outlives_the_engine(node
     assert hits >= len(first["prompt_token_ids"]) // BS * BS  # b never computed this prompt
 
 
-def test_a_continuation_after_a_sigkill_mid_step_is_exact_and_recomputes_at_most_a_block(node: Node) -> None:
-    b = node.engines[-1]
-    # 900 tokens, killed at 40: still generating then, however far the client lags (at 300 a loaded
-    # machine's reader fell behind its end once: nothing unfinished was left to quarantine)
-    body = {**LONG, "prompt": LONG["prompt"] + "twelve", "max_tokens": 900, "stream": True}
+def stream_then_kill(proc: EngineProcess, body: dict, after: int) -> tuple[list[int], list[int]]:
+    """Stream `body` from `proc` and SIGKILL it once `after` tokens came, mid-sequence (its last
+    block being written): the prompt's ids and the tokens the client got."""
     ids: list[int] = []
     prompt: list[int] = []
-    with httpx.stream("POST", b.url + "/v1/completions", json={"model": model_name(b), **body}, timeout=60) as r:
+    with httpx.stream("POST", proc.url + "/v1/completions", json={"model": model_name(proc), **body, "stream": True},
+                      timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 c = json.loads(line[6:])["choices"][0]
                 prompt = prompt or c.get("prompt_token_ids") or []
                 ids += c.get("token_ids") or []
-                if len(ids) >= 40:
-                    kill(b)  # mid-sequence: its last block is being written
+                if len(ids) >= after:
+                    kill(proc)
                     break
+    return prompt, ids
+
+
+def test_a_continuation_after_a_sigkill_mid_step_is_exact_and_recomputes_one_token(node: Node) -> None:
+    b = node.engines[-1]
+    # 900 tokens, killed at 40: still generating then, however far the client lags (at 300 a loaded
+    # machine's reader fell behind its end once: nothing unfinished was left to quarantine)
+    body = {**LONG, "prompt": LONG["prompt"] + "twelve", "max_tokens": 900}
+    prompt, ids = stream_then_kill(b, body, 40)
     c = node.engine("c", 2)
     promoted = node.command(c, "promote", "promoted")
     assert promoted["quarantined_blocks"] >= 1  # the dead writer's unfinished blocks are not reused
-    node.command(c, "fenced", None)  # (the test knows b's process group is gone)
-    assert node.heartbeat(c, lambda m: m["kv_quarantined_blocks"] == 0)["kv_mode"] == "writer"
-    cont = complete(c, {**{k: v for k, v in body.items() if k != "stream"},
-                        "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
+    # As at a failover, the continuation comes while those blocks are quarantined (the dead writer's
+    # last kernels may still write them): its tail is copied out of one, never written in place.
+    cont = complete(c, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
     assert cont.status_code == 200, cont.text
     report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "c")
-    assert len(report["each"]) == 1 and report["each"][0][1] <= BS  # (one step's: [reused, recomputed] each)
-    node.router.msgs.clear()
-    whole = complete(c, {k: v for k, v in body.items() if k != "stream"}).json()["choices"][0]["token_ids"]
+    assert report["each"] == [[len(prompt) + len(ids) - 1, 1]]  # (one step's: [reused, recomputed] each)
+    node.command(c, "fenced", None)  # (the test knows b's process group is gone)
+    assert node.heartbeat(c, lambda m: m["kv_quarantined_blocks"] == 0)["kv_mode"] == "writer"
+    whole = complete(c, body).json()["choices"][0]["token_ids"]
     assert len(ids) >= 40 and ids + cont.json()["choices"][0]["token_ids"] == whole  # the uninterrupted answer
     hb = node.heartbeat(c, lambda m: m["continuations"] >= 1)
-    assert hb["continuation_recomputed_tokens"] <= BS
-    assert hb["continuation_reused_tokens"] >= (len(prompt) + len(ids) - 1) // BS * BS
+    assert hb["continuation_recomputed_tokens"] == 1  # the last partial block came from the dead writer's tail
 
 
 def test_demotion_hands_streams_off_and_parks(node: Node) -> None:
@@ -196,7 +207,7 @@ def test_a_corrupt_index_is_rejected_and_the_pool_starts_empty(node: Node) -> No
         s.connect(str(daemon_socket_path(node.rt, 0)))
         send_frame(s, {"op": "kv_attach", "fingerprint": json.loads(_fingerprint(node))})
         reply, fds = recv_frame(s)
-    index = BlockIndex(fds[1], reply["kv_pool"]["index_bytes"])
+    index = BlockIndex(fds[1], reply["kv_pool"]["index_bytes"], KVLayout(**reply["kv_pool"]["layout"]))
     sealed = [b for b in range(len(index.entries)) if int(index.entries[b]["word"]) & 0xFFFFFFFF == SEALED]
     assert sealed
     index.entries[sealed[0]]["key_lo"] ^= 1  # a SEALED block no writer wrote
@@ -215,19 +226,40 @@ def _fingerprint(node: Node) -> str:
 
 def test_tensor_parallel_engines_share_one_pool_per_rank(tiny_model, tmp_path) -> None:
     """TP=2: each rank maps its own daemon's pool, rank 0 writes the index for both; a continuation
-    after a SIGKILL of the writer reuses the blocks on every rank and is the uninterrupted answer."""
+    after a SIGKILL of the writer mid-stream reuses the blocks on every rank (its tail copied on
+    each) and is the uninterrupted answer."""
     node = Node(tiny_model, tmp_path, tp=2)
     try:
         a, b = node.engine("a", 0), node.engine("b", 1)
         assert a.ready["kv_source"] == b.ready["kv_source"] == "shared"
         node.command(a, "promote", "promoted")
-        body = {**LONG, "max_tokens": 120}
-        first = complete(a, body).json()["choices"][0]
-        kill(a)
+        body = {**LONG, "max_tokens": 900}
+        prompt, ids = stream_then_kill(a, body, 50)
         assert node.command(b, "promote", "promoted")["adopted_blocks"] > 0
-        cont = complete(b, {**body, "continuation": {"prompt_token_ids": first["prompt_token_ids"],
-                                                     "output_token_ids": first["token_ids"][:50]}})
-        assert first["token_ids"][:50] + cont.json()["choices"][0]["token_ids"] == first["token_ids"]
-        assert node.heartbeat(b, lambda m: m["continuations"] >= 1)["continuation_recomputed_tokens"] <= BS
+        cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
+        whole = complete(b, body).json()["choices"][0]["token_ids"]
+        assert ids + cont.json()["choices"][0]["token_ids"] == whole
+        assert node.heartbeat(b, lambda m: m["continuations"] >= 1)["continuation_recomputed_tokens"] == 1
+    finally:
+        node.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_continuation_copies_the_dead_writers_tail_and_is_exact(tiny_model, tmp_path) -> None:
+    """The same SIGKILL mid-stream on a GPU: the pool in a CUDA VMM allocation, the tail copied by
+    the runner's block copy while the dead writer's blocks are quarantined, CUDA graphs on."""
+    node = Node(tiny_model, tmp_path, device="cuda")
+    try:
+        a = node.engine("a", 0)
+        node.command(a, "promote", "promoted")
+        body = {**LONG, "max_tokens": 900}
+        prompt, ids = stream_then_kill(a, body, 40)
+        b = node.engine("b", 1)
+        assert node.command(b, "promote", "promoted")["quarantined_blocks"] >= 1
+        cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
+        report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "b")
+        assert report["each"] == [[len(prompt) + len(ids) - 1, 1]]
+        assert ids + cont.json()["choices"][0]["token_ids"] == complete(b, body).json()["choices"][0]["token_ids"]
     finally:
         node.close()

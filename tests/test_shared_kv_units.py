@@ -39,7 +39,7 @@ def pool() -> KVPool:
 
 
 def open_index(p: KVPool) -> BlockIndex:
-    return BlockIndex(p.fds()[1], p.index_bytes)
+    return BlockIndex(p.fds()[1], p.index_bytes, p.layout)
 
 
 def state(index: BlockIndex, block: int) -> int:
@@ -189,7 +189,7 @@ def test_one_writer_across_processes(pool: KVPool) -> None:
         from daemon.kv_layout import KVLayout
         lay = KVLayout.model_validate_json(sys.argv[1])
         try:
-            BlockIndex({fd}, {pool.index_bytes}).claim(lay, {FP!r}, wait_s=0.2)
+            BlockIndex({fd}, {pool.index_bytes}, lay).claim(lay, {FP!r}, wait_s=0.2)
             print("claimed")
         except PreviousWriterAlive as e:
             print("refused:", e)
@@ -321,7 +321,7 @@ def test_adopted_blocks_are_used_by_key_and_evicted_oldest_first(pool: KVPool, t
 
 
 def test_index_bytes_grow_with_the_pool() -> None:
-    assert index_bytes(1000) - index_bytes(0) == 1000 * 48
+    assert index_bytes(1000, 16) - index_bytes(0, 16) == 1000 * (72 + 16 * 4)  # an entry, a block's token ids
 
 
 def test_a_continuation_takes_its_cached_head_then_adopted_blocks_up_to_the_first_missing(pool: KVPool,
@@ -400,13 +400,13 @@ def test_with_the_heap_keeping_freed_memory_a_rehearsed_claim_takes_no_page_faul
         lay = KVLayout(num_blocks=65536, block_size=16, layers=1, kv_heads=1, head_dim=2, dtype="float32",
                        scratch_slots=2, scratch_blocks=32)
         pool = KVPool(lay, b"f" * 32, torch.device("cpu"), 0)
-        writer = BlockIndex(pool.fds()[1], pool.index_bytes)
+        writer = BlockIndex(pool.fds()[1], pool.index_bytes, lay)
         writer.claim(lay, b"f" * 32)
         rng = random.Random(0)
         for block in lay.shared_blocks:
             writer.owned(block, 1)
             writer.sealed(block, 1, rng.getrandbits(63) | 1, rng.getrandbits(64), stamp=block)
-        standby = BlockIndex(pool.fds()[1], pool.index_bytes)
+        standby = BlockIndex(pool.fds()[1], pool.index_bytes, lay)
         standby.peek(lay, b"f" * 32)
         writer.release()
         before = _faults()

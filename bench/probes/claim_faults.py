@@ -73,7 +73,7 @@ def main() -> None:
     lay = KVLayout(num_blocks=65536, block_size=16, layers=1, kv_heads=1, head_dim=2, dtype="float32",
                    scratch_slots=2, scratch_blocks=32)
     pool = KVPool(lay, FP, torch.device("cpu"), 0)
-    writer = BlockIndex(pool.fds()[1], pool.index_bytes)
+    writer = BlockIndex(pool.fds()[1], pool.index_bytes, pool.layout)
     writer.claim(lay, FP)
     rng = random.Random(0)
     for block in lay.shared_blocks:
@@ -83,7 +83,7 @@ def main() -> None:
         writer.owned(lay.shared_start + i, 1)
         writer.sealed(lay.shared_start + i, 1, int(writer.entries[lay.shared_start + 100 + i]["key_lo"]),
                       int(writer.entries[lay.shared_start + 100 + i]["key_hi"]), stamp=10**6 + i)
-    index = BlockIndex(pool.fds()[1], pool.index_bytes)
+    index = BlockIndex(pool.fds()[1], pool.index_bytes, pool.layout)
     show("alone", reads(index, lay, a.reads))
     ctx = multiprocessing.get_context("fork")
     stop = ctx.Event()

@@ -52,7 +52,7 @@ def main() -> None:
     lay = KVLayout(num_blocks=a.blocks, block_size=16, layers=1, kv_heads=1, head_dim=2, dtype="float32",
                    scratch_slots=2, scratch_blocks=32)
     pool = KVPool(lay, FP, torch.device("cpu"), 0)
-    index = BlockIndex(pool.fds()[1], pool.index_bytes)
+    index = BlockIndex(pool.fds()[1], pool.index_bytes, pool.layout)
     index.claim(lay, FP)
     fill(index, lay, streams, rng)
     params = SamplingParams(temperature=0.0, max_tokens=4096, seed=1).wire()

@@ -8,7 +8,10 @@ the same run.
 The pool holds `--streams` sequences' blocks keyed as an engine keys them (blake2b: keys in random
 order, as a real pool's are), the rest filled with other random keys.
 
-    python bench/probes/promote_cost.py [--blocks 65536] [--streams 256] [--runs 5] [--twice 20]
+With `--tails`, each stream's last partial block is left OWNED and named as the dead writer names a
+tail (engines/kv_tails.py): a continuation then copies it and recomputes one token.
+
+    python bench/probes/promote_cost.py [--blocks 65536] [--streams 256] [--runs 5] [--twice 20] [--tails]
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from daemon.kv_index import BlockIndex
@@ -35,17 +39,25 @@ from engines.tokenizer import Tokenizer
 FP = b"f" * 32
 
 
-def fill(index: BlockIndex, lay: KVLayout, streams: list[list[int]], rng: random.Random, twice: int = 0) -> None:
+def fill(index: BlockIndex, lay: KVLayout, streams: list[list[int]], rng: random.Random, twice: int = 0,
+         tails: bool = False, free: int = 0) -> None:
     """Seal every full block of `streams`, then random keys in the blocks left, stamps shuffled;
     the last `twice` blocks hold keys of others (sealed twice: by the dead primary and the one
-    before, as the H200's pools held 0-40 after each failover)."""
-    keys = []
+    before, as the H200's pools held 0-40 after each failover). `tails`: each stream's last partial
+    block (at the pool's end) is OWNED and named as its tail; `free` blocks before them stay FREE (for
+    the tails' copies: every claim quarantines the last one's)."""
+    keys, blocks, bs = [], list(lay.shared_blocks), lay.block_size
+    del blocks[len(blocks) - free:]
     for ids in streams:
         prev = None
-        for i in range(len(ids) // lay.block_size):
-            prev = block_key(prev, ids[i * lay.block_size:(i + 1) * lay.block_size])
+        for i in range(len(ids) // bs):
+            prev = block_key(prev, ids[i * bs:(i + 1) * bs])
             keys.append(halves(prev))
-    blocks = list(lay.shared_blocks)
+        if tails and len(ids) % bs:
+            block, n = blocks.pop(), len(ids) % bs
+            index.owned(block, 1)
+            index.tails_completed(np.arange(block * bs, block * bs + n), np.array(ids[-n:]),
+                                  [(block, *halves(prev or ROOT))], [block], np.array([n]))
     keys += [(rng.getrandbits(63) | 1, rng.getrandbits(64)) for _ in range(len(blocks) - len(keys) - twice)]
     keys += rng.sample(keys, twice)
     stamps = list(range(1, len(blocks) + 1))
@@ -62,6 +74,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=256, help="continued streams (prompt + answer 200-2048 tokens)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--twice", type=int, default=0, help="blocks whose key another block holds too")
+    p.add_argument("--tails", action="store_true", help="each stream's last partial block named as its tail")
     a = p.parse_args()
     rng = random.Random(0)
     tokenizer = Tokenizer(make_model(Path(tempfile.mkdtemp()), "tiny", "llama", seed=0))
@@ -70,9 +83,9 @@ def main() -> None:
     lay = KVLayout(num_blocks=a.blocks, block_size=16, layers=1, kv_heads=1, head_dim=2, dtype="float32",
                    scratch_slots=2, scratch_blocks=32)
     pool = KVPool(lay, FP, torch.device("cpu"), 0)
-    index = BlockIndex(pool.fds()[1], pool.index_bytes)
+    index = BlockIndex(pool.fds()[1], pool.index_bytes, pool.layout)
     index.claim(lay, FP)
-    fill(index, lay, streams, rng, a.twice)
+    fill(index, lay, streams, rng, a.twice, a.tails, free=3 * a.runs * a.streams if a.tails else 0)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     claims, adopts, admits, hinted, at_once, reused = [], [], [], [], [], 0
     keys = [prompt_keys(ids, ROOT, 16) for ids in streams]  # (as the front end hashes them)
@@ -109,7 +122,8 @@ def main() -> None:
         at_once.append(time.perf_counter() - t)
         assert sum(s.num_cached for s in seqs) == reused
     ms = lambda xs: f"median {statistics.median(xs) * 1e3:.1f} ms (first {xs[0] * 1e3:.1f})"  # noqa: E731
-    print(f"{a.blocks} blocks, {len(adoption.sealed)} keyed, runs {a.runs}: claim {ms(claims)}, adopt {ms(adopts)}, "
+    print(f"{a.blocks} blocks, {len(adoption.sealed)} keyed, {len(adoption.tails.blocks)} tails, runs {a.runs}: "
+          f"claim {ms(claims)}, adopt {ms(adopts)}, "
           f"{a.streams} continuations admitted {ms(admits)}, with their keys hashed by the front end {ms(hinted)}, "
           f"their prefixes then matched at once (block_manager.match_many, Sequences apart) {ms(at_once)}, "
           f"{reused} of {sum(map(len, streams))} tokens reused")

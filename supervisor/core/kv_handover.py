@@ -48,8 +48,8 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     e.kv_writer = True
     e.heartbeat = {**e.heartbeat, "kv_mode": ev.fields.get("kv_mode", "writer")}  # (what its next heartbeat says)
     node.emit(Measure("promotion", e.name, dict(ev.fields)))
-    log.info("%s took the KV pool: %s keyed blocks adopted, %s quarantined (%.1f ms in the engine)", e.name,
-             ev.fields.get("adopted_blocks"), ev.fields.get("quarantined_blocks"),
+    log.info("%s took the KV pool: %s keyed blocks adopted, %s quarantined, %s tails (%.1f ms in the engine)",
+             e.name, ev.fields.get("adopted_blocks"), ev.fields.get("quarantined_blocks"), ev.fields.get("tails"),
              1e3 * float(ev.fields.get("seconds") or 0))
     promote(node, e, p.reason, p.detected_at, p.lost, {**p.detail,  # what the pool gave it, and how fast
         "adopted_blocks": ev.fields.get("adopted_blocks"), "quarantined_blocks": ev.fields.get("quarantined_blocks"),

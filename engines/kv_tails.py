@@ -1,0 +1,127 @@
+"""A sequence's tail in the shared KV pool: its positions after its last full block.
+
+Full blocks are SEALED and keyed; the last, partial block of a running sequence is not, so a stream
+continued after a kill used to recompute it (up to `block_size - 1` tokens of every stream, and a
+prefill step of a few thousand rows at a failover of 256 streams). The writer now also names each
+sequence's tail in the pool's index (daemon/kv_index.py): its token ids, the key it follows (the
+block before it), and how many of its positions are complete. A new writer finds the tails the dead
+one named, and a continuation whose prompt ends with one copies it into a block of its own (the
+dead writer's last kernels may still be writing the positions after the complete ones) and
+recomputes one token: the last one the client has, whose logits draw the next.
+
+Only what completed is named: the positions a step computed are published once its sampled tokens
+were read back (in the next step: it has completed on the device by then), before those tokens go
+out to the client, and a tail's fill is written after its token ids and its parent key. A block allocated again (its generation bumped) loses its
+tail first (`BlockIndex.owned`), and a row whose block changed hands meanwhile is left out."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from daemon.kv_index import Tails
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
+    from .scheduler import Scheduled
+
+
+@dataclass
+class _Recorded:
+    """One launched step's rows, to be published once it has completed."""
+
+    slots: np.ndarray  # the KV slot of every position it computed
+    tokens: np.ndarray  # their token ids
+    q_lens: np.ndarray | None  # positions per row (None: one each, a decode step)
+    blocks: list[int]  # each row's last block (its tail)
+    fills: np.ndarray  # that block's positions complete once the step is
+    gens: list[int]  # the blocks' generations when the step was launched
+    began: list[tuple[int, int, int, int]]  # (row, block, parent lo, parent hi): tails this step began
+
+
+class TailPublisher:
+    """The writer's side: record each launched step's positions, publish them once it completed.
+    Per step, not per row: a decode step of 256 rows costs ~0.1 ms of the scheduler thread on the
+    dev VM, half of what its seal loop does (bench/probes/tail_cost.py)."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+        self._recorded: _Recorded | None = None
+
+    def record(self, work: list[Scheduled], slots: np.ndarray, tokens: np.ndarray, pending_rows: list[int],
+               pending_src: list[int], sampled_before: np.ndarray | None) -> None:
+        """The step just launched computed `work` at KV `slots` with input `tokens` (its pending rows'
+        tokens are `sampled_before[pending_src]`, the previous step's, read back since)."""
+        b = self.blocks
+        if b.mode != "writer" or not work:
+            self._recorded = None
+            return
+        tokens = tokens.copy()
+        n = len(pending_rows)
+        if n == len(tokens) == len(sampled_before) and pending_rows == pending_src == list(range(n)):
+            tokens[:] = sampled_before  # (a decode step of the same rows as the last: the steady state)
+        elif n:
+            tokens[pending_rows] = sampled_before[pending_src]
+        bs = b.block_size
+        if len(slots) == len(work):  # one position a row
+            q_lens, last = None, slots
+        else:
+            q_lens = np.fromiter((w.num_new for w in work), np.int64, len(work))
+            last = slots[np.cumsum(q_lens) - 1]
+        blocks, fills = last // bs, last % bs + 1
+        began = []
+        for row in np.flatnonzero(fills <= (1 if q_lens is None else q_lens)).tolist():  # its tail's first position
+            w = work[row]
+            parent = b.key_before(w.seq, (w.start + w.num_new - 1) // bs)
+            if parent is not None:
+                began.append((row, int(blocks[row]), *parent))
+        blocks = blocks.tolist()
+        gens = b.gens
+        self._recorded = _Recorded(slots.copy(), tokens, q_lens, blocks, fills, [gens[x] for x in blocks], began)
+
+    def publish(self) -> None:
+        """The recorded step has completed on the device: name its rows' tails in the index."""
+        rec, self._recorded = self._recorded, None
+        b = self.blocks
+        if rec is None or b.index is None:
+            return
+        gens = b.gens
+        slots, tokens, blocks, fills, began = rec.slots, rec.tokens, rec.blocks, rec.fills, rec.began
+        now = [gens[x] for x in blocks]
+        if now != rec.gens:  # some were allocated again since: another sequence's now
+            keep = np.array(now) == np.array(rec.gens)
+            at = keep if rec.q_lens is None else np.repeat(keep, rec.q_lens)
+            slots, tokens, fills = slots[at], tokens[at], fills[keep]
+            blocks = [x for x, k in zip(blocks, keep.tolist()) if k]
+            began = [x for x in began if keep[x[0]]]
+        b.index.tails_completed(slots, tokens, [x[1:] for x in began], blocks, fills)
+
+
+class AdoptedTails:
+    """The new writer's side: the tails the pool named when it took the writer role."""
+
+    def __init__(self, tails: Tails) -> None:
+        self._blocks = tails.blocks.tolist()
+        self._gens = tails.gens.tolist()
+        self._hi = tails.parent_hi.tolist()
+        self._fill = tails.fill.tolist()
+        self._tokens = tails.tokens
+        self._by_parent: dict[int, list[int]] = {}
+        for i, lo in enumerate(tails.parent_lo.tolist()):
+            self._by_parent.setdefault(lo, []).append(i)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def find(self, parent: tuple[int, int], ids: Ids[int], gens: list[int]) -> int | None:
+        """A block whose tail follows `parent` with at least these token `ids` complete, still as the
+        pool named it (not allocated since), if there is one."""
+        n = len(ids)
+        for i in self._by_parent.get(parent[0], ()):
+            block = self._blocks[i]
+            if self._hi[i] == parent[1] and self._fill[i] >= n and gens[block] == self._gens[i] \
+                    and self._tokens[i, :n].tolist() == ids:
+                return block
+        return None
