@@ -3,9 +3,10 @@ part, on the path they take there (no model, no GPU): the front end's `together`
 engines/engine_client.py sends it; an older tree's as it sent it) decoded, each member's Sequence made
 (engines/core_link.py `_together`: its text state replayed), then the scheduler's steps that admit
 them all into a writer's shared pool (memfd) holding their blocks (`Scheduler.schedule`: the prefix
-lookup, the blocks grown, each one's scheduled marker).
+lookup, the blocks grown, each one's scheduled marker). `--tails`: each stream's last partial block
+named as the dead writer names a tail (promote_cost.fill), so each continuation recomputes one token.
 
-    python bench/probes/core_admission.py [--streams 256] [--runs 7] [--budget 2048] [--profile]
+    python bench/probes/core_admission.py [--streams 256] [--runs 7] [--budget 2048] [--tails] [--profile]
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--budget", type=int, default=2048, help="the step's token budget")
     p.add_argument("--profile", action="store_true", help="cProfile the last run (own time, top 25)")
+    p.add_argument("--tails", action="store_true", help="each stream's last partial block named as its tail")
     a = p.parse_args()
     rng = random.Random(0)
     tokenizer = Tokenizer(make_model(Path(tempfile.mkdtemp()), "tiny", "llama", seed=0))
@@ -54,7 +56,7 @@ def main() -> None:
     pool = KVPool(lay, FP, torch.device("cpu"), 0)
     index = BlockIndex(pool.fds()[1], pool.index_bytes, pool.layout)
     index.claim(lay, FP)
-    fill(index, lay, streams, rng)
+    fill(index, lay, streams, rng, tails=a.tails, free=a.runs * a.streams if a.tails else 0)
     params = SamplingParams(temperature=0.0, max_tokens=4096, seed=1).wire()
     raw_frame = hasattr(core_link, "raw_ids")  # (an older tree's link: ids as JSON lists, keys in hex)
     msgs, raw = [], bytearray()  # (as this tree's EngineClient.together sends them)
