@@ -10,7 +10,8 @@ import torch
 
 from daemon.kv_index import BlockIndex
 from daemon.kv_pool import KVPool
-from engines.block_manager import BlockManager
+from engines.block_keys import block_key
+from engines.block_manager import BlockManager, halves
 from engines.kv_tails import TailPublisher
 from engines.scheduler import Scheduled
 from engines.sequence import Sequence
@@ -226,3 +227,18 @@ def test_a_continuation_after_the_fence_still_finds_its_tail(pool: KVPool, tok: 
     c = continuation(tok, PROMPT + [7, 8, 9, 5, 6], replayed=5)
     new.match_prefix(c)
     assert reports[-1] == (14, 1)
+
+
+def test_a_claim_names_only_tails_with_a_parent_and_a_fill_within_the_block(pool: KVPool, tok: Tokenizer) -> None:
+    """Entries a writer never wrote as a tail (no parent, a fill past the block, or SEALED) are
+    not tails, whatever their other fields hold: a malformed index never lends a continuation its
+    keys and values."""
+    _, index, _, tail = streamed(pool, tok)
+    free = [b for b in range(pool.layout.shared_start, pool.layout.num_blocks) if b != tail][-3:]
+    for block, fill, parent in zip(free, (BS + 1, 2, 0), (5, 0, 5)):  # past the block, no parent, no fill
+        index.entries[block]["fill"], index.entries[block]["parent_lo"] = fill, parent
+    sealed = int(np.flatnonzero((index.entries["word"] & 0xFFFFFFFF) == 2)[0])
+    index.entries[sealed]["fill"], index.entries[sealed]["parent_lo"] = 2, 5
+    new, _, _ = successor(pool)
+    parent = block_key(block_key(block_key(None, PROMPT[:4]), PROMPT[4:8]), PROMPT[8:] + [7, 8])  # block 2's key
+    assert len(new.tails) == 1 and new.tails.find(halves(parent), [9, 5, 6], new.gens) == tail
