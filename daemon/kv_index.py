@@ -9,10 +9,12 @@ ids of every block's positions (`block_size` int32 a block).
 
 A block that is not SEALED may hold a sequence's *tail*: its positions after the sequence's last full
 block. Its entry then says how many of them are complete (`fill`: written by steps that completed on
-the device), under which key they follow (`parent`: the key of the block before, or the root), and
-the token ids hold them. A continued stream takes them (copied to a block of its own: the dead writer's
-last kernels may still be writing the positions after `fill`) and recomputes one token instead of the
-rest of its last block (engines/kv_tails.py).
+the device), under which key they follow (`parent`: the key of the block before, or the root), which
+block came before it in the sequence (`prev`), and the token ids hold them. A continued stream takes
+them (copied to a block of its own: the dead writer's last kernels may still be writing the positions
+after `fill`) and recomputes one token instead of the rest of its last block (engines/kv_tails.py).
+A SEALED block that began as a tail keeps its parent and token ids: a tail's `prev` names it, for a
+continuation whose client had not got all of it when the writer died.
 
 States: FREE (nobody writes it), OWNED (a writer allocated it and may be writing it: it holds no
 usable data), SEALED (its keys and values are complete and keyed; nobody writes it until a writer
@@ -58,7 +60,7 @@ HEADER = np.dtype([
 ])
 ENTRY = np.dtype([("word", "<u8"), ("gen", "<u8"), ("epoch", "<u8"), ("stamp", "<u8"),
                   ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"), ("parent_hi", "<u8"),
-                  ("fill", "<u8")])
+                  ("fill", "<u8"), ("prev", "<u8")])
 TOKEN = np.dtype("<i4")
 _LAYOUT_FIELDS = ("num_blocks", "block_size", "layers", "kv_heads", "head_dim", "scratch_slots", "scratch_blocks")
 
@@ -94,8 +96,9 @@ def checksum(key_lo, key_hi, gen, epoch):  # noqa: ANN001, ANN201 (ints, or uint
 
 @dataclass
 class Tails:
-    """Blocks, not SEALED, whose entries name a tail (arrays, one row a block): the first `fill`
-    positions are complete and follow the key `parent`; `tokens` holds each one's token ids."""
+    """Blocks whose entries name a tail (arrays, one row a block): the first `fill` positions are
+    complete and follow the key `parent`; `tokens` holds each one's token ids. Not SEALED, or SEALED
+    and the block before a tail (`prev`): whole."""
 
     blocks: np.ndarray
     gens: np.ndarray  # their generations (a block allocated again since holds another sequence)
@@ -304,11 +307,15 @@ class BlockIndex:
                         e["gen"].copy(), next_stamp, self._tails(layout, ids, state), **sort)
 
     def _tails(self, layout: KVLayout, ids: np.ndarray, state: np.ndarray) -> Tails:
-        e = self.entries[layout.shared_start:layout.num_blocks]
-        fill = e["fill"]
-        t = (state != SEALED) & (fill > 0) & (fill <= layout.block_size) & (e["parent_lo"] != 0)
-        blocks = ids[t]
-        return Tails(blocks, e["gen"][t], e["parent_lo"][t], e["parent_hi"][t], fill[t], self.tokens[blocks])
+        start, e = layout.shared_start, self.entries[layout.shared_start:layout.num_blocks]
+        fill, parent = e["fill"], e["parent_lo"]
+        t = (state != SEALED) & (fill > 0) & (fill <= layout.block_size) & (parent != 0)
+        prev = e["prev"][t].astype(np.int64) - start  # (the blocks before them, as positions in `e`)
+        prev = np.unique(prev[(prev >= 0) & (prev < len(e))])
+        whole = prev[(state[prev] == SEALED) & (parent[prev] != 0)]
+        at = np.concatenate([np.flatnonzero(t), whole])
+        return Tails(ids[at], e["gen"][at], parent[at], e["parent_hi"][at],
+                     np.where(state[at] == SEALED, layout.block_size, fill[at]), self.tokens[ids[at]])
 
     def _check(self) -> None:
         h = self.header
@@ -326,23 +333,25 @@ class BlockIndex:
         f["gen"][block], f["epoch"][block] = gen, self.epoch
         f["parent_lo"][block] = 0
 
-    def tail_copied(self, block: int, parent_lo: int, parent_hi: int, tokens: list[int]) -> None:
-        """`block` takes another block's tail (copied on the device): its parent key and the token ids
-        of its first positions (named complete only once a step after the copy has: its fill)."""
+    def tail_copied(self, block: int, parent_lo: int, parent_hi: int, prev: int, tokens: list[int]) -> None:
+        """`block` takes another block's tail (copied on the device): its parent key, the block before
+        it, and the token ids of its first positions (named complete only once a step after the copy
+        has: its fill)."""
         self._check()
-        self._f["parent_lo"][block], self._f["parent_hi"][block] = parent_lo, parent_hi
+        f = self._f
+        f["parent_lo"][block], f["parent_hi"][block], f["prev"][block] = parent_lo, parent_hi, prev
         self.tokens[block, :len(tokens)] = tokens
 
-    def tails_completed(self, slots: np.ndarray, tokens: np.ndarray, began: list[tuple[int, int, int]],
+    def tails_completed(self, slots: np.ndarray, tokens: np.ndarray, began: list[tuple[int, int, int, int]],
                         blocks: list[int], fills: np.ndarray) -> None:
-        """Tails whose positions completed: the token ids at those KV `slots`, then the parent key of
-        each tail that `began` (block, lo, hi), then each tail's `fill`: a fill never covers a
-        position whose token or parent is not written yet."""
+        """Tails whose positions completed: the token ids at those KV `slots`, then the parent key and
+        the block before of each tail that `began` (block, lo, hi, prev), then each tail's `fill`: a
+        fill never covers a position whose token or parent is not written yet."""
         self._check()
         f = self._f
         self._token_at[slots] = tokens
-        for block, lo, hi in began:
-            f["parent_lo"][block], f["parent_hi"][block] = lo, hi
+        for block, lo, hi, prev in began:
+            f["parent_lo"][block], f["parent_hi"][block], f["prev"][block] = lo, hi, prev
         f["fill"][blocks] = fills
 
     def sealed(self, block: int, gen: int, key_lo: int, key_hi: int, stamp: int) -> None:

@@ -220,16 +220,17 @@ class BlockManager:
             return 0
         ids = prompt[n * bs:n * bs + need + 1]
         ids = ids if isinstance(ids, list) else ids.tolist()
-        prev = seq.last_key if n else self.root
-        parent = halves(prev)
+        last_key = seq.last_key if n else self.root
+        parent = halves(last_key)
         source = self.tails.find(parent, ids[:need], self.gens)
         if source is None and need == bs - 1:  # its block was sealed before the writer died
-            source = self._keyed_block(block_key(prev, ids))
+            source = self._keyed_block(block_key(last_key, ids))
         if source is None:
             return 0
         ids = ids[:need]
         block = self._take()
-        self.index.tail_copied(block, *parent, ids)  # (its tail goes on: the next failover finds it too)
+        # (its tail goes on: the next failover finds it too)
+        self.index.tail_copied(block, *parent, seq.block_table[-1] if n else 0, ids)
         self.copies.append((source, block))
         seq.block_table.append(block)
         return need

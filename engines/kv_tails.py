@@ -38,7 +38,7 @@ class _Recorded:
     blocks: list[int]  # each row's last block (its tail)
     fills: np.ndarray  # that block's positions complete once the step is
     gens: list[int]  # the blocks' generations when the step was launched
-    began: list[tuple[int, int, int, int]]  # (row, block, parent lo, parent hi): tails this step began
+    began: list[tuple[int, int, int, int, int]]  # (row, block, parent lo, parent hi, block before): tails begun
 
 
 class TailPublisher:
@@ -73,10 +73,10 @@ class TailPublisher:
         blocks, fills = last // bs, last % bs + 1
         began = []
         for row in np.flatnonzero(fills <= (1 if q_lens is None else q_lens)).tolist():  # its tail's first position
-            w = work[row]
-            parent = b.key_before(w.seq, (w.start + w.num_new - 1) // bs)
+            seq, j = work[row].seq, (work[row].start + work[row].num_new - 1) // bs
+            parent = b.key_before(seq, j)
             if parent is not None:
-                began.append((row, int(blocks[row]), *parent))
+                began.append((row, int(blocks[row]), *parent, seq.block_table[j - 1] if j else 0))
         blocks = blocks.tolist()
         gens = b.gens
         self._recorded = _Recorded(slots.copy(), tokens, q_lens, blocks, fills, [gens[x] for x in blocks], began)

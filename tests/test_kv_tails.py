@@ -188,7 +188,7 @@ def test_a_block_allocated_by_a_later_writer_names_no_tail(pool: KVPool, tok: To
     bm, index, s, tail = streamed(pool, tok)
     bm.release(s, handed_off=True)
     second, _, _ = successor(pool)
-    assert len(second.tails) == 1
+    assert len(second.tails) == 2  # the tail, and the sealed block before it (block 2)
     index.epoch = 0  # (the first writer's handle: fenced)
     second.index.owned(tail, second.gens[tail] + 1)  # the second writer takes the block for another sequence
     third, _, _ = successor(pool)
@@ -241,4 +241,18 @@ def test_a_claim_names_only_tails_with_a_parent_and_a_fill_within_the_block(pool
     index.entries[sealed]["fill"], index.entries[sealed]["parent_lo"] = 2, 5
     new, _, _ = successor(pool)
     parent = block_key(block_key(block_key(None, PROMPT[:4]), PROMPT[4:8]), PROMPT[8:] + [7, 8])  # block 2's key
-    assert len(new.tails) == 1 and new.tails.find(halves(parent), [9, 5, 6], new.gens) == tail
+    assert len(new.tails) == 2 and new.tails.find(halves(parent), [9, 5, 6], new.gens) == tail  # (and block 2)
+
+
+def test_a_continuation_whose_client_lagged_behind_a_sealed_block_takes_that_block(pool: KVPool,
+                                                                                   tok: Tokenizer) -> None:
+    """The writer completed and sealed block 3 and began block 4, while the client had got only two
+    of block 3's tokens: the tail in block 4 names block 3 (`prev`), whose positions are whole."""
+    bm, _ = writer(pool)
+    s = seq_of(tok, list(PROMPT))
+    stream(bm, TailPublisher(bm), s, [7, 8, 9, 5, 6, 1, 2])  # positions 0-16: block 3 full, 16 in block 4
+    assert s.keyed == 4
+    new, _, reports = successor(pool)
+    c = continuation(tok, PROMPT + [7, 8, 9, 5, 6], replayed=5)  # positions 12-13 of block 3 needed
+    new.match_prefix(c)
+    assert reports == [(14, 1)] and new.copies == [(s.block_table[3], c.block_table[3])]
