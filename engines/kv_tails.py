@@ -57,15 +57,16 @@ class TailPublisher:
     def record(self, work: list[Scheduled], slots: np.ndarray, tokens: np.ndarray, pending_rows: list[int],
                pending_src: list[int], sampled_before: np.ndarray | None) -> None:
         """The step just launched computed `work` at KV `slots` with input `tokens` (its pending rows'
-        tokens are `sampled_before[pending_src]`, the previous step's, read back since)."""
+        tokens are `sampled_before[pending_src]`, the previous step's, read back since). `work` is
+        not empty."""
         b = self.blocks
-        if b.mode != "writer" or not work:
+        if b.mode != "writer":
             self._recorded = None
             return
         tokens = tokens.copy()
         n = len(pending_rows)
-        if n == len(tokens) == len(sampled_before) and pending_rows == pending_src == list(range(n)):
-            tokens[:] = sampled_before  # (a decode step of the same rows as the last: the steady state)
+        if n == len(tokens) and pending_rows == pending_src == list(range(n)):
+            tokens[:] = sampled_before[:n]  # (a decode step of the same rows as the last: the steady state)
         elif n:
             tokens[pending_rows] = sampled_before[pending_src]
         bs = b.block_size
