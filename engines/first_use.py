@@ -1,14 +1,13 @@
 """What a new primary would otherwise do for the first time in its first steps after a failover,
-done once at startup instead (UNDERSTUDY_WARM_FIRST_USE: a comma list of `sampling`, `graphs`, `gather`).
+done once at startup instead (UNDERSTUDY_WARM_FIRST_USE: a comma list of `sampling`, `graphs`).
 
 A parked standby has served only its canary: one row at a time. Promoted, it draws for up to
 max_num_seqs rows at once, with torch's caching allocators (device memory and pinned host memory)
-asked for buffers they never held; it replays CUDA graphs it captured but never ran; and once its
-batch changes (a sequence ends), it gathers the previous step's tokens into new rows with index
-kernels that no step of an unchanging batch runs (engines/runner.py `_gather_pending`). CUDA loads
-a kernel on its first call. Whether these first uses are the launch of 14-27 ms that most new
-primaries showed in their first steps is not yet measured (bench/RESULTS.md, nineteenth session):
-off by default until it is."""
+asked for buffers they never held; and it replays CUDA graphs it captured but never ran. CUDA loads
+a kernel on its first call. Whether these first uses slow a new primary's first steps is not yet
+measured (bench/RESULTS.md, nineteenth session): off by default until it is. (The index kernels
+of the pending tokens' gather and of the tails' copies are always called at startup:
+engines/runner.py `_warm_index_kernels`.)"""
 from __future__ import annotations
 
 import logging
@@ -23,7 +22,7 @@ from .sample_guard import greedy_picks, guarded_sample
 from .sampling import SamplingParams
 
 log = logging.getLogger("engines.first_use")
-WHAT = ("sampling", "graphs", "gather")
+WHAT = ("sampling", "graphs")
 
 
 def asked() -> list[str]:
@@ -47,8 +46,6 @@ def warm(engine: LLMEngine, names: list[str]) -> None:
         warm_sampling(engine, runner.max_seqs)
     if "graphs" in names:
         runner.replay_graphs()
-    if "gather" in names:
-        runner.warm_pending_gather()
     torch.cuda.synchronize(runner.device)
     log.info("warmed %s in %.1f ms; torch's allocator holds %.0f MiB (%.0f before)", ", ".join(names),
              (time.perf_counter() - t0) * 1e3, torch.cuda.memory_reserved(runner.device) / 2**20, before / 2**20)

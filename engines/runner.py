@@ -26,6 +26,7 @@ import torch.distributed as dist
 from daemon.kv_attach import KVPoolMapping
 
 from .block_manager import PAD_BLOCK
+from .device_upload import Upload
 from .models import AttnMeta, CausalLM
 from .models.paged import query_blocks
 from .models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
@@ -189,8 +190,10 @@ class ModelRunner:
         self._tables_written: list[list[tuple[list[int], int]]] = [[], []]  # per buffer, see _write_tables
         self._arange = np.arange(self.max_rows + 1)
         self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
-        if self.device.type == "cuda":  # (its kernels' first call, before a failover needs them)
-            self._copy_blocks(torch.tensor([PAD_BLOCK, PAD_BLOCK]))
+        # index lists for the pending tokens' gather and the tails' copies (engines/device_upload.py)
+        self._gather_ids, self._copy_ids = Upload(self.device, 2 * max_num_seqs), Upload(self.device, 2 * max_num_seqs)
+        if self.device.type == "cuda":
+            self._warm_index_kernels()
         reason = ("deterministic" if self.deterministic else "fused_kernels is false") if not self.fused_kernels \
             else fused_decode_unavailable(self.model)
         self.model.use_fused_decode = reason is None
@@ -245,11 +248,17 @@ class ModelRunner:
             self._dev[:step.layout.size].copy_(host[:step.layout.size])
             graph.replay()
 
-    def warm_pending_gather(self) -> None:
-        """Gather tokens into reordered rows once (`_gather_pending` when the batch changed)."""
-        prev = torch.zeros(self.max_seqs, dtype=torch.long, device=self.device)
-        rows = list(range(self.max_seqs - 1, -1, -1))
-        self._gather_pending(torch.zeros_like(prev), rows, rows[::-1], prev)
+    def _warm_index_kernels(self) -> None:
+        """Call the index kernels of the tails' copies and of the pending tokens' gather once each, for
+        up to 16 indices and for more (index_select has a kernel for each: CUDA loads a kernel on its
+        first call). Otherwise a new primary's first step to copy more than 16 tails took 15-45 ms more
+        than one copying 16 (H100, bench/RESULTS.md, twenty-first session). Padding only: no block
+        or token changes."""
+        for n in sorted({1, min(17, self.max_seqs)}):
+            self._copy_blocks([PAD_BLOCK] * 2 * n)
+            prev = torch.zeros(n, dtype=torch.long, device=self.device)
+            rows = list(range(n - 1, -1, -1))
+            self._gather_pending(torch.zeros_like(prev), rows, rows[::-1], prev)
 
     def _graph_step(self, key: tuple[int, int], host: torch.Tensor) -> Step:
         kind, size = key
@@ -354,16 +363,19 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer's keys and values, (source, destination) pairs, before
         the next step (on every rank)."""
-        ids = torch.tensor([s for s, _ in pairs] + [d for _, d in pairs], dtype=torch.long)
+        ids = [s for s, _ in pairs] + [d for _, d in pairs]
         if self.tp_size > 1:
-            self._broadcast([COPY, len(pairs)] + [0] * (HEADER_LEN - 2), ids)
+            self._broadcast([COPY, len(pairs)] + [0] * (HEADER_LEN - 2), torch.tensor(ids, dtype=torch.long))
         self._copy_blocks(ids)
 
-    def _copy_blocks(self, ids: torch.Tensor) -> None:
-        n = len(ids) // 2
-        ids = ids.to(self.device, non_blocking=True)  # (not waiting for the step in flight)
-        for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]: one layer's copy at a time
-            layer.index_copy_(1, ids[n:], layer.index_select(1, ids[:n]))
+    def _copy_blocks(self, ids: list[int]) -> None:
+        """ids: the sources, then the destinations."""
+        n, most = len(ids) // 2, self._copy_ids.capacity // 2
+        for at in range(0, n, most):  # (a failover's copies in one schedule: at most max_num_seqs, one go)
+            src, dst = ids[at:min(at + most, n)], ids[n + at:n + min(at + most, n)]
+            dev = self._copy_ids(src + dst)
+            for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]: one layer's copy at a time
+                layer.index_copy_(1, dev[len(src):], layer.index_select(1, dev[:len(src)]))
 
     def shutdown(self) -> None:
         """Tell the workers to leave their loop (rank 0)."""
@@ -382,7 +394,7 @@ class ModelRunner:
             if kind == COPY:
                 ids = torch.zeros(2 * t, dtype=torch.long)
                 dist.broadcast(ids, 0, group=self.ctrl_group)
-                self._copy_blocks(ids)
+                self._copy_blocks(ids.tolist())
                 continue
             if kind != STEP:
                 raise RuntimeError(f"rank {self.rank}: unknown step kind {kind} from rank 0")
@@ -444,7 +456,7 @@ class ModelRunner:
         if rows == list(range(n)) and src == list(range(n)):
             ids[:n].copy_(prev_tokens[:n])  # steady state: the same sequences, in the same order
             return
-        idx = torch.tensor(rows + src, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = self._gather_ids(rows + src)
         ids.index_copy_(0, idx[:n], prev_tokens.index_select(0, idx[n:]))
 
     def _broadcast(self, header: list[int], payload: torch.Tensor | None) -> None:

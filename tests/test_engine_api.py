@@ -286,7 +286,7 @@ def test_boot_errors_exit_3_naming_the_problem(tiny_model, tmp_path) -> None:
         "tiny-kv": ({"kv_cache_bytes": 1 << 16}, "kv_cache_bytes=65536 cannot hold one sequence"),
         # under TP a worker rank may hit it first: still exit 3, not a SIGKILL of the group
         "tp2-tiny-kv": ({"kv_cache_bytes": 1 << 16, "tp_size": 2}, "kv_cache_bytes=65536 cannot hold one sequence"),
-        "bad-warm": ({}, "UNDERSTUDY_WARM_FIRST_USE: kernels not one of sampling, graphs, gather"),
+        "bad-warm": ({}, "UNDERSTUDY_WARM_FIRST_USE: kernels not one of sampling, graphs"),
     }
     procs = {}
     for name, (override, _) in cases.items():

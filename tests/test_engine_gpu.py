@@ -86,14 +86,14 @@ def test_engine_on_cuda_serves_with_graphs_and_spawns_after_fork(tiny_model, tmp
 
 
 def test_first_use_warm_up_replays_only_padding_and_keeps_the_tokens(tiny_model, tmp_path) -> None:
-    """UNDERSTUDY_WARM_FIRST_USE=sampling,graphs,gather: every captured graph replayed once on padding rows
+    """UNDERSTUDY_WARM_FIRST_USE=sampling,graphs: every captured graph replayed once on padding rows
     and a full batch's draw at startup; the engine then serves the tokens an engine without it gives
     (a replay that wrote into a real block or broke a graph would change them)."""
     cfg = EngineConfig(name="warm", model_path=str(tiny_model), port=0, runtime_dir=str(tmp_path / "rt"),
                        device="cuda", gpu_ids=[0], kv_cache_bytes=64 << 20, max_num_seqs=8, max_model_len=256)
     kw = dict(model=tiny_model.name, prompt="Hello", max_tokens=24, temperature=0, ignore_eos=True)
     texts = []
-    for name, warm in (("plain", ""), ("warm", "sampling,graphs,gather")):
+    for name, warm in (("plain", ""), ("warm", "sampling,graphs")):
         proc = EngineProcess(cfg.model_copy(update={"name": name}), tmp_path / f"{name}.log",
                              env={"UNDERSTUDY_WARM_FIRST_USE": warm})
         try:
@@ -101,7 +101,7 @@ def test_first_use_warm_up_replays_only_padding_and_keeps_the_tokens(tiny_model,
             texts.append([complete(proc.url, **kw), complete(proc.url, **{**kw, "temperature": 0.8, "seed": 7})])
         finally:
             assert proc.stop() == 0
-    assert "warmed sampling, graphs, gather in" in (tmp_path / "warm.log").read_text()
+    assert "warmed sampling, graphs in" in (tmp_path / "warm.log").read_text()
     assert "warmed" not in (tmp_path / "plain.log").read_text()
     assert texts[0] == texts[1] and texts[0][0]
 

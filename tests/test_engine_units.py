@@ -444,14 +444,39 @@ def test_a_raw_that_does_not_fit_its_frame_is_refused_naming_it(where) -> None:
 
 
 def test_first_use_warm_ups_leave_the_engine_as_it_was(tiny_model) -> None:
-    """The startup warm-ups (engines/first_use.py) run their draws and gathers here too (on CUDA
-    they load kernels and fill the allocators' caches); the engine's tokens and blocks are untouched."""
+    """The startup warm-ups (engines/first_use.py, and the runner's index kernels) run here too (on
+    CUDA they load kernels and fill the allocators' caches); the engine's tokens and blocks are untouched."""
     from engines import first_use
     engine = make_engine(tiny_model, max_num_seqs=8)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     before = engine.generate(prompts, params)
     first_use.warm_sampling(engine, engine.runner.max_seqs)
-    engine.runner.warm_pending_gather()
+    engine.runner._warm_index_kernels()
     assert engine.generate(prompts, params) == before
     assert engine.blocks.used == 0
+
+
+def test_an_upload_gives_its_values_and_refuses_more_than_it_holds() -> None:
+    from engines.device_upload import Upload
+    up = Upload(torch.device("cpu"), 4)
+    assert up([3, 1, 2]).tolist() == [3, 1, 2]
+    assert up([7]).tolist() == [7]  # (reused: only the values asked for)
+    with pytest.raises(ValueError, match="5 values for an upload of 4"):
+        up([0] * 5)
+
+
+def test_block_copies_beyond_one_upload_are_made_in_turns(tiny_model) -> None:
+    """A schedule's tail copies are uploaded max_num_seqs pairs at a time: 5 pairs with max_num_seqs 2
+    take three turns, and every destination gets its source's keys and values, every layer."""
+    engine = make_engine(tiny_model, max_num_seqs=2)
+    runner, kv = engine.runner, engine.runner.model.kv_cache
+    for layer in kv:
+        layer.copy_(torch.randn_like(layer))
+    before = [layer.clone() for layer in kv]
+    pairs = [(1, 11), (2, 12), (3, 13), (4, 14), (5, 15)]
+    runner.copy_blocks(pairs)
+    for layer, old in zip(kv, before):
+        for src, dst in pairs:
+            assert torch.equal(layer[:, dst], old[:, src])
+        assert torch.equal(layer[:, 6:11], old[:, 6:11])

@@ -21,9 +21,9 @@ from daemon.kv_index import SEALED, BlockIndex
 from daemon.kv_layout import KVLayout
 from daemon.runtime_dir import daemon_socket_path, ensure_private_dir
 from engines.config import EngineConfig
+from daemon_helpers import start_daemon, wait_daemon_ready
 from harness.engine_process import EngineProcess
 from test_engine_control import Router
-from test_engine_weight_modes import start_daemon, wait_daemon_ready
 
 POOL_BYTES = 8 << 20
 BS = 16

@@ -85,7 +85,7 @@ def main() -> None:
     pool = KVPool(lay, FP, torch.device("cpu"), 0)
     index = BlockIndex(pool.fds()[1], pool.index_bytes, pool.layout)
     index.claim(lay, FP)
-    fill(index, lay, streams, rng, a.twice, a.tails, free=3 * a.runs * a.streams if a.tails else 0)
+    fill(index, lay, streams, rng, a.twice, a.tails, free=3 * a.runs * a.streams)  # (for the copies: none evicts)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     claims, adopts, admits, hinted, at_once, reused = [], [], [], [], [], 0
     keys = [prompt_keys(ids, ROOT, 16) for ids in streams]  # (as the front end hashes them)
