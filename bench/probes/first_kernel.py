@@ -52,6 +52,8 @@ def main() -> None:
         "cumsum + softmax": lambda: logits.float().softmax(dim=-1).cumsum(dim=-1),
         "a host list to the device (pageable)": lambda: torch.tensor(list(range(256))).to(dev, non_blocking=True),
         "a host list to the device (Upload: pinned)": lambda: upload(list(range(256))),
+        "a host list to the device (pin_memory(): torch's pinned cache)":
+            lambda: torch.tensor(list(range(256))).pin_memory().to(dev, non_blocking=True),
         "index_select of a KV layer, 1 index": lambda: layer.index_select(1, blocks[:1]),
         "index_select of a KV layer, 17 indices (after 1)": lambda: layer.index_select(1, blocks[:17]),
         "index_copy_ of a KV layer, 17 indices": lambda: layer.index_copy_(1, blocks[17:34], layer[:, :17]),
