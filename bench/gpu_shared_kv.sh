@@ -5,6 +5,7 @@
 #                                         # memory) on 8100/8101; GPU memory per process; bench serve
 #                                         # chat:32 and nano:256 on each in turn (ABBA), medians last;
 #                                         # then chat:32 once more on the shared node with the static decode
+#                                         # (BASE=DIR: a third node, shared_kv on DIR's code, in the turns)
 #   bash bench/gpu_shared_kv.sh failover  # understudy bench failover --streams 256 --runs 20 --compare:
 #                                         # the gap of every stream in flight at each SIGKILL of the
 #                                         # primary, failover_seconds, recomputed tokens, standby back;
@@ -37,14 +38,24 @@ config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own p
     | sed "s#^router:#router:\n  migration:\n    batch: ${BATCH:-true}#" > /tmp/$1.yaml
   printf 'runtime_dir: /tmp/rt-%s\ncache_dir: /tmp/cache-%s\n' "$1" "$1" >> /tmp/$1.yaml
 }
-ab() {
-  config shared 8000 true 34359738368
-  config own 8100 false 17179869184
+ab() {  # (SHARED_BYTES, OWN_BYTES: the pools' sizes; an 80 GB H100 fits two nodes with 16 and 8 GiB.
+  # BASE=DIR: a third node, shared_kv on DIR's code (ports 8200/8201), loaded in turn with the others)
+  config shared 8000 true ${SHARED_BYTES:-34359738368}
+  config own 8100 false ${OWN_BYTES:-17179869184}
   serve_pair shared own
-  for n in shared own; do echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml; done > "$OUT/memory.txt" 2>&1
+  local nodes="own shared" n
+  if [ -n "${BASE:-}" ]; then
+    config base 8200 true ${SHARED_BYTES:-34359738368}
+    (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE exec python3 -m supervisor.cli serve -c /tmp/base.yaml) \
+      > "$OUT/serve_base.log" 2>&1 & pid_base=$!
+    wait_ready http://127.0.0.1:8200 && all_ready /tmp/base.yaml \
+      || { tail -30 "$OUT/serve_base.log"; kill -9 $pid_shared $pid_own $pid_base; exit 1; }
+    nodes="own shared base"
+  fi
+  for n in $nodes; do echo "== $n"; python3 -m supervisor.cli status -c /tmp/$n.yaml; done > "$OUT/memory.txt" 2>&1
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$OUT/memory.txt"
-  POINTS=${POINTS:-chat:32 nano:256} RUNS=${RUNS:-2} load_in_turn own shared
-  kill -TERM $pid_own; wait $pid_own
+  POINTS=${POINTS:-chat:32 nano:256} RUNS=${RUNS:-2} load_in_turn $nodes
+  kill -TERM $pid_own ${BASE:+$pid_base}; wait $pid_own ${BASE:+$pid_base}
   # the static decode beside the live figures, in the same call: one more chat:32 run on the shared node
   timeout 300 python3 -m supervisor.cli bench serve --client-procs 8 --duration ${DURATION:-15} --workload chat \
     -c /tmp/shared.yaml --concurrency 32 > "$OUT/static_chat32.txt" 2>>"$OUT/bench.err"
@@ -214,7 +225,7 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
   # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) and this tree's
   # core_admission.py (the core's share of 256 continuations) and member_frames.py (the router's batch
   # members) on each; then router_losses.py on this tree.
-  # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=.")
+  # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=."); PROBES=0: no probes
   local side dir entry
   for entry in ${TREES:-base=$BASE this=.}; do
     side=${entry%%=*}; dir=${entry#*=}
@@ -223,6 +234,7 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
     rm -f "$OUT/$side/failover_streams.log"  # (its lines are in the printed output)
     tar czf "$OUT/$side.tgz" -C "$OUT" "$side" && rm -rf "${OUT:?}/$side"
   done
+  [ "${PROBES:-1}" = 1 ] || return 0  # (PROBES=0: the failover runs only)
   for entry in ${TREES:-base=$BASE this=.}; do
     side=${entry%%=*}; dir=${entry#*=}
     echo "== promote_cost, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD python3 bench/probes/promote_cost.py --runs 7) 2>&1 | tail -1)"

@@ -1,36 +1,18 @@
-"""Small lists of ints (row and block indices) to the device without waiting for the step in flight.
+"""Small host lists (row and block indices, sampling parameters) to the device without waiting for
+the step in flight.
 
-`torch.tensor(ids).to(device, non_blocking=True)` copies from pageable memory, which CUDA first
-stages through pinned memory, and may synchronize with the stream to do so: the scheduler thread
-would then wait for the step the device is running before it can launch the next. An `Upload` copies
-through a pinned buffer of its own instead, written again only once the device has taken the last
-copy from it (an event: by then it has, a step or more ago, so the wait is nil in practice)."""
+A copy from pageable host memory to the device is staged by CUDA through pinned memory, and "a
+stream sync is performed before the copy is initiated" (CUDA's API synchronization behavior), so
+`torch.tensor(ids).to(device, non_blocking=True)` may hold the scheduler thread until the device has
+run everything launched before: the step just launched, which undoes the overlap of one step's
+host work with the previous step on the device. These lists are written into pinned memory from
+torch's caching host allocator instead, which hands a buffer out again only once the device has
+copied from it."""
 from __future__ import annotations
 
 import torch
 
 
-class Upload:
-    """A pinned host buffer and its device twin, for one kind of index list (reused each call)."""
-
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        self.device, self.capacity = device, capacity
-        cuda = device.type == "cuda"
-        self._host = torch.zeros(capacity, dtype=torch.long, pin_memory=cuda)
-        self._dev = torch.zeros(capacity, dtype=torch.long, device=device)
-        self._taken = torch.cuda.Event() if cuda else None  # the device has copied the last values
-
-    def __call__(self, values: list[int]) -> torch.Tensor:
-        """`values` on the device (at most `capacity` of them): a view valid until the next call;
-        work enqueued after this call on the current stream reads them."""
-        n = len(values)
-        if n > self.capacity:
-            raise ValueError(f"{n} values for an upload of {self.capacity}")
-        if self._taken is not None:
-            self._taken.synchronize()
-        self._host.numpy()[:n] = values
-        out = self._dev[:n]
-        out.copy_(self._host[:n], non_blocking=True)
-        if self._taken is not None:
-            self._taken.record()
-        return out
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`values` on `device`; work enqueued after this on the current stream reads them."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)

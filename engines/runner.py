@@ -26,7 +26,7 @@ import torch.distributed as dist
 from daemon.kv_attach import KVPoolMapping
 
 from .block_manager import PAD_BLOCK
-from .device_upload import Upload
+from .device_upload import to_device
 from .models import AttnMeta, CausalLM
 from .models.paged import query_blocks
 from .models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
@@ -190,8 +190,6 @@ class ModelRunner:
         self._tables_written: list[list[tuple[list[int], int]]] = [[], []]  # per buffer, see _write_tables
         self._arange = np.arange(self.max_rows + 1)
         self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
-        # index lists for the pending tokens' gather and the tails' copies (engines/device_upload.py)
-        self._gather_ids, self._copy_ids = Upload(self.device, 2 * max_num_seqs), Upload(self.device, 2 * max_num_seqs)
         if self.device.type == "cuda":
             self._warm_index_kernels()
         reason = ("deterministic" if self.deterministic else "fused_kernels is false") if not self.fused_kernels \
@@ -370,12 +368,9 @@ class ModelRunner:
 
     def _copy_blocks(self, ids: list[int]) -> None:
         """ids: the sources, then the destinations."""
-        n, most = len(ids) // 2, self._copy_ids.capacity // 2
-        for at in range(0, n, most):  # (a failover's copies in one schedule: at most max_num_seqs, one go)
-            src, dst = ids[at:min(at + most, n)], ids[n + at:n + min(at + most, n)]
-            dev = self._copy_ids(src + dst)
-            for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]: one layer's copy at a time
-                layer.index_copy_(1, dev[len(src):], layer.index_select(1, dev[:len(src)]))
+        n, dev = len(ids) // 2, to_device(ids, self.device)
+        for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]: one layer's copy at a time
+            layer.index_copy_(1, dev[n:], layer.index_select(1, dev[:n]))
 
     def shutdown(self) -> None:
         """Tell the workers to leave their loop (rank 0)."""
@@ -456,7 +451,7 @@ class ModelRunner:
         if rows == list(range(n)) and src == list(range(n)):
             ids[:n].copy_(prev_tokens[:n])  # steady state: the same sequences, in the same order
             return
-        idx = self._gather_ids(rows + src)
+        idx = to_device(rows + src, self.device)
         ids.index_copy_(0, idx[:n], prev_tokens.index_select(0, idx[n:]))
 
     def _broadcast(self, header: list[int], payload: torch.Tensor | None) -> None:

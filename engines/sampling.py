@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device_upload import to_device
+
 _M64 = (1 << 64) - 1
 
 
@@ -134,9 +136,3 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     bits = _shr(_mix(keys.unsqueeze(1) + cols.unsqueeze(0)), 40)  # top 24 bits
     u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
     return -torch.log(-torch.log(u))
-
-
-def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list on `device` without waiting for the device (`torch.tensor(..., device=cuda)`
-    blocks until the stream has drained, which would undo the engine's step overlap)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

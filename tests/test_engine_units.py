@@ -457,18 +457,9 @@ def test_first_use_warm_ups_leave_the_engine_as_it_was(tiny_model) -> None:
     assert engine.blocks.used == 0
 
 
-def test_an_upload_gives_its_values_and_refuses_more_than_it_holds() -> None:
-    from engines.device_upload import Upload
-    up = Upload(torch.device("cpu"), 4)
-    assert up([3, 1, 2]).tolist() == [3, 1, 2]
-    assert up([7]).tolist() == [7]  # (reused: only the values asked for)
-    with pytest.raises(ValueError, match="5 values for an upload of 4"):
-        up([0] * 5)
-
-
-def test_block_copies_beyond_one_upload_are_made_in_turns(tiny_model) -> None:
-    """A schedule's tail copies are uploaded max_num_seqs pairs at a time: 5 pairs with max_num_seqs 2
-    take three turns, and every destination gets its source's keys and values, every layer."""
+def test_block_copies_give_each_destination_its_sources_keys_and_values(tiny_model) -> None:
+    """The runner's block copy (a continuation's tail, engines/kv_tails.py): every destination gets
+    its source's keys and values, every layer; the other blocks are untouched."""
     engine = make_engine(tiny_model, max_num_seqs=2)
     runner, kv = engine.runner, engine.runner.model.kv_cache
     for layer in kv:

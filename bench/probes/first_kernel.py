@@ -5,13 +5,13 @@ in most new primaries' first steps, at the first step after their batch changed,
 step's tokens are gathered into new rows (engines/runner.py `_gather_pending`: index kernels that
 no unchanging batch runs).
 
-Also (twenty-first session): a pageable host list's copy to the device against the pinned `Upload`
-(engines/device_upload.py), and index_select over a KV layer with 1 index, then 17 (torch has a
-kernel for up to 16 indices and another for more: a new primary's first step copying more than 16
-tails took 15-45 ms longer than one copying 16, H100).
+Also (twenty-first session): a pageable host list's copy to the device against a pinned one
+(engines/device_upload.py `to_device`), and index_select over a KV layer with 1 index, then 17
+(torch has a kernel for up to 16 indices and another for more: a new primary's first step copying
+more than 16 tails took 15-45 ms longer than one copying 16, H100).
 
 For each op below, in a fresh process: enqueue ~--busy-ms of matrix products, then time the host's
-call of the op (its launch only: nothing waits for the device), the first time and again.
+call of the op (its launch only: nothing waits for the device), the first time and twice again.
 
     python3 bench/probes/first_kernel.py [--busy-ms 10]
 """
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from engines.device_upload import Upload
+from engines.device_upload import to_device
 
 
 def main() -> None:
@@ -44,16 +44,13 @@ def main() -> None:
     logits = torch.randn(256, 32000, device=dev, dtype=torch.bfloat16)
     layer = torch.zeros(2, 4096, 16, 8, 128, device=dev, dtype=torch.bfloat16)  # [2, blocks, block_size, heads, dim]
     blocks = torch.arange(64, device=dev)
-    upload = Upload(dev, 512)
     ops = {
         "index_copy_ + index_select (the gather of a changed batch)":
             lambda: torch.zeros_like(prev).index_copy_(0, rows[:128], prev.index_select(0, rows[128:])),
         "sort (top-k / top-p)": lambda: logits.float().sort(dim=-1, descending=True),
         "cumsum + softmax": lambda: logits.float().softmax(dim=-1).cumsum(dim=-1),
         "a host list to the device (pageable)": lambda: torch.tensor(list(range(256))).to(dev, non_blocking=True),
-        "a host list to the device (Upload: pinned)": lambda: upload(list(range(256))),
-        "a host list to the device (pin_memory(): torch's pinned cache)":
-            lambda: torch.tensor(list(range(256))).pin_memory().to(dev, non_blocking=True),
+        "a host list to the device (pinned: device_upload.to_device)": lambda: to_device(list(range(256)), dev),
         "index_select of a KV layer, 1 index": lambda: layer.index_select(1, blocks[:1]),
         "index_select of a KV layer, 17 indices (after 1)": lambda: layer.index_select(1, blocks[:17]),
         "index_copy_ of a KV layer, 17 indices": lambda: layer.index_copy_(1, blocks[17:34], layer[:, :17]),
@@ -62,7 +59,7 @@ def main() -> None:
           f"{torch.cuda.get_device_name()}; each op's call timed behind ~{args.busy_ms:g} ms of queued products")
     for name, op in ops.items():
         took = []
-        for _ in range(2):
+        for _ in range(3):
             torch.cuda.synchronize()
             for _product in range(products):
                 a @ a
@@ -70,7 +67,7 @@ def main() -> None:
             op()
             took.append((time.perf_counter() - t) * 1e3)
         torch.cuda.synchronize()
-        print(f"  {name}: first call {took[0]:.2f} ms, second {took[1]:.2f} ms")
+        print(f"  {name}: first call {took[0]:.2f} ms, second {took[1]:.2f} ms, third {took[2]:.2f} ms")
 
 
 if __name__ == "__main__":
