@@ -247,12 +247,14 @@ class ModelRunner:
             graph.replay()
 
     def _warm_index_kernels(self) -> None:
-        """Call the index kernels of the tails' copies and of the pending tokens' gather once each, for
-        up to 16 indices and for more (index_select has a kernel for each: CUDA loads a kernel on its
-        first call). Otherwise a new primary's first step to copy more than 16 tails took 15-45 ms more
-        than one copying 16 (H100, bench/RESULTS.md, twenty-first session). Padding only: no block
-        or token changes."""
-        for n in sorted({1, min(17, self.max_seqs)}):
+        """Copy padding blocks and gather tokens once with one index and once with max_num_seqs (the
+        most a step uploads): index_select has one CUDA kernel for up to 16 indices and another for
+        more, CUDA loads a kernel on its first call, and the largest copy's temporary (one layer's
+        blocks: 8 MiB for 256 of the 1b preset's) leaves torch's allocator a segment to reuse. Without the
+        large one, the schedule phase of a new primary's first step of more than 16 rows (copying
+        their tails) took a median 25.9 ms, against 8.6 ms without tails (H100, bench/RESULTS.md,
+        twenty-first session). No block or token changes."""
+        for n in sorted({1, self.max_seqs}):
             self._copy_blocks([PAD_BLOCK] * 2 * n)
             prev = torch.zeros(n, dtype=torch.long, device=self.device)
             rows = list(range(n - 1, -1, -1))
