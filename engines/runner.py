@@ -250,8 +250,8 @@ class ModelRunner:
         """Copy padding blocks and gather tokens once with one index and once with max_num_seqs (the
         most a step uploads): index_select has one CUDA kernel for up to 16 indices and another for
         more, CUDA loads a kernel on its first call, and the largest copy's temporary (one layer's
-        blocks: 8 MiB for 256 of the 1b preset's) leaves torch's allocator a segment to reuse. Without the
-        large one, the schedule phase of a new primary's first step of more than 16 rows (copying
+        blocks: 8 MiB for 256 of the 1b preset's) leaves torch's allocator a segment to reuse.
+        Without the large one, the schedule phase of a new primary's first step of more than 16 rows (copying
         their tails) took a median 25.9 ms, against 8.6 ms without tails (H100, bench/RESULTS.md,
         twenty-first session). No block or token changes."""
         for n in sorted({1, self.max_seqs}):

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def start_daemon(model: Path, rank: int, tp: int, runtime_dir: Path, log: Path,
                  extra: list[str] = ()) -> subprocess.Popen:
+    """`python -m daemon` for rank `rank` of `tp` on CPU (`extra` may name another device: the last
+    `--device` counts), its output appended to `log`."""
     with open(log, "ab") as f:
         return subprocess.Popen([sys.executable, "-m", "daemon", "--model", str(model), "--rank", str(rank),
                                  "--tp-size", str(tp), "--device", "cpu", "--runtime-dir", str(runtime_dir), *extra],
@@ -27,7 +29,8 @@ def wait_daemon_ready(proc: subprocess.Popen, runtime_dir: Path, rank: int, log:
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"daemon rank {rank} exited {proc.returncode}: {log.read_text()}"
         try:
-            if framing.request(daemon_socket_path(runtime_dir, rank), {"op": "status"}, 5)["daemon"]["state"] == "ready":
+            status = framing.request(daemon_socket_path(runtime_dir, rank), {"op": "status"}, 5)
+            if status["daemon"]["state"] == "ready":
                 return
         except (OSError, framing.FrameError):
             pass
