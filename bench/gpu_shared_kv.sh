@@ -222,8 +222,8 @@ print([e['pid'] for e in json.load(sys.stdin)['engines'] if e['role'] == 'primar
 tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in $BASE (git archive of a commit,
   # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
   # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
-  # the nodes' logs); promote_cost.py (the claim and admissions on this host's CPU) and this tree's
-  # core_admission.py (the core's share of 256 continuations) and member_frames.py (the router's batch
+  # the nodes' logs) and its first admission steps' schedule printed (bench/probes/first_admission_steps.py);
+  # promote_cost.py (the claim and admissions on this host's CPU) and this tree's core_admission.py (the core's share of 256 continuations) and member_frames.py (the router's batch
   # members) on each; then router_losses.py on this tree.
   # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=."); PROBES=0: no probes
   local side dir entry
@@ -231,6 +231,7 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
     side=${entry%%=*}; dir=${entry#*=}
     echo "== $side ($dir)"
     (cd "$dir" && PYTHONPATH=/tmp/site:$PWD COMPARE= OUT=$OUT failover_in $side)
+    python3 "$ROOT/bench/probes/first_admission_steps.py" "$OUT/$side/promotion_trace.txt"
     rm -f "$OUT/$side/failover_streams.log"  # (its lines are in the printed output)
     tar czf "$OUT/$side.tgz" -C "$OUT" "$side" && rm -rf "${OUT:?}/$side"
   done
