@@ -223,8 +223,9 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
   # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
   # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
   # the nodes' logs) and its first admission steps' schedule printed (bench/probes/first_admission_steps.py);
-  # promote_cost.py (the claim and admissions on this host's CPU) and this tree's core_admission.py (the core's share of 256 continuations) and member_frames.py (the router's batch
-  # members) on each; then router_losses.py on this tree.
+  # promote_cost.py (the claim and admissions on this host's CPU) and this tree's core_admission.py (the
+  # core's share of 256 continuations) and member_frames.py (the router's batch members) on each; then
+  # router_losses.py on this tree.
   # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=."); PROBES=0: no probes
   local side dir entry
   for entry in ${TREES:-base=$BASE this=.}; do
