@@ -7,8 +7,9 @@ no unchanging batch runs).
 
 Also (twenty-first session): a pageable host list's copy to the device against a pinned one
 (engines/device_upload.py `to_device`), and index_select over a KV layer with 1 index, then 17
-(torch has a kernel for up to 16 indices and another for more: a new primary's first step copying
-more than 16 tails took 15-45 ms longer than one copying 16, H100).
+(torch has a kernel for up to 16 indices and another for more: on an H100 the schedule phase of a
+new primary's first step of more than 16 rows, copying their tails, took a median 25.9 ms against
+8.6 ms without tails, bench/RESULTS.md, twenty-first session).
 
 For each op below, in a fresh process: enqueue ~--busy-ms of matrix products, then time the host's
 call of the op (its launch only: nothing waits for the device), the first time and twice again.
