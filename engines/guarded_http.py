@@ -24,6 +24,7 @@ import ipaddress
 import logging
 import os
 import socket
+import struct
 import time
 import weakref
 from collections.abc import Callable
@@ -116,6 +117,15 @@ class ConnectionStats:
                 f"{n} {self.FIELDS[k]} (total {now_counts[k]})" for k, n in new.items()))
 
 
+def _reset(transport: asyncio.BaseTransport) -> None:
+    """Close with an RST (SO_LINGER 0), whether or not the client's bytes arrived: a plain close of a
+    connection with nothing unread sends a FIN, which a client reads as an empty answer."""
+    tsock = transport.get_extra_info("socket")
+    if tsock is not None:
+        tsock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
 def _bytes_waiting(transport: asyncio.BaseTransport) -> bool:
     """Bytes already wait on a just-accepted connection (a client that sent its request at once)."""
     tsock = transport.get_extra_info("socket")
@@ -177,7 +187,7 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
                 self._refused = True
                 stats.refused += 1
                 stats.note()
-                transport.abort()  # RST: the descriptor is freed now, the client sees a refusal
+                _reset(transport)  # the descriptor is freed now, the client sees a refusal
                 return
             if victim is not None:
                 victim._make_room()  # type: ignore[attr-defined]
