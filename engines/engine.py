@@ -403,7 +403,7 @@ class LLMEngine:
             self.blocks.seal(w.seq)
         self.blocks.publish_completed()  # before this step's outputs go out (engines/block_manager.py)
         if work:
-            self.tails.record(work, *step.rows(), step.pending_rows, step.pending_src,
+            self.tails.record(work, *step.rows(), step.pending_rows, step.pending_src, step.pending_in_order,
                               before.host.numpy() if before is not None else None)
         self._inflight = launch
         self._pending = {s.seq_id: row for row, s in enumerate(launch.seqs)} if launch else {}

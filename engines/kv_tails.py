@@ -55,17 +55,17 @@ class TailPublisher:
         self._recorded: _Recorded | None = None
 
     def record(self, work: list[Scheduled], slots: np.ndarray, tokens: np.ndarray, pending_rows: list[int],
-               pending_src: list[int], sampled_before: np.ndarray | None) -> None:
+               pending_src: list[int], in_order: bool, sampled_before: np.ndarray | None) -> None:
         """The step just launched computed `work` at KV `slots` with input `tokens` (its pending rows'
-        tokens are `sampled_before[pending_src]`, the previous step's, read back since). `work` is
-        not empty."""
+        tokens are `sampled_before[pending_src]`, the previous step's, read back since; `in_order`:
+        both are 0..n-1, `Step.pending_in_order`). `work` is not empty."""
         b = self.blocks
         if b.mode != "writer":
             self._recorded = None
             return
         tokens = tokens.copy()
         n = len(pending_rows)
-        if n == len(tokens) and pending_rows == pending_src == list(range(n)):
+        if in_order and n == len(tokens):
             tokens[:] = sampled_before[:n]  # (a decode step of the same rows as the last: the steady state)
         elif n:
             tokens[pending_rows] = sampled_before[pending_src]

@@ -17,6 +17,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import timedelta
 
 import numpy as np
@@ -102,6 +103,12 @@ class Step:
     seq_lens: list[int]
     pending_rows: list[int] = field(default_factory=list)  # rows whose input token is the previous step's
     pending_src: list[int] = field(default_factory=list)  # sampled token at these rows of its tokens
+
+    @cached_property
+    def pending_in_order(self) -> bool:
+        """Pending row i takes the previous step's sampled token i, for every i: the same sequences in
+        the same order as that step (the steady state). Read once the step is packed."""
+        return self.pending_rows == self.pending_src == list(range(len(self.pending_rows)))
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The KV slot and the input token id of each real row (views of the packed buffer; a
@@ -258,7 +265,7 @@ class ModelRunner:
             self._copy_blocks([PAD_BLOCK] * 2 * n)
             prev = torch.zeros(n, dtype=torch.long, device=self.device)
             rows = list(range(n - 1, -1, -1))
-            self._gather_pending(torch.zeros_like(prev), rows, rows[::-1], prev)
+            self._gather_pending(torch.zeros_like(prev), rows, rows[::-1], prev, in_order=False)
 
     def _graph_step(self, key: tuple[int, int], host: torch.Tensor) -> Step:
         kind, size = key
@@ -437,20 +444,23 @@ class ModelRunner:
         if step.graph:  # the graph reads its inputs from the buffer: no views to build
             if step.pending_rows:
                 at = step.layout.ids
-                self._gather_pending(self._dev[at:at + step.layout.t], step.pending_rows, step.pending_src, prev_tokens)
+                self._gather_pending(self._dev[at:at + step.layout.t], step.pending_rows, step.pending_src, prev_tokens,
+                                     step.pending_in_order)
             graph, (logits, picks) = self.graphs[step.graph]
             graph.replay()
             n = step.num_seqs if step.graph[0] == DECODE else step.num_logits
             return logits[:n], picks[:n]
         ids, pos, meta = self._views(step)
         if step.pending_rows:
-            self._gather_pending(ids, step.pending_rows, step.pending_src, prev_tokens)
+            self._gather_pending(ids, step.pending_rows, step.pending_src, prev_tokens, step.pending_in_order)
         return self._forward(ids, pos, meta)
 
-    def _gather_pending(self, ids: torch.Tensor, rows: list[int], src: list[int], prev_tokens: torch.Tensor) -> None:
-        """ids[rows[i]] = prev_tokens[src[i]] on the device (the rows whose input is a token not read back yet)."""
+    def _gather_pending(self, ids: torch.Tensor, rows: list[int], src: list[int], prev_tokens: torch.Tensor,
+                        in_order: bool) -> None:
+        """ids[rows[i]] = prev_tokens[src[i]] on the device (the rows whose input is a token not read back
+        yet); `in_order`: rows and src are both 0..n-1 (`Step.pending_in_order`)."""
         n = len(rows)
-        if rows == list(range(n)) and src == list(range(n)):
+        if in_order:
             ids[:n].copy_(prev_tokens[:n])  # steady state: the same sequences, in the same order
             return
         idx = to_device(rows + src, self.device)

@@ -44,7 +44,7 @@ def step(bm: BlockManager, tails: TailPublisher, rows: list[tuple[Sequence, int,
     ids = np.array([t for s, start, n in rows for t in s.token_ids(start, start + n)])
     for w in work:
         bm.seal(w.seq)
-    tails.record(work, slots, ids, [], [], None)
+    tails.record(work, slots, ids, [], [], True, None)
     if publish:
         tails.publish()
 

@@ -71,7 +71,7 @@ def run(rows: int, steps: int, tokenizer: Tokenizer, rng: random.Random) -> tupl
         for w in work:
             bm.seal(w.seq)
         t2 = time.perf_counter()
-        tails.record(work, slots, ids, list(range(len(work))), list(range(len(work))), sampled)
+        tails.record(work, slots, ids, list(range(len(work))), list(range(len(work))), True, sampled)
         t3 = time.perf_counter()
         seal_us.append((t2 - t1) * 1e6)
         tails_us.append((t1 - t0 + t3 - t2) * 1e6)
