@@ -14,7 +14,8 @@ block came before it in the sequence (`prev`), and the token ids hold them. A co
 them (copied to a block of its own: the dead writer's last kernels may still be writing the positions
 after `fill`) and recomputes one token instead of the rest of its last block (engines/kv_tails.py).
 A SEALED block that began as a tail keeps its parent and token ids: a tail's `prev` names it, for a
-continuation whose client had not got all of it when the writer died.
+continuation whose client had not got all of it when the writer died; so does the block allocated after
+it (`prev` is written at allocation), until a completed step names that block's own tail.
 
 States: FREE (nobody writes it), OWNED (a writer allocated it and may be writing it: it holds no
 usable data), SEALED (its keys and values are complete and keyed; nobody writes it until a writer
@@ -310,7 +311,9 @@ class BlockIndex:
         start, e = layout.shared_start, self.entries[layout.shared_start:layout.num_blocks]
         fill, parent = e["fill"], e["parent_lo"]
         t = (state != SEALED) & (fill > 0) & (fill <= layout.block_size) & (parent != 0)
-        prev = e["prev"][t].astype(np.int64) - start  # (the blocks before them, as positions in `e`)
+        # the blocks before the tails, and before blocks allocated but not yet written by a completed
+        # step (their sequence's last block was sealed just before the writer died), as positions in `e`
+        prev = e["prev"][t | ((state == OWNED) & (fill == 0))].astype(np.int64) - start
         prev = np.unique(prev[(prev >= 0) & (prev < len(e))])
         whole = prev[(state[prev] == SEALED) & (parent[prev] != 0)]
         at = np.concatenate([np.flatnonzero(t), whole])
@@ -324,14 +327,15 @@ class BlockIndex:
                               f"this engine (epoch {self.epoch}, pid {self._pid}) may no longer write it")
 
     # ---- writes (the writer only) ----------------------------------------------------------
-    def owned(self, block: int, gen: int) -> None:
-        """`block` is allocated (generation `gen`): from now on it may be written."""
+    def owned(self, block: int, gen: int, prev: int = 0) -> None:
+        """`block` is allocated (generation `gen`), after `prev` in its sequence (0: first): from now on
+        it may be written."""
         self._check()
         f = self._f
         f["fill"][block] = 0  # the tail its last user left is no longer there
         f["word"][block] = OWNED  # first of the rest: a SEALED block stops being one before anything else changes
         f["gen"][block], f["epoch"][block] = gen, self.epoch
-        f["parent_lo"][block] = 0
+        f["parent_lo"][block], f["prev"][block] = 0, prev
 
     def tail_copied(self, block: int, parent_lo: int, parent_hi: int, prev: int, tokens: list[int]) -> None:
         """`block` takes another block's tail (copied on the device): its parent key, the block before

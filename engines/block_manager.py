@@ -298,7 +298,7 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Allocate blocks so the sequence holds `num_tokens` positions (check `can_grow` first)."""
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
-            seq.block_table.append(self._take())
+            seq.block_table.append(self._take(seq.block_table[-1] if seq.block_table else 0))
 
     def seal(self, seq: Sequence) -> None:
         """Key the blocks that are full now that their tokens are known (call after the step that
@@ -356,7 +356,8 @@ class BlockManager:
             self.evictable.pop(block, None)
         self.refs[block] += 1
 
-    def _take(self) -> int:
+    def _take(self, prev: int = 0) -> int:
+        """A block for a sequence whose last block is `prev` (0: none)."""
         if self.mode == "parked":
             block = self._scratch_free.pop()
         else:
@@ -370,6 +371,6 @@ class BlockManager:
                 self.key_lo[block] = self.key_hi[block] = 0
             self.gens[block] += 1
             if self.index is not None:  # before the step that writes it is launched
-                self.index.owned(block, self.gens[block])
+                self.index.owned(block, self.gens[block], prev)
         self.refs[block] = 1
         return block

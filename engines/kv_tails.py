@@ -10,7 +10,8 @@ dead writer's last kernels may still be writing the positions after the complete
 recomputes one token: the last one the client has, whose logits draw the next.
 
 A tail also names the block before it: once SEALED, that block is taken whole by a continuation whose
-client had not got all of it when the writer died.
+client had not got all of it when the writer died. So does a block allocated but not yet written by a
+completed step (its entry's `prev`, written at allocation): the writer may die in the step after a seal.
 
 Only what completed is named: the positions a step computed are published once its sampled tokens
 were read back (in the next step: it has completed on the device by then), before those tokens go

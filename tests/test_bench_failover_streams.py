@@ -38,11 +38,12 @@ def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_ap
                stream(30.0, [30.5, 30.6]),  # far from the kill: its longest gap is an "other" stream's
                stream(31.0, [], error="HTTP 503: no primary")]
     report = ProcessReport(start=19.0, end=32.0, cpu_s=1.3, gaps=[Gaps.of(r, kills) for r in results])
-    out = summarize(args, True, [report], kills, [0.012], [1.5], [0, 3])
+    out = summarize(args, True, [report], kills, [0.012], [1.5], [1, 3, 1])
     assert out["streams_in_flight_per_kill"] == {"min": 2, "max": 2}
     assert out["gap_across_kill_ms"] == bench_summary([700.0, 200.0], 2)
     assert out["longest_gap_other_streams_ms"]["n"] == 1 and out["longest_gap_other_streams_ms"]["max"] == 500.0
     assert out["failover_seconds_ms"]["p50"] == 12.0 and out["recomputed_tokens_per_continuation"]["max"] == 3
+    assert out["continuations_recomputing_more_than_one"] == 1
     assert out["requests"] == 4 and out["failed"] == 1 and out["failures"][0]["error"] == "HTTP 503: no primary"
     assert out["client_cpu_share_max"] == 0.1 and out["client_procs"] == 1
     # the longest waits, placed: 0.7 s after 2 token events, begun 50 ms after the kill; then 0.5 s,

@@ -256,3 +256,32 @@ def test_a_continuation_whose_client_lagged_behind_a_sealed_block_takes_that_blo
     c = continuation(tok, PROMPT + [7, 8, 9, 5, 6], replayed=5)  # positions 12-13 of block 3 needed
     new.match_prefix(c)
     assert reports == [(14, 1)] and new.copies == [(s.block_table[3], c.block_table[3])]
+
+
+def test_a_block_sealed_just_before_the_writer_died_is_found_through_the_block_after_it(pool: KVPool,
+                                                                                        tok: Tokenizer) -> None:
+    """The writer sealed block 3 and launched the step writing position 16 (block 4 allocated), then
+    died before that step completed: block 4 names no tail yet, but its entry names block 3 (`prev`,
+    written at allocation), so a client that had got two of block 3's tokens still takes it whole."""
+    bm, _ = writer(pool)
+    tails = TailPublisher(bm)
+    s = seq_of(tok, list(PROMPT))
+    stream(bm, tails, s, [7, 8, 9, 5, 6, 1])  # positions 0-15: block 3 full and sealed
+    s.output_ids.append(2)
+    step(bm, tails, [(s, 16, 1)], publish=False)  # block 4 allocated, its step never completed
+    assert s.keyed == 4 and len(s.block_table) == 5
+    new, _, reports = successor(pool)
+    c = continuation(tok, PROMPT + [7, 8, 9, 5, 6], replayed=5)  # positions 12-13 of block 3 needed
+    new.match_prefix(c)
+    assert reports == [(14, 1)] and new.copies == [(s.block_table[3], c.block_table[3])]
+
+
+def test_a_first_block_allocated_names_no_block_before_it(pool: KVPool, tok: Tokenizer) -> None:
+    """A sequence's first block has no block before it: its entry's `prev` is 0, whatever the block's
+    last user left there, so a claim takes no sealed block through it."""
+    bm, index = writer(pool)
+    block = bm.free[-1]
+    index.entries[block]["prev"] = pool.layout.shared_start + 1  # (left by an earlier life)
+    s = seq_of(tok, list(PROMPT))
+    bm.grow(s, 1)
+    assert s.block_table == [block] and int(index.entries[block]["prev"]) == 0

@@ -233,6 +233,7 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessRe
         "longest_gap_other_streams_ms": ms(calm),
         "failover_seconds_ms": ms(failover_s), "standby_back_s": bench_summary(recovery_s),
         "recomputed_tokens_per_continuation": bench_summary(recomputed, 1),
+        "continuations_recomputing_more_than_one": sum(n > 1 for n in recomputed),  # (no tail taken)
         "requests": len(gaps), "failed": len(failed), "failures": failed[:5],
         "longest_waits": longest_waits(gaps, kills),
         "client_cpu_share_max": round(max(r.cpu_s / (r.end - r.start) for r in reports), 3),
@@ -271,7 +272,7 @@ def run_streams(args: argparse.Namespace) -> int:
                   f"{g.get('p50')} ms, {tail_text(g)}; the same at quiet moments median {q.get('p50')} ms, "
                   f"{tail_text(q)}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
                   f"failover_seconds median {f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max "
-                  f"{rc.get('max')} (n={rc.get('n', 0)}); standby back median {r['standby_back_s'].get('p50')} s, "
+                  f"{rc.get('max')} (n={rc.get('n', 0)}, {r['continuations_recomputing_more_than_one']} over 1); standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
                   f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}, "
                   f"its collections by generation (count / over 10 ms): " + ", ".join(
