@@ -197,6 +197,8 @@ class ModelRunner:
         self._tables_written: list[list[tuple[list[int], int]]] = [[], []]  # per buffer, see _write_tables
         self._arange = np.arange(self.max_rows + 1)
         self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
+        layer = self.model.kv_cache[0]  # [2, blocks, block_size, heads, dim]
+        self._copy_buffer = torch.empty(layer[:, :max_num_seqs].numel(), dtype=layer.dtype, device=self.device)
         if self.device.type == "cuda":
             self._warm_index_kernels()
         reason = ("deterministic" if self.deterministic else "fused_kernels is false") if not self.fused_kernels \
@@ -255,12 +257,9 @@ class ModelRunner:
 
     def _warm_index_kernels(self) -> None:
         """Copy padding blocks and gather tokens once with one index and once with max_num_seqs (the
-        most a step uploads): index_select has one CUDA kernel for up to 16 indices and another for
-        more, CUDA loads a kernel on its first call, and the largest copy's temporary (one layer's
-        blocks: 8 MiB for 256 of the 1b preset's) leaves torch's allocator a segment to reuse.
-        Without the large one, the schedule phase of a new primary's first step of more than 16 rows (copying
-        their tails) took a median 25.9 ms, against 8.6 ms without tails (H100, bench/RESULTS.md,
-        twenty-first session). No block or token changes."""
+        most a step uploads): CUDA loads a kernel on its first call (index_select's took 63.5 ms behind
+        queued work on an H100, bench/probes/first_kernel.py), and index_select has one kernel for up
+        to 16 indices and another for more. No block or token changes."""
         for n in sorted({1, self.max_seqs}):
             self._copy_blocks([PAD_BLOCK] * 2 * n)
             prev = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -376,10 +375,18 @@ class ModelRunner:
         self._copy_blocks(ids)
 
     def _copy_blocks(self, ids: list[int]) -> None:
-        """ids: the sources, then the destinations."""
+        """ids: the sources, then the destinations. One layer's copy at a time, through a buffer kept
+        for it (up to max_num_seqs blocks at once): the copy asks torch's allocator for nothing. A
+        temporary for it grew the allocator by a 20 MiB segment in a new primary's first large step,
+        and those steps' schedule phase stalled (H100, bench/RESULTS.md, twenty-second session)."""
         n, dev = len(ids) // 2, to_device(ids, self.device)
-        for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]: one layer's copy at a time
-            layer.index_copy_(1, dev[n:], layer.index_select(1, dev[:n]))
+        room = self.max_seqs
+        for start in range(0, n, room):
+            src, dst = dev[start:min(n, start + room)], dev[n + start:n + min(n, start + room)]
+            for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]
+                out = self._copy_buffer[:layer[:, :len(src)].numel()].view(layer.shape[0], len(src), *layer.shape[2:])
+                torch.index_select(layer, 1, src, out=out)
+                layer.index_copy_(1, dst, out)
 
     def shutdown(self) -> None:
         """Tell the workers to leave their loop (rank 0)."""

@@ -152,3 +152,28 @@ def test_engine_in_client_mode_serves_from_the_daemons_read_only_cuda_arena_thro
         daemon.terminate()
         daemon.wait(30)
 
+
+
+def test_block_copies_on_cuda_ask_torchs_allocator_for_nothing(tiny_model) -> None:
+    """A failover's tail copies (up to max_num_seqs blocks a step, engines/kv_tails.py) go through the
+    runner's kept buffer: torch's allocator holds no more device memory after them. (A temporary for
+    the copy grew it by a 20 MiB segment in a new primary's first large step, whose schedule phase
+    stalled: bench/RESULTS.md, twenty-second session.)"""
+    from daemon.loader import load_checkpoint_into
+    from engines.models import build_model, read_model_args
+    from engines.runner import ModelRunner
+    model = build_model(read_model_args(tiny_model), device="meta")
+    model.to_empty(device="cuda")
+    load_checkpoint_into(model, tiny_model)
+    runner = ModelRunner(model, torch.device("cuda"))
+    runner.allocate_kv_cache(1 << 26, 16, 128, 64, 256)
+    kv = runner.model.kv_cache
+    for layer in kv:
+        layer.copy_(torch.randn_like(layer))
+    old = kv[0][:, 1:64].clone()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    runner.copy_blocks([(i, 64 + i) for i in range(1, 64)])
+    torch.cuda.synchronize()
+    assert torch.equal(kv[0][:, 65:128], old)
+    assert torch.cuda.memory_reserved() - before <= 0
