@@ -384,7 +384,8 @@ class ModelRunner:
         for start in range(0, n, room):
             src, dst = dev[start:min(n, start + room)], dev[n + start:n + min(n, start + room)]
             for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]
-                out = self._copy_buffer[:layer[:, :len(src)].numel()].view(layer.shape[0], len(src), *layer.shape[2:])
+                shape = (layer.shape[0], len(src), *layer.shape[2:])
+                out = self._copy_buffer[:layer[:, :len(src)].numel()].view(shape)
                 torch.index_select(layer, 1, src, out=out)
                 layer.index_copy_(1, dst, out)
 

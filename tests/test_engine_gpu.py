@@ -153,7 +153,6 @@ def test_engine_in_client_mode_serves_from_the_daemons_read_only_cuda_arena_thro
         daemon.wait(30)
 
 
-
 def test_block_copies_on_cuda_ask_torchs_allocator_for_nothing(tiny_model) -> None:
     """A failover's tail copies (up to max_num_seqs blocks a step, engines/kv_tails.py) go through the
     runner's kept buffer: torch's allocator holds no more device memory after them. (A temporary for

@@ -272,7 +272,8 @@ def run_streams(args: argparse.Namespace) -> int:
                   f"{g.get('p50')} ms, {tail_text(g)}; the same at quiet moments median {q.get('p50')} ms, "
                   f"{tail_text(q)}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
                   f"failover_seconds median {f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max "
-                  f"{rc.get('max')} (n={rc.get('n', 0)}, {r['continuations_recomputing_more_than_one']} over 1); standby back median {r['standby_back_s'].get('p50')} s, "
+                  f"{rc.get('max')} (n={rc.get('n', 0)}, {r['continuations_recomputing_more_than_one']} over 1); "
+                  f"standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
                   f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}, "
                   f"its collections by generation (count / over 10 ms): " + ", ".join(
