@@ -337,25 +337,25 @@ class BlockIndex:
         f["gen"][block], f["epoch"][block] = gen, self.epoch
         f["parent_lo"][block], f["prev"][block] = 0, prev
 
-    def tail_copied(self, block: int, parent_lo: int, parent_hi: int, prev: int, tokens: list[int]) -> None:
-        """`block` takes another block's tail (copied on the device): its parent key, the block before
-        it, and the token ids of its first positions (named complete only once a step after the copy
-        has: its fill)."""
+    def tail_copied(self, block: int, parent_lo: int, parent_hi: int, tokens: list[int]) -> None:
+        """`block` takes another block's tail (copied on the device): its parent key and the token ids
+        of its first positions (named complete only once a step after the copy has: its fill)."""
         self._check()
         f = self._f
-        f["parent_lo"][block], f["parent_hi"][block], f["prev"][block] = parent_lo, parent_hi, prev
+        f["parent_lo"][block], f["parent_hi"][block] = parent_lo, parent_hi
         self.tokens[block, :len(tokens)] = tokens
 
-    def tails_completed(self, slots: np.ndarray, tokens: np.ndarray, began: list[tuple[int, int, int, int]],
+    def tails_completed(self, slots: np.ndarray, tokens: np.ndarray, began: list[tuple[int, int, int]],
                         blocks: list[int], fills: np.ndarray) -> None:
-        """Tails whose positions completed: the token ids at those KV `slots`, then the parent key and
-        the block before of each tail that `began` (block, lo, hi, prev), then each tail's `fill`: a
-        fill never covers a position whose token or parent is not written yet."""
+        """Tails whose positions completed: the token ids at those KV `slots`, then the parent key of
+        each tail that `began` (block, lo, hi), then each tail's `fill`: a fill never covers a position
+        whose token or parent is not written yet. (The block before a tail, `prev`, was written when
+        the block was allocated: `owned`.)"""
         self._check()
         f = self._f
         self._token_at[slots] = tokens
-        for block, lo, hi, prev in began:
-            f["parent_lo"][block], f["parent_hi"][block], f["prev"][block] = lo, hi, prev
+        for block, lo, hi in began:
+            f["parent_lo"][block], f["parent_hi"][block] = lo, hi
         f["fill"][blocks] = fills
 
     def sealed(self, block: int, gen: int, key_lo: int, key_hi: int, stamp: int) -> None:

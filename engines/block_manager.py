@@ -228,9 +228,9 @@ class BlockManager:
         if source is None:
             return 0
         ids = ids[:need]
-        block = self._take()
+        block = self._take(seq)
         # (its tail goes on: the next failover finds it too)
-        self.index.tail_copied(block, *parent, seq.block_table[-1] if n else 0, ids)
+        self.index.tail_copied(block, *parent, ids)
         self.copies.append((source, block))
         seq.block_table.append(block)
         return need
@@ -298,7 +298,7 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Allocate blocks so the sequence holds `num_tokens` positions (check `can_grow` first)."""
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
-            seq.block_table.append(self._take(seq.block_table[-1] if seq.block_table else 0))
+            seq.block_table.append(self._take(seq))
 
     def seal(self, seq: Sequence) -> None:
         """Key the blocks that are full now that their tokens are known (call after the step that
@@ -356,8 +356,8 @@ class BlockManager:
             self.evictable.pop(block, None)
         self.refs[block] += 1
 
-    def _take(self, prev: int = 0) -> int:
-        """A block for a sequence whose last block is `prev` (0: none)."""
+    def _take(self, seq: Sequence) -> int:
+        """A block to append to `seq`'s blocks (its entry names the block before it: `prev`)."""
         if self.mode == "parked":
             block = self._scratch_free.pop()
         else:
@@ -371,6 +371,6 @@ class BlockManager:
                 self.key_lo[block] = self.key_hi[block] = 0
             self.gens[block] += 1
             if self.index is not None:  # before the step that writes it is launched
-                self.index.owned(block, self.gens[block], prev)
+                self.index.owned(block, self.gens[block], seq.block_table[-1] if seq.block_table else 0)
         self.refs[block] = 1
         return block

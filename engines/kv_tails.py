@@ -43,7 +43,7 @@ class _Recorded:
     blocks: list[int]  # each row's last block (its tail)
     fills: np.ndarray  # that block's positions complete once the step is
     gens: list[int]  # the blocks' generations when the step was launched
-    began: list[tuple[int, int, int, int, int]]  # (row, block, parent lo, parent hi, block before): tails begun
+    began: list[tuple[int, int, int, int]]  # (row, block, parent lo, parent hi): tails begun
 
 
 class TailPublisher:
@@ -82,7 +82,7 @@ class TailPublisher:
             seq, j = work[row].seq, (work[row].start + work[row].num_new - 1) // bs
             parent = b.key_before(seq, j)
             if parent is not None:
-                began.append((row, int(blocks[row]), *parent, seq.block_table[j - 1] if j else 0))
+                began.append((row, int(blocks[row]), *parent))
         blocks = blocks.tolist()
         gens = b.gens
         self._recorded = _Recorded(slots.copy(), tokens, q_lens, blocks, fills, [gens[x] for x in blocks], began)

@@ -57,7 +57,7 @@ def fill(index: BlockIndex, lay: KVLayout, streams: list[list[int]], rng: random
             block, n = blocks.pop(), len(ids) % bs
             index.owned(block, 1)
             index.tails_completed(np.arange(block * bs, block * bs + n), np.array(ids[-n:]),
-                                  [(block, *halves(prev or ROOT), 0)], [block], np.array([n]))
+                                  [(block, *halves(prev or ROOT))], [block], np.array([n]))
     keys += [(rng.getrandbits(63) | 1, rng.getrandbits(64)) for _ in range(len(blocks) - len(keys) - twice)]
     keys += rng.sample(keys, twice)
     stamps = list(range(1, len(blocks) + 1))
