@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -380,12 +381,12 @@ class ModelRunner:
         temporary for it grew the allocator by a 20 MiB segment in a new primary's first large step,
         and those steps' schedule phase stalled (H100, bench/RESULTS.md, twenty-second session)."""
         n, dev = len(ids) // 2, to_device(ids, self.device)
-        room = self.max_seqs
-        for start in range(0, n, room):
-            src, dst = dev[start:min(n, start + room)], dev[n + start:n + min(n, start + room)]
+        sources, destinations = dev[:n], dev[n:]
+        for at in range(0, n, self.max_seqs):
+            src, dst = sources[at:at + self.max_seqs], destinations[at:at + self.max_seqs]
             for layer in self.model.kv_cache:  # [2, blocks, block_size, heads, dim]
                 shape = (layer.shape[0], len(src), *layer.shape[2:])
-                out = self._copy_buffer[:layer[:, :len(src)].numel()].view(shape)
+                out = self._copy_buffer[:math.prod(shape)].view(shape)
                 torch.index_select(layer, 1, src, out=out)
                 layer.index_copy_(1, dst, out)
 
