@@ -13,8 +13,11 @@ import httpx
 import pytest
 import torch
 
+from daemon.loader import load_checkpoint_into
 from harness.bench.decode import fused_as_accurate, fused_logit_error, graphs_match_eager
 from engines.config import EngineConfig
+from engines.models import build_model, read_model_args
+from engines.runner import ModelRunner
 from harness.engine_process import EngineProcess, wait_for_ready_line
 from engines.spawn_client import SpawnClient
 
@@ -158,9 +161,6 @@ def test_block_copies_on_cuda_ask_torchs_allocator_for_nothing(tiny_model) -> No
     runner's kept buffer: torch's allocator holds no more device memory after them. (A temporary for
     the copy grew it by a 20 MiB segment in a new primary's first large step, whose schedule phase
     stalled: bench/RESULTS.md, twenty-second session.)"""
-    from daemon.loader import load_checkpoint_into
-    from engines.models import build_model, read_model_args
-    from engines.runner import ModelRunner
     model = build_model(read_model_args(tiny_model), device="meta")
     model.to_empty(device="cuda")
     load_checkpoint_into(model, tiny_model)
