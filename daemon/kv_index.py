@@ -346,7 +346,7 @@ class BlockIndex:
         self.tokens[block, :len(tokens)] = tokens
 
     def tails_completed(self, slots: np.ndarray, tokens: np.ndarray, began: list[tuple[int, int, int]],
-                        blocks: list[int], fills: np.ndarray) -> None:
+                        blocks: np.ndarray, fills: np.ndarray) -> None:
         """Tails whose positions completed: the token ids at those KV `slots`, then the parent key of
         each tail that `began` (block, lo, hi), then each tail's `fill`: a fill never covers a position
         whose token or parent is not written yet. (The block before a tail, `prev`, was written when

@@ -24,7 +24,7 @@ Block 0 is never handed out: CUDA-graph padding rows write their keys and values
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from .kv_adopted import AdoptedCache
 from .kv_publish import Publisher
 from .kv_tails import AdoptedTails
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 PAD_BLOCK = 0
 Mode = Literal["own", "parked", "writer"]
@@ -341,14 +344,16 @@ class BlockManager:
         seq.num_computed = seq.num_cached = 0
 
     # ---- steps (the writer's index) --------------------------------------------------------
-    def launched(self) -> None:
-        """A step was launched: seals and frees asked for from now on wait for it."""
+    def launched(self, done: torch.cuda.Event | None = None) -> None:
+        """A step was launched (`done`: an event recorded after it): seals and frees asked for from
+        now on wait for it."""
         if self.publisher is not None:
-            self.publisher.launched()
+            self.publisher.launched(done)
 
-    def publish_completed(self) -> None:
+    def publish_completed(self, waited: torch.cuda.Event | None = None) -> None:
+        """Publish what completed steps sealed and freed (`waited`: the event of a step waited for)."""
         if self.publisher is not None:
-            self.publisher.publish_completed()
+            self.publisher.publish_completed(waited)
 
     # ---- blocks ----------------------------------------------------------------------------
     def _ref(self, block: int) -> None:

@@ -46,6 +46,8 @@ class EngineConfig(BaseModel):
     shared_kv: bool = Field(default=False, description="run on the ranks' shared KV pools (their daemons'), "
                             "parked until promoted; else (or if a pool is missing) allocate kv_cache_bytes")
     kv_slot: int = Field(default=0, ge=0, description="this engine's scratch slot in the shared pools")
+    kv_tails: bool = Field(default=False, description="as the shared pools' writer, name every sequence's "
+                           "last partial block in the index each step (engines/kv_tails.py)")
     cuda_graphs: bool = True
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     deterministic: bool = Field(default=False, description="batch-invariant ops: a request's text does not depend "

@@ -60,7 +60,7 @@ class LLMEngine:
         self._continued_now: list[list[int]] = []  # this step's continuations: [reused, recomputed] each
         self.trace = PromotionTrace()  # the first second after a promotion, logged
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
-        self.tails = TailPublisher(self.blocks)
+        self.tails = TailPublisher(self.blocks) if pool is not None and pool.tails else None
         self.sampler = Sampler()
         self.control = control
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -296,7 +296,8 @@ class LLMEngine:
         if self.pool is None or self.blocks.mode != "writer":
             return {"handed_off": 0}
         self._read_back()
-        self.tails.publish()
+        if self.tails is not None:
+            self.tails.publish()
         seqs = self.scheduler.take_all()
         for seq in seqs:
             if seq.finish_reason is None:
@@ -385,9 +386,9 @@ class LLMEngine:
             step = self.runner.prepare(work, self._pending)
             mark()
             logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
-            self.blocks.launched()
             mark()
             launch = self._sample([w for w in work if w.samples], logits, picks)
+            self.blocks.launched(launch.ready)  # (recorded after the step's kernels and its tokens' copy)
         else:
             mark()
             mark()
@@ -398,11 +399,13 @@ class LLMEngine:
         before = self._inflight
         self._read_back()
         mark()
-        self.tails.publish()  # the step before this one has completed: its tokens were just read back
+        if self.tails is not None:  # the step before this one has completed: its tokens were just read back
+            self.tails.publish()
         for w in work:  # their input tokens are all known now: key the blocks they filled
             self.blocks.seal(w.seq)
-        self.blocks.publish_completed()  # before this step's outputs go out (engines/block_manager.py)
-        if work:
+        # before this step's outputs go out (engines/block_manager.py); the read back waited for `before`
+        self.blocks.publish_completed(before.ready if before is not None else None)
+        if work and self.tails is not None:
             self.tails.record(work, *step.rows(), step.pending_rows, step.pending_src, step.pending_in_order,
                               before.host.numpy() if before is not None else None)
         self._inflight = launch

@@ -1,9 +1,11 @@
 """Index writes that wait for the device: a block is SEALED in the shared pool's index only once the
 step that filled it has completed, and FREE only once no step in flight can still write it.
 
-Each launched step records a CUDA event; a seal or free asked for meanwhile waits behind the latest
-one, and is applied when that event has completed, if the block has not been allocated again since
-(its generation is unchanged). On cpu a step has completed when `run` returns: nothing waits."""
+Each launched step names a CUDA event recorded after its kernels (the one its sampled tokens' copy
+records: no event of our own); a seal or free asked for meanwhile waits behind the latest one, and is
+applied once that step has completed, if the block has not been allocated again since (its generation
+is unchanged). The engine says which step it has waited for; only without one is an event queried.
+On cpu a step has completed when `run` returns: nothing waits."""
 from __future__ import annotations
 
 from collections import deque
@@ -21,12 +23,14 @@ class Publisher:
         self.cuda = device.type == "cuda"
         self._pending: deque[tuple[torch.cuda.Event, list[tuple]]] = deque()
 
-    def launched(self) -> None:
-        """A step's kernels were just enqueued: what is asked from now on waits for them."""
+    def launched(self, done: torch.cuda.Event | None = None) -> None:
+        """A step's kernels were just enqueued, `done` recorded after them (None: record one here):
+        what is asked from now on waits for them."""
         if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._pending.append((event, []))
+            if done is None:
+                done = torch.cuda.Event()
+                done.record()
+            self._pending.append((done, []))
 
     def seal(self, block: int, gen: int, key_lo: int, key_hi: int, stamp: int) -> None:
         self._defer(("seal", block, gen, key_lo, key_hi, stamp))
@@ -34,8 +38,15 @@ class Publisher:
     def free(self, block: int, gen: int, keep_tail: bool = False) -> None:
         self._defer(("free", block, gen, keep_tail))
 
-    def publish_completed(self) -> None:
-        """Apply the writes of every step that has completed (oldest first)."""
+    def publish_completed(self, waited: torch.cuda.Event | None = None) -> None:
+        """Apply the writes of every step that has completed (oldest first): through the step whose
+        event the caller has `waited` for, else those whose events a query finds completed."""
+        if waited is not None and any(event is waited for event, _ in self._pending):
+            while self._pending:
+                event, ops = self._pending.popleft()
+                self._apply(ops)
+                if event is waited:
+                    return
         while self._pending and self._pending[0][0].query():
             self._apply(self._pending.popleft()[1])
 

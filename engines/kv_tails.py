@@ -2,12 +2,14 @@
 
 Full blocks are SEALED and keyed; the last, partial block of a running sequence is not, so a stream
 continued after a kill used to recompute it (up to `block_size - 1` tokens of every stream, and a
-prefill step of a few thousand rows at a failover of 256 streams). The writer now also names each
-sequence's tail in the pool's index (daemon/kv_index.py): its token ids, the key it follows (the
-block before it), and how many of its positions are complete. A new writer finds the tails the dead
-one named, and a continuation whose prompt ends with one copies it into a block of its own (the
-dead writer's last kernels may still be writing the positions after the complete ones) and
-recomputes one token: the last one the client has, whose logits draw the next.
+prefill step of a few thousand rows at a failover of 256 streams). With `kv_tails` on (off by
+default: it costs the writer's scheduler thread time every step, about 5% of a small model's chat
+throughput, bench/RESULTS.md 2026-12-05), the writer also names each sequence's tail in the pool's
+index (daemon/kv_index.py): its token ids, the key it follows (the block before it), and how many
+of its positions are complete. A new writer finds the tails the dead one named, and a
+continuation whose prompt ends with one copies it into a block of its own (the dead writer's last
+kernels may still be writing the positions after the complete ones) and recomputes one token: the
+last one the client has, whose logits draw the next.
 
 A tail also names the block before it: once SEALED, that block is taken whole by a continuation whose
 client had not got all of it when the writer died. So does a block allocated but not yet written by a
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daemon.kv_index import Tails
+from daemon.kv_index import TOKEN, Tails
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -38,9 +40,9 @@ class _Recorded:
     """One launched step's rows, to be published once it has completed."""
 
     slots: np.ndarray  # the KV slot of every position it computed
-    tokens: np.ndarray  # their token ids
+    tokens: np.ndarray  # their token ids (as the index keeps them)
     q_lens: np.ndarray | None  # positions per row (None: one each, a decode step)
-    blocks: list[int]  # each row's last block (its tail)
+    blocks: np.ndarray  # each row's last block (its tail)
     fills: np.ndarray  # that block's positions complete once the step is
     gens: list[int]  # the blocks' generations when the step was launched
     began: list[tuple[int, int, int, int]]  # (row, block, parent lo, parent hi): tails begun
@@ -64,28 +66,29 @@ class TailPublisher:
         if b.mode != "writer":
             self._recorded = None
             return
-        tokens = tokens.copy()
         n = len(pending_rows)
-        if in_order and n == len(tokens):
-            tokens[:] = sampled_before[:n]  # (a decode step of the same rows as the last: the steady state)
-        elif n:
-            tokens[pending_rows] = sampled_before[pending_src]
-        bs = b.block_size
+        if in_order and n == len(tokens):  # (a decode step of the same rows as the last: the steady state)
+            tokens = sampled_before[:n].astype(TOKEN)
+        else:
+            tokens = tokens.astype(TOKEN)
+            if n:
+                tokens[pending_rows] = sampled_before[pending_src]
         if len(slots) == len(work):  # one position a row
             q_lens, last = None, slots
         else:
             q_lens = np.fromiter((w.num_new for w in work), np.int64, len(work))
             last = slots[np.cumsum(q_lens) - 1]
-        blocks, fills = last // bs, last % bs + 1
+        blocks, fills = np.divmod(last, b.block_size)
+        fills += 1
         began = []
         for row in np.flatnonzero(fills <= (1 if q_lens is None else q_lens)).tolist():  # its tail's first position
-            seq, j = work[row].seq, (work[row].start + work[row].num_new - 1) // bs
+            seq, j = work[row].seq, (work[row].start + work[row].num_new - 1) // b.block_size
             parent = b.key_before(seq, j)
             if parent is not None:
                 began.append((row, int(blocks[row]), *parent))
-        blocks = blocks.tolist()
         gens = b.gens
-        self._recorded = _Recorded(slots.copy(), tokens, q_lens, blocks, fills, [gens[x] for x in blocks], began)
+        self._recorded = _Recorded(slots.copy(), tokens, q_lens, blocks, fills, [gens[x] for x in blocks.tolist()],
+                                   began)
 
     def publish(self) -> None:
         """The recorded step has completed on the device: name its rows' tails in the index."""
@@ -95,12 +98,11 @@ class TailPublisher:
             return
         gens = b.gens
         slots, tokens, blocks, fills, began = rec.slots, rec.tokens, rec.blocks, rec.fills, rec.began
-        now = [gens[x] for x in blocks]
+        now = [gens[x] for x in blocks.tolist()]
         if now != rec.gens:  # some were allocated again since: another sequence's now
             keep = np.array(now) == np.array(rec.gens)
             at = keep if rec.q_lens is None else np.repeat(keep, rec.q_lens)
-            slots, tokens, fills = slots[at], tokens[at], fills[keep]
-            blocks = [x for x, k in zip(blocks, keep.tolist()) if k]
+            slots, tokens, blocks, fills = slots[at], tokens[at], blocks[keep], fills[keep]
             began = [x for x in began if keep[x[0]]]
         b.index.tails_completed(slots, tokens, [x[1:] for x in began], blocks, fills)
 

@@ -226,7 +226,7 @@ def run_engine(cfg: EngineConfig) -> int:
         if pool:
             heap.keep_freed_memory()  # (before the pool's first read: a promotion then touches no new page)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
-                           cfg.prefix_caching, SharedPool(pool, cfg.kv_slot) if pool else None)
+                           cfg.prefix_caching, SharedPool(pool, cfg.kv_slot, cfg.kv_tails) if pool else None)
         first_use.warm(engine, warm_first_use)
         link = CoreLink(engine, *link_eps)
         gc_pauses.freeze_startup()

@@ -55,6 +55,7 @@ class SharedPool:
 
     mapping: KVPoolMapping
     slot: int
+    tails: bool = False  # as the writer, name the sequences' tails each step (engines/kv_tails.py)
 
     def __post_init__(self) -> None:
         found = self.mapping.index.peek(self.mapping.layout, self.mapping.fingerprint)  # (warms numpy up too)

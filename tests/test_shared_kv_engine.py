@@ -46,9 +46,11 @@ class Node:
             wait_daemon_ready(self.daemons[-1], self.rt, rank, log)
         self.engines: list[EngineProcess] = []
 
-    def engine(self, name: str, slot: int, model=None, incarnation: int = 1) -> EngineProcess:
+    def engine(self, name: str, slot: int, model=None, incarnation: int = 1, kv_tails: bool = True) -> EngineProcess:
+        """An engine on the pools (parked); as the writer it names its tails unless `kv_tails` is off."""
         cfg = EngineConfig(name=name, model_path=str(model or self.model), port=0, runtime_dir=str(self.rt),
                            tp_size=self.tp, weight_cache_mode="client", shared_kv=True, kv_slot=slot, kv_block_size=BS,
+                           kv_tails=kv_tails,
                            kv_cache_bytes=2 << 30,  # what an engine of its own would take: never allocated here
                            control_endpoint=self.control, incarnation=incarnation, heartbeat_interval_s=0.1,
                            max_model_len=1024, max_num_seqs=4, device=self.device,
@@ -222,6 +224,27 @@ def test_a_corrupt_index_is_rejected_and_the_pool_starts_empty(node: Node) -> No
 def _fingerprint(node: Node) -> str:
     from daemon.fingerprint import make_cache_config
     return make_cache_config(str(node.model)).model_dump_json()
+
+
+def test_without_tails_a_continuation_after_a_sigkill_recomputes_its_last_partial_block_and_is_exact(
+        tiny_model, tmp_path) -> None:
+    """kv_tails off (the default): the dead writer named no tail, so a continuation reuses every full
+    block of its prompt and the tokens sent, and recomputes the rest: at most one block's worth."""
+    node = Node(tiny_model, tmp_path)
+    try:
+        a = node.engine("a", 0, kv_tails=False)
+        node.command(a, "promote", "promoted")
+        body = {**LONG, "max_tokens": 900}
+        prompt, ids = stream_then_kill(a, body, 40)
+        b = node.engine("b", 1)
+        assert node.command(b, "promote", "promoted")["tails"] == 0
+        cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
+        report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "b")
+        total = len(prompt) + len(ids)
+        assert report["each"] == [[(total - 1) // BS * BS, total - (total - 1) // BS * BS]]  # full blocks reused
+        assert ids + cont.json()["choices"][0]["token_ids"] == complete(b, body).json()["choices"][0]["token_ids"]
+    finally:
+        node.close()
 
 
 def test_tensor_parallel_engines_share_one_pool_per_rank(tiny_model, tmp_path) -> None:

@@ -269,6 +269,40 @@ def test_writer_mirrors_every_block_in_the_index(pool: KVPool, tok: Tokenizer) -
     assert int(e["word"]) >> 32 == checksum(int(e["key_lo"]), int(e["key_hi"]), int(e["gen"]), int(e["epoch"]))
 
 
+class StepEvent:
+    """Stands in for the CUDA event a launched step names (engines/kv_publish.py): whether the step
+    has completed, and how often the publisher asked."""
+
+    def __init__(self) -> None:
+        self.completed, self.queries = False, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.completed
+
+
+def test_a_seal_waits_for_its_step_and_the_step_waited_for_publishes_with_no_query(pool: KVPool) -> None:
+    """On a GPU a seal is published once its step completed: through the step the engine waited for
+    (and every step before it) without asking the device, else as far as queries find them done."""
+    index = open_index(pool)
+    index.claim(pool.layout, FP)
+    gens = [1] * pool.layout.num_blocks
+    publisher = Publisher(index, gens, torch.device("cuda"))  # (no CUDA call: every step names its event)
+    first, second, third = StepEvent(), StepEvent(), StepEvent()
+    for block, step in ((10, first), (11, second), (12, third)):
+        index.owned(block, 1)
+        publisher.launched(step)
+        publisher.seal(block, 1, block, block, stamp=1)
+    publisher.publish_completed()
+    assert [state(index, b) for b in (10, 11, 12)] == [OWNED] * 3 and first.queries == 1
+    publisher.publish_completed(waited=second)
+    assert [state(index, b) for b in (10, 11, 12)] == [SEALED, SEALED, OWNED]
+    assert (first.queries, second.queries, third.queries) == (1, 0, 0)
+    third.completed = True
+    publisher.publish_completed()
+    assert state(index, 12) == SEALED
+
+
 def test_a_new_writer_continues_from_the_blocks_and_waits_to_reuse_unfinished_ones(pool: KVPool, tok: Tokenizer) -> None:
     old, _ = writer(pool)
     s = computed(old, seq_of(tok, list(range(13))))  # 3 full blocks sealed; the 4th is OWNED when the writer dies

@@ -255,6 +255,13 @@ def test_deterministic_flows_from_the_config_to_every_engine(tmp_path):
     assert child.deterministic is True and child.fused_kernels is True  # the runner turns fused decode off
 
 
+def test_kv_tails_is_off_unless_the_config_turns_it_on_for_every_engine(tmp_path):
+    from supervisor.effects.child_configs import ChildConfigs
+    assert ChildConfigs(load_config(None), tmp_path, "cpu", tmp_path).engine("a", 0, 0).kv_tails is False
+    cfg = parse_config("engines:\n  kv_tails: true\n", "config.yaml")
+    assert ChildConfigs(cfg, tmp_path, "cpu", tmp_path).engine("b", 0, 0).kv_tails is True
+
+
 @pytest.mark.parametrize("key, value, line", [
     ("num_key_value_heads", 0, "num_key_value_heads: expected an integer >= 1, got 0"),
     ("quantization_config", "x", "quantization_config: expected a JSON object, got 'x'"),

@@ -47,7 +47,7 @@ class ChildConfigs:
             incarnation=incarnation, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
             max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
             kv_block_size=e.kv_block_size, prefix_caching=e.prefix_caching, shared_kv=self.cfg.shares_kv(),
-            kv_slot=e.slot_names().index(name), cuda_graphs=e.cuda_graphs,
+            kv_slot=e.slot_names().index(name), kv_tails=e.kv_tails, cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels, deterministic=e.deterministic, heartbeat_interval_s=e.heartbeat_interval_s,
             dist_port=free_port() if m.tp_size > 1 else 0, served_model_name=self.model_name,
             limits=self.cfg.limits.request_limits(),
