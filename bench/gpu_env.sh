@@ -46,13 +46,17 @@ serve_pair() {  # serve_pair A B: `understudy serve` of /tmp/A.yaml (router 8000
 }
 
 load_in_turn() {  # load_in_turn A B [C ...]: bench serve on /tmp/A.yaml, /tmp/B.yaml ... in turn, the order
-  # rotated by one each run (two nodes: ABBA), for each workload:clients of $POINTS, $RUNS times; rows in
-  # $OUT/ab_rows.txt, then the medians per workload and node
+  # rotated by one each run (two nodes: ABBA), for each workload:clients of $POINTS, $RUNS times after a run 0
+  # of each (the prefix cache filled, the kernels loaded: left out of the medians); NUM_REQUESTS sets a run's
+  # requests (bench serve's default, 8 x clients, is ~2 s of chat:32 on a GPU), DURATION caps its seconds;
+  # rows in $OUT/ab_rows.txt, then the medians per workload and node, and the median of the runs' ratios to
+  # the first node's out tok/s (each run's nodes are loaded back to back)
   local B="python3 -m supervisor.cli bench serve --client-procs 8 --no-static --duration ${DURATION:-15}"
+  B="$B ${NUM_REQUESTS:+--num-requests $NUM_REQUESTS}"
   local nodes=("$@")
   for point in $POINTS; do
     local w=${point%:*} c=${point#*:}
-    for i in $(seq "$RUNS"); do
+    for i in $(seq 0 "$RUNS"); do
       local order="${nodes[*]:$((i % $#))} ${nodes[*]:0:$((i % $#))}"
       for n in $order; do
         row=$(timeout 150 $B --workload $w -c /tmp/$n.yaml --concurrency $c 2>>"$OUT/bench.err" | grep -E "^ +$c ")
@@ -62,12 +66,18 @@ load_in_turn() {  # load_in_turn A B [C ...]: bench serve on /tmp/A.yaml, /tmp/B
   done
   python3 - "$OUT/ab_rows.txt" "$@" <<'PY'
 import statistics, sys
-rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11]
-print("workload       clients node    runs  TTFT p50 ms  TTFT p99 ms  out tok/s  ITL p50 ms   (medians of bench serve's rows)")
+rows = [line.split() for line in open(sys.argv[1]) if len(line.split()) >= 11 and line.split()[2] != "0"]
+nodes = sys.argv[2:]
+print("workload       clients node    runs  TTFT p50 ms  TTFT p99 ms  out tok/s  ITL p50 ms  run ratio to "
+      f"{nodes[0]}   (medians of bench serve's rows; run 0 left out)")
 for w, c in dict.fromkeys((x[1], x[3]) for x in rows):  # (a workload at each client count)
-    for node in sys.argv[2:]:
-        r = [x for x in rows if x[0] == node and x[1] == w and x[3] == c]
+    at = {(x[0], x[2]): x for x in rows if x[1] == w and x[3] == c}
+    for node in nodes:
+        r = [x for (n, _), x in at.items() if n == node]
         med = lambda col: statistics.median(float(x[col].rstrip("*")) for x in r)
-        print(f"{w:14} {c:>7} {node:7} {len(r):4}  {med(8):10.2f}  {med(9):11.2f}  {med(6):9.1f}  {med(10):10.2f}")
+        ratios = [float(x[6]) / float(at[(nodes[0], run)][6]) for (n, run), x in at.items()
+                  if n == node and (nodes[0], run) in at]
+        print(f"{w:14} {c:>7} {node:7} {len(r):4}  {med(8):10.2f}  {med(9):11.2f}  {med(6):9.1f}  {med(10):10.2f}  "
+              f"{statistics.median(ratios):12.3f}")
 PY
 }
