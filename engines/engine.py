@@ -28,7 +28,7 @@ from daemon.kv_index import FencedError, PreviousWriterAlive
 
 from .control import ControlChannel
 from .inflight import InFlight
-from .kv_tails import TailPublisher
+from .kv_tails import TailPublisher, name_tails
 from .promotion_trace import PromotionTrace
 from .block_keys import key_root
 from .block_manager import BlockManager
@@ -291,21 +291,23 @@ class LLMEngine:
         return "promoted", {"kv_mode": "writer", **report}
 
     def demote(self) -> dict:
-        """A planned switchover: finish the step in flight, seal what it filled, hand every request
-        off (the router continues it on the new primary), give the writer role up."""
+        """A planned switchover: finish the step in flight, seal what it filled, name every running
+        sequence's tail, hand every request off (the router continues it on the new primary), give the
+        writer role up."""
         if self.pool is None or self.blocks.mode != "writer":
-            return {"handed_off": 0}
+            return {"handed_off": 0, "tails": 0}
         self._read_back()
         if self.tails is not None:
             self.tails.publish()
+        tails = name_tails(self.blocks, self.scheduler.running)  # (every step has completed: all of them)
         seqs = self.scheduler.take_all()
         for seq in seqs:
             if seq.finish_reason is None:
                 seq.hand_off()
         self.pool.demote(self.blocks)
         self._flush()
-        log.info("demoted: handed %d requests off; parked", len(seqs))
-        return {"handed_off": len(seqs)}
+        log.info("demoted: handed %d requests off (%d tails named); parked", len(seqs), tails)
+        return {"handed_off": len(seqs), "tails": tails}
 
     def _continued(self, reused: int, recomputed: int) -> None:
         """A continued request found `reused` of its tokens' KV in the pool and recomputes the rest

@@ -11,6 +11,9 @@ continuation whose prompt ends with one copies it into a block of its own (the d
 kernels may still be writing the positions after the complete ones) and recomputes one token: the
 last one the client has, whose logits draw the next.
 
+A planned handoff names every tail at once (`name_tails`, kv_tails or not): the engine has waited for
+every step it launched, so a continuation on the next primary recomputes one token there too.
+
 A tail also names the block before it: once SEALED, that block is taken whole by a continuation whose
 client had not got all of it when the writer died. So does a block allocated but not yet written by a
 completed step (its entry's `prev`, written at allocation): the writer may die in the step after a seal.
@@ -33,6 +36,7 @@ from daemon.kv_index import TOKEN, Tails
 if TYPE_CHECKING:
     from .block_manager import BlockManager
     from .scheduler import Scheduled
+    from .sequence import Sequence
 
 
 @dataclass
@@ -105,6 +109,32 @@ class TailPublisher:
             slots, tokens, blocks, fills = slots[at], tokens[at], blocks[keep], fills[keep]
             began = [x for x in began if keep[x[0]]]
         b.index.tails_completed(slots, tokens, [x[1:] for x in began], blocks, fills)
+
+
+def name_tails(blocks: BlockManager, seqs: list[Sequence]) -> int:
+    """Name each sequence's tail at once, from what its steps computed (a planned handoff: the engine
+    has waited for every step it launched); with or without `kv_tails`. Returns how many it named."""
+    index, bs = blocks.index, blocks.block_size
+    if index is None:
+        return 0
+    slots: list[int] = []
+    tokens: list[int] = []
+    tails, fills, began = [], [], []
+    for seq in seqs:
+        n = min(seq.num_computed, seq.num_tokens)
+        j, fill = divmod(n, bs)
+        parent = blocks.key_before(seq, j) if fill and j < len(seq.block_table) else None
+        if parent is None:
+            continue
+        block = seq.block_table[j]
+        slots += range(block * bs, block * bs + fill)
+        tokens += seq.token_ids(j * bs, n)
+        tails.append(block)
+        fills.append(fill)
+        began.append((block, *parent))
+    if tails:
+        index.tails_completed(np.array(slots), np.array(tokens, TOKEN), began, np.array(tails), np.array(fills))
+    return len(tails)
 
 
 class AdoptedTails:

@@ -12,7 +12,7 @@ from daemon.kv_index import BlockIndex
 from daemon.kv_pool import KVPool
 from engines.block_keys import block_key
 from engines.block_manager import BlockManager, halves
-from engines.kv_tails import TailPublisher
+from engines.kv_tails import TailPublisher, name_tails
 from engines.scheduler import Scheduled
 from engines.sequence import Sequence
 from engines.tokenizer import Tokenizer
@@ -32,9 +32,11 @@ def tok(tiny_model) -> Tokenizer:
     return Tokenizer(tiny_model)
 
 
-def step(bm: BlockManager, tails: TailPublisher, rows: list[tuple[Sequence, int, int]], publish: bool = True) -> None:
+def step(bm: BlockManager, tails: TailPublisher | None, rows: list[tuple[Sequence, int, int]],
+         publish: bool = True) -> None:
     """One step computing `rows` (sequence, start, positions), as LLMEngine.step runs it: blocks
-    grown, launched, full blocks sealed, the positions recorded; then (`publish`) completed."""
+    grown, launched, full blocks sealed, the positions recorded (`tails`; None: kv_tails off); then
+    (`publish`) completed."""
     work = []
     for s, start, n in rows:
         bm.grow(s, start + n)
@@ -44,12 +46,13 @@ def step(bm: BlockManager, tails: TailPublisher, rows: list[tuple[Sequence, int,
     ids = np.array([t for s, start, n in rows for t in s.token_ids(start, start + n)])
     for w in work:
         bm.seal(w.seq)
-    tails.record(work, slots, ids, [], [], True, None)
-    if publish:
-        tails.publish()
+    if tails is not None:
+        tails.record(work, slots, ids, [], [], True, None)
+        if publish:
+            tails.publish()
 
 
-def stream(bm: BlockManager, tails: TailPublisher, s: Sequence, outputs: list[int]) -> None:
+def stream(bm: BlockManager, tails: TailPublisher | None, s: Sequence, outputs: list[int]) -> None:
     """`s`'s prompt past its cached head in one step, then one decode step per output token."""
     bm.match_prefix(s)
     step(bm, tails, [(s, s.num_computed, len(s.prompt_ids) - s.num_computed)])
@@ -155,6 +158,25 @@ def test_a_handed_off_sequence_keeps_its_tail_for_the_next_writer(pool: KVPool, 
     bm.release(s, handed_off=True)
     bm.publisher.flush()
     assert int(index.entries[tail]["fill"]) == 3  # FREE, its tail still named
+    new, _, reports = successor(pool)
+    c = continuation(tok, PROMPT + [7, 8, 9, 5, 6], replayed=5)
+    new.match_prefix(c)
+    assert reports == [(14, 1)] and new.copies == [(tail, c.block_table[3])]
+
+
+def test_a_handoff_names_every_tail_at_once_without_the_steps_tails(pool: KVPool, tok: Tokenizer) -> None:
+    """kv_tails off: no step named a tail; the handoff names each sequence's (the one with a full last
+    block has none) and a continuation on the next writer recomputes one token."""
+    bm, index = writer(pool)
+    s, whole = seq_of(tok, list(PROMPT)), seq_of(tok, list(range(200, 208)))  # a tail of 3; two full blocks
+    stream(bm, None, s, [7, 8, 9, 5, 6])
+    stream(bm, None, whole, [])
+    assert int(index.entries[s.block_table[3]]["fill"]) == 0
+    assert name_tails(bm, [s, whole, seq_of(tok, [1, 2])]) == 1  # (the last: never computed)
+    tail = s.block_table[3]
+    bm.release(s, handed_off=True)
+    bm.publisher.flush()
+    assert int(index.entries[tail]["fill"]) == 3
     new, _, reports = successor(pool)
     c = continuation(tok, PROMPT + [7, 8, 9, 5, 6], replayed=5)
     new.match_prefix(c)

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+from collections.abc import Callable
 
 import httpx
 import psutil
@@ -140,11 +141,14 @@ def test_promotion_adopts_the_pool_and_the_prefix_cache_outlives_the_engine(node
     assert hits >= len(first["prompt_token_ids"]) // BS * BS  # b never computed this prompt
 
 
-def stream_then_kill(proc: EngineProcess, body: dict, after: int) -> tuple[list[int], list[int]]:
+def stream_then_kill(proc: EngineProcess, body: dict, after: int,
+                     then: Callable[[EngineProcess], object] = kill) -> tuple[list[int], list[int]]:
     """Stream `body` from `proc` and SIGKILL it once `after` tokens came, mid-sequence (its last
-    block being written): the prompt's ids and the tokens the client got."""
+    block being written): the prompt's ids and the tokens the client got. `then`: do that instead
+    of the kill, and read on to the end of the stream."""
     ids: list[int] = []
     prompt: list[int] = []
+    done = False
     with httpx.stream("POST", proc.url + "/v1/completions", json={"model": model_name(proc), **body, "stream": True},
                       timeout=60) as r:
         for line in r.iter_lines():
@@ -152,9 +156,11 @@ def stream_then_kill(proc: EngineProcess, body: dict, after: int) -> tuple[list[
                 c = json.loads(line[6:])["choices"][0]
                 prompt = prompt or c.get("prompt_token_ids") or []
                 ids += c.get("token_ids") or []
-                if len(ids) >= after:
-                    kill(proc)
-                    break
+                if len(ids) >= after and not done:
+                    then(proc)
+                    done = True
+                    if then is kill:
+                        break
     return prompt, ids
 
 
@@ -242,6 +248,26 @@ def test_without_tails_a_continuation_after_a_sigkill_recomputes_its_last_partia
         report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "b")
         total = len(prompt) + len(ids)
         assert report["each"] == [[(total - 1) // BS * BS, total - (total - 1) // BS * BS]]  # full blocks reused
+        assert ids + cont.json()["choices"][0]["token_ids"] == complete(b, body).json()["choices"][0]["token_ids"]
+    finally:
+        node.close()
+
+
+def test_a_planned_handoff_names_every_tail_so_its_continuation_recomputes_one_token(tiny_model, tmp_path) -> None:
+    """kv_tails off: a demotion still names each handed-off stream's tail (every step it launched has
+    completed), so the next writer continues the stream recomputing one token, and exactly."""
+    node = Node(tiny_model, tmp_path)
+    try:
+        a, b = node.engine("a", 0, kv_tails=False), node.engine("b", 1, kv_tails=False)
+        node.command(a, "promote", "promoted")
+        body = {**LONG, "max_tokens": 900}
+        demoted = []
+        prompt, ids = stream_then_kill(a, body, 40, lambda proc: demoted.append(node.command(proc, "demote", "demoted")))
+        assert demoted[0]["handed_off"] == 1 and demoted[0]["tails"] == 1
+        assert node.command(b, "promote", "promoted")["tails"] >= 1
+        cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
+        report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "b")
+        assert report["each"] == [[len(prompt) + len(ids) - 1, 1]]
         assert ids + cont.json()["choices"][0]["token_ids"] == complete(b, body).json()["choices"][0]["token_ids"]
     finally:
         node.close()
