@@ -54,6 +54,7 @@ load_in_turn() {  # load_in_turn A B [C ...]: bench serve on /tmp/A.yaml, /tmp/B
   local B="python3 -m supervisor.cli bench serve --client-procs 8 --no-static --duration ${DURATION:-15}"
   B="$B ${NUM_REQUESTS:+--num-requests $NUM_REQUESTS}"
   local nodes=("$@")
+  : > "$OUT/ab_rows.txt"
   for point in $POINTS; do
     local w=${point%:*} c=${point#*:}
     for i in $(seq 0 "$RUNS"); do
@@ -74,10 +75,14 @@ for w, c in dict.fromkeys((x[1], x[3]) for x in rows):  # (a workload at each cl
     at = {(x[0], x[2]): x for x in rows if x[1] == w and x[3] == c}
     for node in nodes:
         r = [x for (n, _), x in at.items() if n == node]
+        if not r:
+            print(f"{w:14} {c:>7} {node:7}    0  (no run gave a row: bench.err)")
+            continue
         med = lambda col: statistics.median(float(x[col].rstrip("*")) for x in r)
         ratios = [float(x[6]) / float(at[(nodes[0], run)][6]) for (n, run), x in at.items()
                   if n == node and (nodes[0], run) in at]
+        ratio = f"{statistics.median(ratios):12.3f}" if ratios else f"{'-':>12}"
         print(f"{w:14} {c:>7} {node:7} {len(r):4}  {med(8):10.2f}  {med(9):11.2f}  {med(6):9.1f}  {med(10):10.2f}  "
-              f"{statistics.median(ratios):12.3f}")
+              f"{ratio}")
 PY
 }

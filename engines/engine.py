@@ -299,7 +299,8 @@ class LLMEngine:
         self._read_back()
         if self.tails is not None:
             self.tails.publish()
-        tails = name_tails(self.blocks, self.scheduler.running)  # (every step has completed: all of them)
+        # (every step it launched has completed: all of their positions; finished ones are not continued)
+        tails = name_tails(self.blocks, [s for s in self.scheduler.running if s.finish_reason is None])
         seqs = self.scheduler.take_all()
         for seq in seqs:
             if seq.finish_reason is None:
@@ -406,6 +407,7 @@ class LLMEngine:
         for w in work:  # their input tokens are all known now: key the blocks they filled
             self.blocks.seal(w.seq)
         # before this step's outputs go out (engines/block_manager.py); the read back waited for `before`
+        # (under TP it read back before the launch: `before` is None, the publisher queries)
         self.blocks.publish_completed(before.ready if before is not None else None)
         if work and self.tails is not None:
             self.tails.record(work, *step.rows(), step.pending_rows, step.pending_src, step.pending_in_order,

@@ -299,8 +299,8 @@ def test_a_seal_waits_for_its_step_and_the_step_waited_for_publishes_with_no_que
     assert [state(index, b) for b in (10, 11, 12)] == [SEALED, SEALED, OWNED]
     assert (first.queries, second.queries, third.queries) == (1, 0, 0)
     third.completed = True
-    publisher.publish_completed()
-    assert state(index, 12) == SEALED
+    publisher.publish_completed(waited=StepEvent())  # an event it has no writes behind: it queries
+    assert state(index, 12) == SEALED and third.queries == 1
 
 
 def test_a_new_writer_continues_from_the_blocks_and_waits_to_reuse_unfinished_ones(pool: KVPool, tok: Tokenizer) -> None:
