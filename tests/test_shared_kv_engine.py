@@ -164,6 +164,16 @@ def stream_then_kill(proc: EngineProcess, body: dict, after: int,
     return prompt, ids
 
 
+def continued(node: Node, proc: EngineProcess, body: dict, prompt: list[int], ids: list[int]) -> list[list[int]]:
+    """Continue the stream on `proc` from the tokens its client got, check that the text is the
+    uninterrupted answer, and return what `proc` reported of it: [[reused, recomputed]]."""
+    cont = complete(proc, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
+    assert cont.status_code == 200, cont.text
+    report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == proc.cfg.name)
+    assert ids + cont.json()["choices"][0]["token_ids"] == complete(proc, body).json()["choices"][0]["token_ids"]
+    return report["each"]
+
+
 def test_a_continuation_after_a_sigkill_mid_step_is_exact_and_recomputes_one_token(node: Node) -> None:
     b = node.engines[-1]
     # 900 tokens, killed at 40: still generating then, however far the client lags (at 300 a loaded
@@ -244,11 +254,8 @@ def test_without_tails_a_continuation_after_a_sigkill_recomputes_its_last_partia
         prompt, ids = stream_then_kill(a, body, 40)
         b = node.engine("b", 1)
         assert node.command(b, "promote", "promoted")["tails"] == 0
-        cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
-        report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "b")
-        total = len(prompt) + len(ids)
-        assert report["each"] == [[(total - 1) // BS * BS, total - (total - 1) // BS * BS]]  # full blocks reused
-        assert ids + cont.json()["choices"][0]["token_ids"] == complete(b, body).json()["choices"][0]["token_ids"]
+        reused = (len(prompt) + len(ids) - 1) // BS * BS  # every full block
+        assert continued(node, b, body, prompt, ids) == [[reused, len(prompt) + len(ids) - reused]]
     finally:
         node.close()
 
@@ -265,10 +272,7 @@ def test_a_planned_handoff_names_every_tail_so_its_continuation_recomputes_one_t
         prompt, ids = stream_then_kill(a, body, 40, lambda proc: demoted.append(node.command(proc, "demote", "demoted")))
         assert demoted[0]["handed_off"] == 1 and demoted[0]["tails"] == 1
         assert node.command(b, "promote", "promoted")["tails"] >= 1
-        cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
-        report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "b")
-        assert report["each"] == [[len(prompt) + len(ids) - 1, 1]]
-        assert ids + cont.json()["choices"][0]["token_ids"] == complete(b, body).json()["choices"][0]["token_ids"]
+        assert continued(node, b, body, prompt, ids) == [[len(prompt) + len(ids) - 1, 1]]
     finally:
         node.close()
 
@@ -306,9 +310,6 @@ def test_on_cuda_a_continuation_copies_the_dead_writers_tail_and_is_exact(tiny_m
         prompt, ids = stream_then_kill(a, body, 40)
         b = node.engine("b", 1)
         assert node.command(b, "promote", "promoted")["quarantined_blocks"] >= 1
-        cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
-        report = node.router.wait_for(lambda m: m["type"] == "continuations" and m["engine"] == "b")
-        assert report["each"] == [[len(prompt) + len(ids) - 1, 1]]
-        assert ids + cont.json()["choices"][0]["token_ids"] == complete(b, body).json()["choices"][0]["token_ids"]
+        assert continued(node, b, body, prompt, ids) == [[len(prompt) + len(ids) - 1, 1]]
     finally:
         node.close()
