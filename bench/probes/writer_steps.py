@@ -22,7 +22,6 @@ import gc
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -37,9 +36,7 @@ from engines.inflight import InFlight  # noqa: E402
 from engines.runner import ModelRunner  # noqa: E402
 from engines.shared_kv import SharedPool  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
-from engines.weights import load_rank_weights  # noqa: E402
-from engines.config import EngineConfig  # noqa: E402
-from engines.models import read_model_args  # noqa: E402
+from harness.bench.decode import local_weights  # noqa: E402
 
 VARIANTS = ("own", "own-half", "writer", "writer-vmm", "writer-notails")
 FINGERPRINT = b"writer-steps-probe".ljust(32, b"\0")
@@ -92,16 +89,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS[:4]))
     ns = ap.parse_args()
     variants = tuple(ns.variants.split(","))
-    device = torch.device("cuda", 0) if ns.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     InFlight.wait = timed("  of which GPU wait", InFlight.wait)  # (the class's: every engine's)
-    args = read_model_args(ns.model_dir)
-    dtype = "float32" if device.type == "cpu" else args.torch_dtype
-    with tempfile.TemporaryDirectory() as rt:
-        cfg = EngineConfig(name="probe", model_path=ns.model_dir, port=0, runtime_dir=rt, device=ns.device,
-                           dtype=dtype, weight_cache_mode="off", max_num_seqs=64, max_model_len=2048)
-        weights = load_rank_weights(cfg, args, 0, device)
+    weights, _, device = local_weights(ns.model_dir, ns.device, max_num_seqs=64, max_len=2048)
     tokenizer = Tokenizer(ns.model_dir)
     walls: dict[str, list[float]] = {v: [] for v in variants}
     phases: dict[str, dict[str, list[float]]] = {v: {} for v in variants}

@@ -16,7 +16,7 @@ from engines.runner import ModelRunner
 from engines.sampling import SamplingParams
 from engines.sequence import Sequence
 from engines.tokenizer import Tokenizer
-from engines.weights import load_rank_weights
+from engines.weights import RankWeights, load_rank_weights
 
 
 # ---- in-process engine ------------------------------------------------------------------------
@@ -25,12 +25,10 @@ def runner_kv_bytes(model, max_len: int, max_num_seqs: int, block_size: int) -> 
     return model.kv_bytes_per_block(block_size) * (max_num_seqs * -(-max_len // block_size) + 1)
 
 
-def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, max_num_seqs: int = 32,
-                 max_len: int = 512, cuda_graphs: bool = True, fused_kernels: bool = True,
-                 kv_cache_bytes: int | None = None, block_size: int = 16, max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = True, deterministic: bool = False) -> LLMEngine:
-    """An engine without HTTP or control channel, weights from disk (`off`), for benchmarks and tests.
-    Without `kv_cache_bytes`, the cache holds max_num_seqs sequences of max_len tokens."""
+def local_weights(model_dir: str, device: str = "cpu", dtype: str | None = None, max_num_seqs: int = 32,
+                  max_len: int = 512) -> tuple[RankWeights, EngineConfig, torch.device]:
+    """The model's weights read from disk on GPU 0 or the CPU (fp32 there unless `dtype`), the engine
+    config they were read with, and the device."""
     args = read_model_args(model_dir)
     dtype = dtype or ("float32" if device == "cpu" else args.torch_dtype)
     with tempfile.TemporaryDirectory() as rt:
@@ -39,7 +37,16 @@ def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, 
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        weights = load_rank_weights(cfg, args, 0, dev)
+        return load_rank_weights(cfg, args, 0, dev), cfg, dev
+
+
+def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, max_num_seqs: int = 32,
+                 max_len: int = 512, cuda_graphs: bool = True, fused_kernels: bool = True,
+                 kv_cache_bytes: int | None = None, block_size: int = 16, max_num_batched_tokens: int | None = None,
+                 prefix_caching: bool = True, deterministic: bool = False) -> LLMEngine:
+    """An engine without HTTP or control channel, weights from disk (`off`), for benchmarks and tests.
+    Without `kv_cache_bytes`, the cache holds max_num_seqs sequences of max_len tokens."""
+    weights, cfg, dev = local_weights(model_dir, device, dtype, max_num_seqs, max_len)
     runner = ModelRunner(weights.model, dev, fused_kernels=fused_kernels, deterministic=deterministic)
     runner.allocate_kv_cache(kv_cache_bytes or runner_kv_bytes(weights.model, max_len, max_num_seqs, block_size),
                              block_size, max_len, max_num_seqs, max_num_batched_tokens or step_token_budget(cfg))
