@@ -13,12 +13,14 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from . import sse
 from .interrupt import unless_client_leaves
 from .sequence import Output
+from .stalls import STALL_LOG_S
 from .stream_chunks import ChunkWriter
 
 if TYPE_CHECKING:
@@ -130,6 +132,7 @@ class StreamEvents:
         self._unsent = set(range(len(running.keys))) if first_prompts is not None and not self.chat else set()
         self._completion = [0] * len(running.keys)
         self.ended = False
+        self.rid, self._fed_at = rid, 0.0  # (the last outputs taken: engines/stalls.py)
 
     def opening(self) -> list[bytes]:
         if not self.chat:
@@ -139,6 +142,10 @@ class StreamEvents:
 
     def feed(self, items: list[tuple[int, Output]]) -> list[bytes]:
         """The events of outputs taken from `running`, the stream's end among them once it has ended."""
+        now = time.monotonic()
+        if self._fed_at and now - self._fed_at >= STALL_LOG_S:
+            log.warning("stream %s stalled: %.0f ms between outputs from the core, after %d tokens", self.rid,
+                        (now - self._fed_at) * 1e3, sum(self._completion))
         events: list[bytes] = []
         try:
             for index, out in items:
@@ -157,6 +164,8 @@ class StreamEvents:
             if self.include_usage:
                 events.append(self.writer.usage(self.prompt_tokens, sum(self._completion)))
             return self._end(events, sse.DONE)
+        if any(self._completion):  # (from the first token on: the wait for it is the time to a first token)
+            self._fed_at = now
         return events
 
     def _chunk(self, index: int, out: Output) -> bytes:
@@ -201,7 +210,10 @@ class EventStream:
         pending = stream.opening()
         while True:
             if pending:
+                began = time.monotonic()
                 await send({"type": "http.response.body", "body": b"".join(pending), "more_body": not stream.ended})
+                if (took := time.monotonic() - began) >= STALL_LOG_S:
+                    log.warning("stream %s stalled: its reader took %.0f ms to take a chunk", stream.rid, took * 1e3)
             if stream.ended:
                 return
             await self.running.wait()

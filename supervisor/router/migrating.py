@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engines import sse
+from engines.stalls import STALL_LOG_S
 from supervisor.config import MigrationSection
 from supervisor.router.attempts import SAME_PRIMARY_RETRY_S, Attempts, Upstreams
 from supervisor.router.batching import Batcher, Member
@@ -209,7 +210,11 @@ class _Call:
                 raise _Refused(resp.status, resp.headers, await resp.read())
             engine_headers = [(b"x-understudy-engine", up.name.encode()),
                               (b"x-understudy-epoch", str(up.epoch).encode())]
+            waited_from = 0.0  # (from the first chunk on: a long wait is logged, engines/stalls.py)
             async for chunk in resp.stream():
+                if waited_from and (waited := time.monotonic() - waited_from) >= STALL_LOG_S:
+                    log.warning("request %s stalled on %s: no bytes from the engine for %.0f ms after %d chunks",
+                                req.rid, up.name, waited * 1e3, req.chunks_sent)
                 had_tokens = req.n_output
                 out = req.feed(chunk)
                 if req.done:  # the connection goes back to the pool before our client hears [DONE]
@@ -235,6 +240,10 @@ class _Call:
                 else:
                     self.last_sent = now
                     self.headers_out = engine_headers
+                waited_from = time.monotonic()
+                if waited_from - now >= STALL_LOG_S:
+                    log.warning("request %s stalled: our client took %.0f ms to take a chunk", req.rid,
+                                (waited_from - now) * 1e3)
             if not req.done:
                 raise UpstreamError("the engine's stream ended without [DONE]")
         finally:
