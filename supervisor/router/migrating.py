@@ -210,7 +210,7 @@ class _Call:
                 raise _Refused(resp.status, resp.headers, await resp.read())
             engine_headers = [(b"x-understudy-engine", up.name.encode()),
                               (b"x-understudy-epoch", str(up.epoch).encode())]
-            waited_from = 0.0  # (from the first chunk on: a long wait is logged, engines/stalls.py)
+            waited_from = 0.0  # (from the first token on: a long wait is logged, engines/stalls.py)
             async for chunk in resp.stream():
                 if waited_from and (waited := time.monotonic() - waited_from) >= STALL_LOG_S:
                     log.warning("request %s stalled on %s: no bytes from the engine for %.0f ms after %d chunks",
@@ -240,10 +240,11 @@ class _Call:
                 else:
                     self.last_sent = now
                     self.headers_out = engine_headers
-                waited_from = time.monotonic()
-                if waited_from - now >= STALL_LOG_S:
+                relayed = time.monotonic()
+                if relayed - now >= STALL_LOG_S:
                     log.warning("request %s stalled: our client took %.0f ms to take a chunk", req.rid,
-                                (waited_from - now) * 1e3)
+                                (relayed - now) * 1e3)
+                waited_from = relayed if req.n_output else 0.0
             if not req.done:
                 raise UpstreamError("the engine's stream ended without [DONE]")
         finally:
