@@ -36,6 +36,7 @@ from .runner import ModelRunner
 from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, ensure_seed
 from .scheduler import Scheduled, Scheduler
+from .seq_stalls import SequenceStalls
 from .sequence import Output, Sequence
 from .shared_kv import SharedPool
 from .tokenizer import Tokenizer
@@ -60,6 +61,7 @@ class LLMEngine:
         self._continued_now: list[list[int]] = []  # this step's continuations: [reused, recomputed] each
         self.trace = PromotionTrace()  # the first second after a promotion, logged
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
+        self.stalls = SequenceStalls(self.scheduler, self.blocks)  # (a sequence left out: logged)
         self.tails = TailPublisher(self.blocks) if pool is not None and pool.tails else None
         self.sampler = Sampler()
         self.control = control
@@ -181,6 +183,7 @@ class LLMEngine:
                 self.last_tick = time.monotonic()
                 self._heartbeat()
                 self._rehearse()
+                self.stalls.look(self.steps)
                 block = not self.has_work
                 self._take_inbox(block)
                 if self.has_work:

@@ -60,6 +60,10 @@ class FairQueue:
         """The first `limit` continued sequences waiting (in the order they are taken)."""
         return list(islice(self._continued, limit))
 
+    def queue_of(self, seq: Sequence) -> str:
+        """Which queue holds `seq`: preempted, continued or new (a request's own, round-robin)."""
+        return "preempted" if seq in self._front else "continued" if seq in self._continued else "new"
+
     def push_front(self, seq: Sequence) -> None:
         self._front.appendleft(seq)
 
