@@ -183,7 +183,7 @@ class LLMEngine:
                 self.last_tick = time.monotonic()
                 self._heartbeat()
                 self._rehearse()
-                self.stalls.look(self.steps)
+                self.stalls.look(self.last_tick, self.steps)
                 block = not self.has_work
                 self._take_inbox(block)
                 if self.has_work:

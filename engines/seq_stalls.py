@@ -19,16 +19,15 @@ SHOWN = 4  # sequences described per line
 
 
 class SequenceStalls:
-    """`look(steps)` from the scheduler loop: logs the sequences stalled since the last look, `every_s`
-    at most."""
+    """`look(now, steps)` from the scheduler loop (its tick's clock, its step count): logs the sequences
+    stalled since the last look, `every_s` at most."""
 
     def __init__(self, scheduler: Scheduler, blocks: BlockManager, every_s: float = STALL_LOG_S) -> None:
         self.scheduler, self.blocks, self.every_s = scheduler, blocks, every_s
         self._at, self._steps = time.monotonic(), 0
         self._computed: dict[int, int] = {}  # seq_id -> num_computed at the last look
 
-    def look(self, steps: int) -> None:
-        now = time.monotonic()
+    def look(self, now: float, steps: int) -> None:
         if now - self._at < self.every_s:
             return
         s = self.scheduler

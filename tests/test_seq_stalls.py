@@ -22,7 +22,7 @@ def run_for(engine, seconds: float) -> None:
         engine._take_inbox(False)
         if engine.has_work:
             engine.step()
-        engine.stalls.look(engine.steps)
+        engine.stalls.look(time.monotonic(), engine.steps)
 
 
 def stall_lines(caplog) -> list[str]:
@@ -51,6 +51,6 @@ def test_an_idle_engine_logs_no_stall(tiny_model, caplog) -> None:
     engine.stalls = SequenceStalls(engine.scheduler, engine.blocks, EVERY_S)
     with caplog.at_level(logging.WARNING, logger="engines.engine"):
         for _ in range(3):
-            engine.stalls.look(engine.steps)
+            engine.stalls.look(time.monotonic(), engine.steps)
             time.sleep(EVERY_S)
     assert not stall_lines(caplog)
