@@ -144,8 +144,10 @@ class StreamEvents:
         """The events of outputs taken from `running`, the stream's end among them once it has ended."""
         now = time.monotonic()
         if self._fed_at and now - self._fed_at >= STALL_LOG_S:
-            log.warning("stream %s stalled: %.0f ms between outputs from the core, after %d tokens", self.rid,
-                        (now - self._fed_at) * 1e3, sum(self._completion))
+            after = dict(enumerate(self._completion)) | {i: out.completion_tokens for i, out in items}
+            log.warning("stream %s stalled: %.0f ms between outputs from the core, after %d tokens; the outputs "
+                        "that ended it brought %d", self.rid, (now - self._fed_at) * 1e3, sum(self._completion),
+                        sum(after.values()) - sum(self._completion))
         events: list[bytes] = []
         try:
             for index, out in items:
