@@ -143,22 +143,13 @@ class Sequence:
         out, params = self.output_ids, self.params
         out.append(token)
         self._unreported.append(token)
-        if token in self._stop_ids:
-            self.finish_reason = "stop"
-        else:
-            piece = self._detok.add(token)
-            if piece:
-                start = max(0, len(self._text) - self._holdback)
-                self._text += piece
-                for s in params.stop:
-                    idx = self._text.find(s, start)
-                    if idx != -1:
-                        self._text = self._text[:idx]
-                        self.finish_reason = "stop"
-                        break
-        if self.finish_reason is None and (len(out) >= params.max_tokens
+        stop_token = token in self._stop_ids
+        if not stop_token:
+            self._add_text(self._detok.add(token))
+        if self.finish_reason is None and (stop_token or len(out) >= params.max_tokens
                                            or len(self.prompt_ids) + len(out) >= self.max_model_len):
-            self.finish_reason = "length"
+            self._add_text(self._detok.flush())  # (a character the end cut short: its U+FFFD)
+            self.finish_reason = self.finish_reason or ("stop" if stop_token else "length")
         end = len(self._text) if self.finish_reason else max(self._sent, len(self._text) - self._holdback)
         delta, self._sent = self._text[self._sent:end], end
         if self._sent > TEXT_KEPT + self._holdback:  # released text matters only as stop-string context
@@ -166,6 +157,19 @@ class Sequence:
             self._text, self._sent = self._text[cut:], self._holdback
         if delta or self.finish_reason:
             self.emit(self.output(delta))
+
+    def _add_text(self, piece: str) -> None:
+        """Take final text; a stop string found in it ends the sequence there."""
+        if not piece:
+            return
+        start = max(0, len(self._text) - self._holdback)
+        self._text += piece
+        for s in self.params.stop:
+            idx = self._text.find(s, start)
+            if idx != -1:
+                self._text = self._text[:idx]
+                self.finish_reason = "stop"
+                return
 
     def scheduled(self) -> None:
         """The scheduler gives it positions to compute for the first time: emit the scheduled

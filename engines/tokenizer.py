@@ -180,8 +180,11 @@ CONTEXT = 4  # ids before the first new one that an IncrementalDetokenizer decod
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas without re-decoding everything.
 
-    Keeps a short window (prefix_offset..read_offset) so multi-byte characters split across
-    tokens are emitted only when complete (a trailing U+FFFD means "wait for more").
+    Keeps a short window (prefix_offset..read_offset) so that a multi-byte character split across
+    tokens is emitted only when complete: a trailing U+FFFD means "wait for more". Only that last
+    character waits: the text before it is final (invalid bytes decode to U+FFFD whatever follows),
+    so a run of bytes that never forms a character (a looping model's) streams as it comes instead
+    of holding the stream's text back until it ends.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: list[int]):
@@ -189,18 +192,32 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_tail[-CONTEXT:])  # so that leading spaces decode right
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.released = 0  # characters of the window beyond its prefix already returned (bytes still arriving)
 
     def add(self, token_id: int) -> str:
-        """Append one id; return the newly completed text (may be empty)."""
+        """Append one id; return the newly final text (may be empty)."""
         self.ids.append(token_id)
-        tok = self.tokenizer
-        start, read = self.prefix_offset, self.read_offset
-        # The window before the new id is one token most of the time (the last one emitted).
-        prefix = tok.decode_alone(self.ids[start]) if read - start == 1 else tok.decode(self.ids[start:read])
-        full = tok.decode(self.ids[start:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
+        prefix, full = self._window()
+        if full.endswith("\ufffd"):  # its last character may be incomplete
+            return self._release(full[:-1], len(prefix))
+        if len(full) > len(prefix):
+            delta = full[len(prefix) + self.released:]
+            self.prefix_offset, self.read_offset, self.released = self.read_offset, len(self.ids), 0
             return delta
         return ""
+
+    def flush(self) -> str:
+        """The text still held (the generation ended: a character it cut short is a U+FFFD)."""
+        prefix, full = self._window()
+        return self._release(full, len(prefix))
+
+    def _window(self) -> tuple[str, str]:
+        tok, start, read = self.tokenizer, self.prefix_offset, self.read_offset
+        # The window before the new id is one token most of the time (the last one emitted).
+        prefix = tok.decode_alone(self.ids[start]) if read - start == 1 else tok.decode(self.ids[start:read])
+        return prefix, tok.decode(self.ids[start:])
+
+    def _release(self, final: str, prefix_len: int) -> str:
+        delta = final[prefix_len + self.released:]
+        self.released += len(delta)
+        return delta
