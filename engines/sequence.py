@@ -47,7 +47,7 @@ class Output:
     @property
     def is_scheduled(self) -> bool:
         """The scheduled marker (`Sequence.scheduled`): no text, no ids, not finished. The core
-        emits no other Output like it (text held back also holds its ids back)."""
+        emits no other Output like it (every sampled token is an Output, its text empty or not)."""
         return not self.delta and self.finish_reason is None and not self.token_ids
 
     def to_row(self) -> list:
@@ -143,20 +143,19 @@ class Sequence:
         out, params = self.output_ids, self.params
         out.append(token)
         self._unreported.append(token)
-        stop_token = token in self._stop_ids
-        if not stop_token:
+        if token in self._stop_ids:
+            self.finish_reason = "stop"
+        else:
             self._add_text(self._detok.add(token))
-        if self.finish_reason is None and (stop_token or len(out) >= params.max_tokens
+        if self.finish_reason is None and (len(out) >= params.max_tokens
                                            or len(self.prompt_ids) + len(out) >= self.max_model_len):
-            self._add_text(self._detok.flush())  # (a character the end cut short: its U+FFFD)
-            self.finish_reason = self.finish_reason or ("stop" if stop_token else "length")
+            self.finish_reason = "length"
         end = len(self._text) if self.finish_reason else max(self._sent, len(self._text) - self._holdback)
         delta, self._sent = self._text[self._sent:end], end
         if self._sent > TEXT_KEPT + self._holdback:  # released text matters only as stop-string context
             cut = self._sent - self._holdback
             self._text, self._sent = self._text[cut:], self._holdback
-        if delta or self.finish_reason:
-            self.emit(self.output(delta))
+        self.emit(self.output(delta))  # (every token: its text may be held, empty, or a special token's)
 
     def _add_text(self, piece: str) -> None:
         """Take final text; a stop string found in it ends the sequence there."""

@@ -153,7 +153,7 @@ class StreamEvents:
             for index, out in items:
                 self.running.accept(index, out)
                 self._completion[index] = out.completion_tokens
-                if out.delta or out.finish_reason:
+                if out.delta or out.finish_reason or out.token_ids:  # (a token with no text: a chunk all the same)
                     events.append(self._chunk(index, out))
                 elif self.ids and out.is_scheduled:
                     events.append(sse.SCHEDULED)

@@ -197,27 +197,16 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one id; return the newly final text (may be empty)."""
         self.ids.append(token_id)
-        prefix, full = self._window()
-        if full.endswith("\ufffd"):  # its last character may be incomplete
-            return self._release(full[:-1], len(prefix))
+        tok, start, read = self.tokenizer, self.prefix_offset, self.read_offset
+        # The window before the new id is one token most of the time (the last one emitted).
+        prefix = tok.decode_alone(self.ids[start]) if read - start == 1 else tok.decode(self.ids[start:read])
+        full = tok.decode(self.ids[start:])
+        if full.endswith("\ufffd"):  # its last character may be incomplete: the text before it is final
+            delta = full[len(prefix) + self.released:-1]
+            self.released += len(delta)
+            return delta
         if len(full) > len(prefix):
             delta = full[len(prefix) + self.released:]
             self.prefix_offset, self.read_offset, self.released = self.read_offset, len(self.ids), 0
             return delta
         return ""
-
-    def flush(self) -> str:
-        """The text still held (the generation ended: a character it cut short is a U+FFFD)."""
-        prefix, full = self._window()
-        return self._release(full, len(prefix))
-
-    def _window(self) -> tuple[str, str]:
-        tok, start, read = self.tokenizer, self.prefix_offset, self.read_offset
-        # The window before the new id is one token most of the time (the last one emitted).
-        prefix = tok.decode_alone(self.ids[start]) if read - start == 1 else tok.decode(self.ids[start:read])
-        return prefix, tok.decode(self.ids[start:])
-
-    def _release(self, final: str, prefix_len: int) -> str:
-        delta = final[prefix_len + self.released:]
-        self.released += len(delta)
-        return delta

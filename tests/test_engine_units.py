@@ -73,14 +73,13 @@ def test_incremental_detokenizer_waits_for_whole_characters(tok: Tokenizer) -> N
 
 def test_incremental_detokenizer_streams_bytes_that_never_form_a_character(tok: Tokenizer) -> None:
     """A looping model's run of lead bytes: each is final (U+FFFD) once the next arrives, so the text
-    streams as it comes instead of waiting for the end; the end releases the last one."""
+    streams as it comes instead of waiting for the end."""
     lead = tok.tok.token_to_id("\u00e2")  # the byte 0xE2 alone (a 3-byte character's start), byte-level
     a = tok.encode("a", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, [tok.bos_token_id])
     assert [detok.add(lead) for _ in range(4)] == ["", "\ufffd", "\ufffd", "\ufffd"]
     assert "".join(detok.add(i) for i in a) == "\ufffda"
     assert [detok.add(lead) for _ in range(2)] == ["", "\ufffd"]
-    assert detok.flush() == "\ufffd" and detok.flush() == ""
 
 
 # ---- sampler --------------------------------------------------------------------------------
@@ -157,18 +156,18 @@ def test_stop_string_found_after_released_text_is_dropped(tok: Tokenizer) -> Non
     assert len(seq._text) < TEXT_KEPT + 200
 
 
-def test_a_run_of_stray_bytes_streams_token_by_token_and_its_end_is_not_lost(tok: Tokenizer) -> None:
-    """A greedy loop on one lead byte (a random model's) streams a U+FFFD a token, not nothing until
-    the end; the text of a stream cut by max_tokens or a stop token ends with the byte it cut short."""
+def test_every_token_is_an_output_its_text_empty_or_not(tok: Tokenizer) -> None:
+    """A greedy loop on one lead byte (a random model's) streams a U+FFFD a token, and a special
+    token (no text) is an Output all the same: a client sees every token, not a silence."""
     lead = tok.tok.token_to_id("\u00e2")
-    for last, reason in ((lead, "length"), (42, "stop")):
-        outs = []
-        seq = Sequence([tok.bos_token_id], SamplingParams(max_tokens=6, stop_token_ids=[42]), tok, set(), 1000,
-                       outs.append)
-        for t in [lead] * 5 + [last]:
-            seq.append(t)
-        assert [o.delta for o in outs[:4]] == ["\ufffd"] * 4 and seq.finish_reason == reason
-        assert "".join(o.delta for o in outs) == "\ufffd" * (6 if last == lead else 5)
+    outs = []
+    seq = Sequence([tok.bos_token_id], SamplingParams(max_tokens=8, ignore_eos=True), tok, {tok.bos_token_id}, 1000,
+                   outs.append)
+    for t in [lead] * 5 + [tok.bos_token_id] * 3:
+        seq.append(t)
+    assert [o.delta for o in outs] == ["", *["\ufffd"] * 4, "", "", ""]  # (the last byte may still complete)
+    assert [o.token_ids for o in outs] == [[t] for t in [lead] * 5 + [tok.bos_token_id] * 3]
+    assert seq.finish_reason == "length" and outs[-1].finish_reason == "length"
 
 
 def test_stop_token_ids_and_max_tokens(tok: Tokenizer) -> None:

@@ -56,7 +56,7 @@ async def read_events(pieces: Pieces, r: RequestResult, keep_text: bool) -> None
                     piece = _text(choice)
                     if piece and keep_text:
                         text.append(piece)
-                    brings_tokens = brings_tokens or bool(piece or choice.get("finish_reason"))
+                    brings_tokens = brings_tokens or not _opening(choice)
                     finished = finished or choice.get("finish_reason") is not None
                 if brings_tokens:
                     contents.append(now)
@@ -98,6 +98,13 @@ def _text(choice: dict[str, Any]) -> str | None:
         return text
     delta = choice.get("delta")
     return delta.get("content") if isinstance(delta, dict) else None
+
+
+def _opening(choice: dict[str, Any]) -> bool:
+    """A chat stream's first chunk: the assistant's role, before any token. Every other chunk of a
+    choice brings tokens, their text empty or not (a special token, a character still arriving)."""
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and bool(delta.get("role")) and not delta.get("content")
 
 
 def _usage(usage: dict[str, Any]) -> Usage:
