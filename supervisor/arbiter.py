@@ -46,6 +46,7 @@ from supervisor.effects.socket_activation import ActivationError, inherited_sock
 from supervisor.effects.state_files import StateFiles
 from supervisor.effects.survey import Surveyor
 from supervisor.errors import BootError
+from supervisor.loop_watch import LoopWatch
 from supervisor.metrics import Metrics
 from supervisor.router.app import build_router
 from supervisor.router.routing import RoutingTable
@@ -159,6 +160,8 @@ class Supervisor:
     async def run(self) -> int:
         """Serve until a signal stops us; returns the process exit code."""
         self.loop = asyncio.get_running_loop()
+        self._loop_watch = LoopWatch(self.loop)  # (a stall of the loop is a warning: supervisor/loop_watch.py)
+        self._loop_watch.start()
         self._wake, self._stopped, self._adopted = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._servers: list = []
         self._essential: set[asyncio.Task] = set()
@@ -268,6 +271,7 @@ class Supervisor:
         self.control.close()
         self.bus.close()
         log.info("stopped")
+        self._loop_watch.stop()
         self.exit_code = exit_code
         self._stopped.set()
         self._adopted.set()
