@@ -79,7 +79,7 @@ for r in json.load(open(sys.argv[1])):
           f"failover_seconds p50 {f.get('p50')} max {f.get('max')} ms (n={f['n']}); recomputed max "
           f"{rc.get('max')} p50 {rc.get('p50')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} "
           f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "
-          f"{r['client_cpu_share_max']}; promotion in the engine {r.get('promotion_in_engine_ms')}; router CPU "
+          f"{r['client_cpu_share_max']}; promotion in the engine {r.get('promotion_in_engine_ms')}; kill to detection {r.get('kill_to_detection_ms')}; router CPU "
           f"{r['supervisor_cpu_share']}; its collections by generation {r['supervisor_gc']}")
     print("  the longest waits: " + ", ".join(f"{w['ms']} ms after {w['tokens_before']} token events, begun "
                                            f"+{w['after_kill_ms']} ms after a kill" for w in r.get("longest_waits", [])))

@@ -57,6 +57,7 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
                 "continuation_timeline_ms": timeline_after_kills(h.events, k.kills),
                 "continuation_timeline_by_kill_ms": timeline_by_kill(h.events, k.kills),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
+                "kill_to_detection_ms": bench_summary([x * 1000 for x in k.detected_s], 2),
                 "supervisor_cpu_share": supervisor_cpu, "supervisor_gc": supervisor_gc,
                 "primary_front_end_cpu_share": bench_summary(k.front_end_cpu)}
     finally:
@@ -120,6 +121,7 @@ class Kills:
     failover_s: list[float] = field(default_factory=list)
     recovery_s: list[float] = field(default_factory=list)
     promotion_s: list[float] = field(default_factory=list)
+    detected_s: list[float] = field(default_factory=list)  # from the kill to the supervisor's detection
     front_end_cpu: list[float] = field(default_factory=list)  # the primary's HTTP front end, before each kill
 
 
@@ -139,15 +141,18 @@ def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
             k.front_end_cpu.append(front.share())
         mark = len(h.events)
         k.kills.append(time.monotonic())
+        killed_at = time.time()
         os.killpg(old["pid"], signal.SIGKILL)
         ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
         k.failover_s.append(ev["seconds"])
+        k.detected_s.append(ev["ts"] - ev["seconds"] - killed_at)  # (its wall clock, less the failover's time)
         if ev.get("promotion_s") is not None:  # (shared KV: the new primary's own claim and adoption)
             k.promotion_s.append(ev["promotion_s"])
         rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
                            timeout_s=args.boot_timeout)
         k.recovery_s.append(rec["seconds"])
-        say(args, f"  kill {i + 1}/{args.runs}: failover {ev['seconds'] * 1e3:.1f} ms, standby back in "
+        say(args, f"  kill {i + 1}/{args.runs}: detected {k.detected_s[-1] * 1e3:.1f} ms after the kill, failover "
+                  f"{ev['seconds'] * 1e3:.1f} ms, standby back in "
                   f"{rec['seconds']:.2f} s")
     return k
 
@@ -271,7 +276,9 @@ def run_streams(args: argparse.Namespace) -> int:
             print(f"shared_kv={r['shared_kv']}: gap across a kill (longest wait within {r['gap_window_s']:g} s) median "
                   f"{g.get('p50')} ms, {tail_text(g)}; the same at quiet moments median {q.get('p50')} ms, "
                   f"{tail_text(q)}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
-                  f"failover_seconds median {f.get('p50')} ms, {tail_text(f)}; recomputed per continuation max "
+                  f"failover_seconds median {f.get('p50')} ms, {tail_text(f)} (from a detection "
+                  f"{r['kill_to_detection_ms'].get('p50')} ms after the kill at the median, "
+                  f"{r['kill_to_detection_ms'].get('max')} at most); recomputed per continuation max "
                   f"{rc.get('max')} (n={rc.get('n', 0)}, {r['continuations_recomputing_more_than_one']} over 1); "
                   f"standby back median {r['standby_back_s'].get('p50')} s, "
                   f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
