@@ -1,9 +1,11 @@
 """A stream that stalls is never silent: each hop that relays a stream's chunks (the engine's front end
 for the core's outputs, the router for the engine's bytes and its client's reads) logs a wait between
 two chunks of STALL_LOG_S or more, as the wait ends (a stream cut later, by a kill, keeps its line).
-Runs of `bench failover` on GPUs have shown one or two single streams a run waiting 1-2.7 s mid-stream,
-cause unknown (bench/RESULTS.md): these lines say which hop held them. The wait for a first chunk (the
-time to a first token) is not a stall."""
+Runs of `bench failover` on GPUs showed one or two single streams a run waiting 1-2.7 s mid-stream;
+the front end's line, which says how many tokens the output that ended the wait brought (99-188), found
+them: a looping test model's tokens with no text, not streamed then (every token is a chunk now:
+bench/RESULTS.md, twenty-fifth session). The wait for a first chunk (the time to a first token) is not
+a stall."""
 from __future__ import annotations
 
 STALL_LOG_S = 0.5
