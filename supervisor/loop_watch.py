@@ -3,8 +3,9 @@ thread notes when the loop last ran a tick, samples where the loop's thread is w
 logs a stall of LOOP_STALL_S or more as a warning when it ends: how long, where the loop was (the
 stacks sampled, the commonest first), and how late the watch itself woke meanwhile (late too: the
 whole process was held back, by the CPU or by a thread that kept the GIL, not the loop alone).
-A failover is decided and switched in this loop in ~15 ms: one that took 235 ms on a GPU host was
-this loop stalling (bench/RESULTS.md), and nothing said so."""
+A failover is decided and switched in this loop in ~15 ms: in one that took 235 ms on a GPU host the
+supervisor logged the promotion 221 ms after the engine made it and the router saw the losses 0.3 s
+late (bench/RESULTS.md, twenty-fifth session), and nothing said why."""
 from __future__ import annotations
 
 import asyncio
