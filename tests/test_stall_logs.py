@@ -60,9 +60,9 @@ def stream(node, stop_core_after: int | None = None) -> tuple[int, bool]:
     return chunks, done
 
 
-def stall_lines(path, pattern: str) -> list[float]:
-    """The ms (the `(\\d+)` of `pattern`) of every stall line in the log at `path`."""
-    return [float(m[1]) for m in re.finditer(pattern, path.read_text())]
+def stall_lines(path, pattern: str, group: int = 1) -> list[float]:
+    """The ms (the `(\\d+)` of `pattern`; `group`: another one) of every stall line in the log at `path`."""
+    return [float(m[group]) for m in re.finditer(pattern, path.read_text())]
 
 
 CORE = r"stalled: (\d+) ms between outputs from the core"
@@ -85,6 +85,10 @@ def test_a_stream_whose_core_stopped_is_logged_by_the_front_end_and_the_router(n
     router = stall_lines(node.log, ROUTER)
     assert core and max(core) >= STALL_LOG_S * 1e3, engine_log(node).read_text()[-2000:]
     assert router and max(router) >= STALL_LOG_S * 1e3, node.tail()
+    # a stopped core generated nothing meanwhile: the outputs that ended the wait brought a few tokens
+    # (a step or two; a looping model's text-less tokens, before every token was a chunk, brought 99-188)
+    brought = stall_lines(engine_log(node), CORE + r".*brought (\d+)", group=2)
+    assert brought and all(n < 10 for n in brought), engine_log(node).read_text()[-2000:]
     assert node.primary()["role"] == "primary"  # (the stop was shorter than the hang timeout: no failover)
 
 
