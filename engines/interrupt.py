@@ -34,6 +34,11 @@ class Interrupt:
             self._fired = True
             self._task.cancel()
 
+    @property
+    def task(self) -> asyncio.Task | None:
+        """The task whose block this interrupts (None before it began)."""
+        return self._task
+
     def __enter__(self) -> "Interrupt":
         task = asyncio.current_task()
         if task is None:

@@ -45,6 +45,7 @@ class RoutingTable:
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
         self._calls: dict[int, set[Interrupt]] = {}  # epoch -> calls in flight to that primary
+        self.on_lost: list[Callable[[int, set[Interrupt]], None]] = []  # (epoch, the calls interrupted) at a fence
         self.collector = CollectorHold()
 
     @property
@@ -69,6 +70,11 @@ class RoutingTable:
         # (the count: a stream that was in flight there and is not among them waits for the kernel to close
         # its socket, after the dead engine's GPU teardown; a GPU run saw 158 streams do so once)
         log.info("epoch %d fenced: %d calls to its primary interrupted (requests and batches)", epoch, len(calls))
+        for listener in self.on_lost:
+            try:
+                listener(epoch, set(calls))
+            except Exception:  # noqa: BLE001 (the supervisor's pass calls this: never its failure)
+                log.exception("the router's fence listener %r failed", listener)
 
     async def unless_lost(self, epoch: int, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` (a call to the primary of `epoch`) in this task; raise PrimaryLost if that
