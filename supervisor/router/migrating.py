@@ -82,11 +82,13 @@ class Migrator:
             self._live.discard(call)
 
     def _unregistered(self, epoch: int, interrupted: set) -> None:
-        """A fence of ``epoch``'s primary: the requests in flight there whose task it did not interrupt
-        wait for the dead engine's sockets to close (after its GPU teardown): say how many and where
-        they wait. (GPU runs saw 123-134 of 256 streams so at times, and once 158 wait 238 ms.)"""
+        """A fence of ``epoch``'s primary: the requests with an attempt in flight there whose task it did
+        not interrupt wait for the dead engine's sockets to close (after its GPU teardown): say how many
+        and where they wait. (A GPU run saw 158 streams wait so for 238 ms once. Fences that interrupted
+        the calls of only 123-134 of 256 streams, every stream continued on time, are likely not that:
+        the others' sockets had closed first, so they were between attempts.)"""
         tasks = {i.task for i in interrupted}
-        missed = [c for c in self._live if c.epoch == epoch and not c.req.done and c.task not in tasks]
+        missed = [c for c in self._live if c.attempt_on == epoch and not c.req.done and c.task not in tasks]
         if missed:
             where = Counter(_waiting_in(c.task) for c in missed)
             log.warning("epoch %d fenced: %d requests in flight there not interrupted; their tasks wait in: %s",
@@ -130,6 +132,7 @@ class _Call:
         self.headers_out: Headers = []  # engine headers for a non-streaming client's response
         self.early: Member | None = None  # the continuation, sent as the next primary came (_send_early)
         self.task = asyncio.current_task()
+        self.attempt_on: int | None = None  # the epoch of the attempt in flight (None between attempts: lost)
 
     async def run(self) -> None:
         u = self.m.u
@@ -137,7 +140,11 @@ class _Call:
         while (up := await self._primary(attempts)) is not None:
             self.epoch, early, self.early = up.epoch, self.early, None
             try:
-                await attempts.call(up, self._attempt(up, early))
+                self.attempt_on = up.epoch
+                try:
+                    await attempts.call(up, self._attempt(up, early))
+                finally:
+                    self.attempt_on = None
                 return await self._finish()
             except _Refused as r:
                 if attempts.may_retry(r.status):
