@@ -70,11 +70,7 @@ class RoutingTable:
         # (the count: a stream that was in flight there and is not among them waits for the kernel to close
         # its socket, after the dead engine's GPU teardown; a GPU run saw 158 streams do so once)
         log.info("epoch %d fenced: %d calls to its primary interrupted (requests and batches)", epoch, len(calls))
-        for listener in self.on_lost:
-            try:
-                listener(epoch, set(calls))
-            except Exception:  # noqa: BLE001 (the supervisor's pass calls this: never its failure)
-                log.exception("the router's fence listener %r failed", listener)
+        _tell(self.on_lost, epoch, set(calls))
 
     async def unless_lost(self, epoch: int, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` (a call to the primary of `epoch`) in this task; raise PrimaryLost if that
@@ -165,13 +161,14 @@ class RoutingTable:
             self._waiting.discard(waiter)
 
 
-def _tell(listeners: list[Callable[[], None]]) -> None:
-    """Call each listener; one that fails is logged (the supervisor's pass calls this: never its failure)."""
+def _tell(listeners: list[Callable[..., None]], *args: Any) -> None:
+    """Call each listener with ``args``; one that fails is logged (the supervisor's pass calls this: never
+    its failure)."""
     for listener in listeners:
         try:
-            listener()
+            listener(*args)
         except Exception:  # noqa: BLE001
-            log.exception("the router's routing-change listener %r failed", listener)
+            log.exception("the router's listener %r failed", listener)
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:
