@@ -25,6 +25,8 @@ def test_a_killed_writer_is_replaced_by_round_trip_and_its_blocks_freed_once_rea
     p = serving(**KV)
     got = p.play(("exit", "a"))
     assert in_order(got, ["fence a", "tell b promote", "hold"]) and "promote b epoch 2" not in got
+    hold = next(a for a in reversed(p.actions) if type(a).__name__ == "Hold")
+    assert (hold.lost_epoch, hold.coming) == (1, p.node.engines["b"].url)  # (the continuations go ahead to b)
     got = p.play(PROMOTED)
     assert in_order(got, ["publish failover", "promote b epoch 2"]) and "tell b fenced" not in got  # a not reaped
     assert p.node.unfenced == {"a:1"}

@@ -101,10 +101,12 @@ class Promote:
 
 @dataclass(frozen=True)
 class Hold:
-    """No primary: requests wait (up to hold_timeout_s); ``reason`` is what /readyz says."""
+    """No primary: requests wait (up to hold_timeout_s); ``reason`` is what /readyz says; ``coming``:
+    the URL of the engine taking the KV pool over, if one is (a failover's continuations go ahead)."""
 
     reason: str
     lost_epoch: int | None = None
+    coming: str = ""
 
     def brief(self) -> str:
         return "hold"
