@@ -480,7 +480,8 @@ def promoted_after(delay_s: float, promoted_at: list[float], leaver: list[asynci
     return supervise
 
 
-def streams_across(engines, n: int, supervisor, leaver: list[asyncio.Task] | None = None, max_tokens: int = 6):
+def streams_across(engines, n: int, supervisor, leaver: list[asyncio.Task] | None = None, max_tokens: int = 6,
+                   die: dict[str, int] | None = None):
     """`n` streaming completions at once (6 tokens, u1 dies after its 3rd chunk of one): the
     responses (the first one's task in `leaver` if given, None for its response), the events."""
     async def go():
@@ -488,7 +489,7 @@ def streams_across(engines, n: int, supervisor, leaver: list[asyncio.Task] | Non
         app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
                            migration=MigrationSection(batch=BATCH), publish=events.append)
         watcher = asyncio.ensure_future(supervisor(table, engines))
-        body = {"model": "m", "prompt": "p", "max_tokens": max_tokens, "stream": True, "die_after": {"u1": 3}}
+        body = {"model": "m", "prompt": "p", "max_tokens": max_tokens, "stream": True, "die_after": die or {"u1": 3}}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=30) as c:
             tasks = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(n)]
             if leaver is not None:
@@ -595,6 +596,27 @@ def test_continuations_sent_ahead_go_the_usual_way_when_another_engine_is_promot
     answers, events = streams_across(engines, 3, promoted_ahead("u3", []))
     assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 3
     assert [e["result"] for e in events] == ["continued"] * 3
+    assert len(seen(engines[2][1])) == 3, "every stream went on on u3"
+
+
+def test_continuations_sent_ahead_to_an_engine_lost_while_promoted_go_on_on_the_next(engines):
+    """u2, taking the pool over, dies with the batch sent ahead to it (after one chunk each; killed
+    anyway): the promotion ends without it (the hold names none), u3 is promoted, and every stream
+    goes on on u3."""
+    async def supervise(table: RoutingTable, engines) -> None:
+        (p1, url1), (p2, url2), (_, url3) = engines
+        table.set_primary(Upstream(url1, "u1", 1))
+        while p1.poll() is None:
+            await asyncio.sleep(0.005)
+        table.mark_lost(1)
+        table.set_primary(None, "u2 is taking the KV pool over", coming=url2)
+        await asyncio.sleep(0.2)  # (a batch sent ahead kills u2 after one chunk each; one-each, u2 never ran any)
+        p2.kill()
+        table.set_primary(None, "u2 was lost while taking the KV pool over")
+        await asyncio.sleep(0.1)
+        table.set_primary(Upstream(url3, "u3", 2))
+    answers, events = streams_across(engines, 3, supervise, die={"u1": 3, "u2": 1})
+    assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 3
     assert len(seen(engines[2][1])) == 3, "every stream went on on u3"
 
 
