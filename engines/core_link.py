@@ -11,8 +11,8 @@ failover's batch of continuations, whose adds a parked standby holds for its pro
 (port). A continuation's ids are not JSON: its `add` says where they are (`raw`: offset, ids,
 keys) in the message's second frame, raw int64 little-endian ids followed by its prompt's 16-byte
 block keys. 256 continuations' ~280,000 ids as JSON lists took the core's link thread 7 ms of
-parsing on the dev VM, each id a Python int; raw, each prompt is one array. The link's thread only decodes a message and gives each add its
-sequence id: the scheduler thread makes the Sequences while the device runs its step (engines/engine.py
+parsing on the dev VM, each id a Python int; raw, each prompt is one array. The link's thread only
+decodes a message and gives each add its sequence id: the scheduler thread makes the Sequences while the device runs its step (engines/engine.py
 `put_later`), never while it schedules, under the same GIL. Core -> front end: `out` (one step's outputs: key and the
 Output fields; and the stats after the step), `stats` (every heartbeat), `serve` (start listening; the startup summary),
 `drain` (refuse new requests), `stop` (finish and exit).
@@ -199,7 +199,7 @@ class CoreLink:
                 log.exception("bad message from the front end, in a group")
         return functools.partial(self._build, plan, raw, "member" if members else "add")
 
-    def _build(self, plan: list[tuple[dict, int]], raw: memoryview, add: str = "add") -> list[tuple[str, object]]:
+    def _build(self, plan: list[tuple[dict, int]], raw: memoryview, kind: str = "add") -> list[tuple[str, object]]:
         """`_later`'s items (the scheduler thread): an add whose Sequence cannot be made is answered
         with an error output naming why, never left waiting."""
         items: list[tuple[str, object]] = []
@@ -208,7 +208,7 @@ class CoreLink:
                 items.append(("abort", seq_id))
                 continue
             try:
-                items.append((add, self.engine.sequence(*self._add_args(msg, raw), seq_id=seq_id)))
+                items.append((kind, self.engine.sequence(*self._add_args(msg, raw), seq_id=seq_id)))
             except Exception as e:  # noqa: BLE001 (the others go on)
                 log.exception("bad add from the front end (key %r)", msg["key"])
                 self._deliver([(Route(msg["key"]),

@@ -243,7 +243,7 @@ class Batcher:
             self._go_ahead(member, not_epoch)
         else:
             self._early[member] = not_epoch
-        self._arm(member, ahead_until if member.ahead else until)
+            self._arm(member, until)
         try:
             await self._answered(member)
         finally:
@@ -263,8 +263,7 @@ class Batcher:
             asyncio.get_running_loop().call_soon(self._send_ahead, self.table.coming)
         member.ahead = True
         self._ahead[member] = not_epoch
-        if member.timer is not None:
-            self._arm(member, member.ahead_until)
+        self._arm(member, member.ahead_until)
 
     async def _answered(self, member: Member) -> None:
         try:
