@@ -7,12 +7,12 @@ streams no longer slows the steps, and a huge request being tokenized never dela
 
 Messages are JSON (never pickle). Front end -> core: `add` (key, prompt ids, sampling params,
 group, replayed), `abort` (key), `together` (adds and aborts taken between the same two steps: a
-failover's batch of continuations, whose adds a parked standby holds for its promotion), `ready`
-(port). A continuation's ids are not JSON: its `add` says where they are (`raw`: offset, ids,
-keys) in the message's second frame, raw int64 little-endian ids followed by its prompt's 16-byte
-block keys. 256 continuations' ~280,000 ids as JSON lists took the core's link thread 7 ms of
-parsing on the dev VM, each id a Python int; raw, each prompt is one array. The link's thread only
-decodes a message and gives each add its sequence id: the scheduler thread makes the Sequences while the device runs its step (engines/engine.py
+failover's batch of continuations), `ready` (port). A continuation's ids are not JSON: its `add`
+says where they are (`raw`: offset, ids, keys) in the message's second frame, raw int64
+little-endian ids followed by its prompt's 16-byte block keys. 256 continuations' ~280,000 ids as
+JSON lists took the core's link thread 7 ms of parsing on the dev VM, each id a Python int; raw,
+each prompt is one array. The link's thread only decodes a message and gives each add its
+sequence id: the scheduler thread makes the Sequences while the device runs its step (engines/engine.py
 `put_later`), never while it schedules, under the same GIL. Core -> front end: `out` (one step's outputs: key and the
 Output fields; and the stats after the step), `stats` (every heartbeat), `serve` (start listening; the startup summary),
 `drain` (refuse new requests), `stop` (finish and exit).
@@ -164,7 +164,7 @@ class CoreLink:
                 raw = frames[1].buffer if len(frames) > 1 else memoryview(b"")
                 op = msg["op"]
                 if op in ("add", "together"):
-                    self.engine.put_later(self._later([msg] if op == "add" else msg["msgs"], raw, op == "together"))
+                    self.engine.put_later(self._later([msg] if op == "add" else msg["msgs"], raw))
                 elif op == "abort":
                     seq_id = self._keys.pop(msg["key"], None)
                     if seq_id is not None:
@@ -180,12 +180,11 @@ class CoreLink:
             except Exception:  # a bad message must not stop the link
                 log.exception("bad message from the front end")
 
-    def _later(self, msgs: list[dict], raw: memoryview,
-               members: bool = False) -> Callable[[], list[tuple[str, object]]]:
-        """The inbox items of these adds and aborts (an `add`, or a `together`'s: `members` of a batch),
-        built when the scheduler thread calls the result (LLMEngine.put_later): here, on this thread,
-        each add only gets its sequence id, so that an abort arriving after it maps to it. A malformed
-        one is logged and left out; the others go on."""
+    def _later(self, msgs: list[dict], raw: memoryview) -> Callable[[], list[tuple[str, object]]]:
+        """The inbox items of these adds and aborts (an `add`, or a `together`'s), built when the
+        scheduler thread calls the result (LLMEngine.put_later): here, on this thread, each add only
+        gets its sequence id, so that an abort arriving after it maps to it. A malformed one is
+        logged and left out; the others go on."""
         plan: list[tuple[dict, int]] = []
         for msg in msgs:
             try:
@@ -197,9 +196,9 @@ class CoreLink:
                     plan.append((msg, seq_id))
             except Exception:  # noqa: BLE001
                 log.exception("bad message from the front end, in a group")
-        return functools.partial(self._build, plan, raw, "member" if members else "add")
+        return functools.partial(self._build, plan, raw)
 
-    def _build(self, plan: list[tuple[dict, int]], raw: memoryview, kind: str = "add") -> list[tuple[str, object]]:
+    def _build(self, plan: list[tuple[dict, int]], raw: memoryview) -> list[tuple[str, object]]:
         """`_later`'s items (the scheduler thread): an add whose Sequence cannot be made is answered
         with an error output naming why, never left waiting."""
         items: list[tuple[str, object]] = []
@@ -208,7 +207,7 @@ class CoreLink:
                 items.append(("abort", seq_id))
                 continue
             try:
-                items.append((kind, self.engine.sequence(*self._add_args(msg, raw), seq_id=seq_id)))
+                items.append(("add", self.engine.sequence(*self._add_args(msg, raw), seq_id=seq_id)))
             except Exception as e:  # noqa: BLE001 (the others go on)
                 log.exception("bad add from the front end (key %r)", msg["key"])
                 self._deliver([(Route(msg["key"]),

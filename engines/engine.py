@@ -87,9 +87,6 @@ class LLMEngine:
         self._inflight: InFlight | None = None  # the last step's sampled tokens, read back by the next step
         self._pending: dict[int, int] = {}  # seq_id -> its row in self._inflight.tokens
         self._arrived: list[tuple[str, object]] = []  # inbox items taken (and built) during the last step
-        # A batch's members that reached this engine parked: the router sends a failover's continuations
-        # ahead, to the standby taking the pool over; they wait here for its promotion (never in scratch).
-        self._held: list[Sequence] = []
         if control is not None:  # commands wake the loop through the inbox (engines/control.py)
             control.on_command(lambda cmd: self.inbox.put(("cmd", cmd)))
 
@@ -148,9 +145,7 @@ class LLMEngine:
                 "kv_blocks_used": b.used, "kv_blocks_total": b.usable_blocks,
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                 "preemptions": self.scheduler.preemptions, "generated_tokens": self.generated_tokens,
-                "kv_mode": b.mode, "deterministic": self.runner.deterministic,
-                "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
-                "held": len(self._held),  # requests sent ahead, waiting for this parked standby's promotion
+                "kv_mode": b.mode, "deterministic": self.runner.deterministic, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
                 "continuation_reused_tokens": self.continuation_reused,
                 "continuation_recomputed_tokens": self.continuation_recomputed,
                 "gpu_reserved_bytes": torch.cuda.memory_reserved(self._device) if self._device.type == "cuda" else 0}
@@ -236,10 +231,10 @@ class LLMEngine:
                 log.exception("building the front end's requests failed; they are left out")
 
     def _take(self, kind: str, obj: object) -> None:
-        if kind in ("add", "member"):
-            self._admit(obj, member=kind == "member")  # type: ignore[arg-type]
+        if kind == "add":
+            self._admit(obj)  # type: ignore[arg-type]
         elif kind == "abort":
-            seq = self.scheduler.abort(obj) or self._unhold(obj)  # type: ignore[arg-type]
+            seq = self.scheduler.abort(obj)  # type: ignore[arg-type]
             if seq is not None:
                 seq.abort()
         elif kind == "cmd":
@@ -247,26 +242,15 @@ class LLMEngine:
         elif kind == "drain":
             self._start_draining()
 
-    def _admit(self, seq: Sequence, member: bool = False) -> None:
-        """Queue a sequence, unless it could never fit a parked standby's scratch blocks. A batch's
-        member (`member`) reaching a parked standby is held for its promotion."""
+    def _admit(self, seq: Sequence) -> None:
+        """Queue a sequence, unless it could never fit a parked standby's scratch blocks."""
         b = self.blocks
-        if b.mode == "parked" and member:
-            self._held.append(seq)
-            return
         if b.mode == "parked" and b.blocks_for(min(len(seq.prompt_ids) + seq.params.max_tokens,
                                                    self.max_model_len)) > b.usable_blocks:
             seq.fail(f"this engine is a parked standby: until promoted it serves only requests within its "
                      f"{b.usable_blocks * b.block_size}-token scratch KV (its canary)", "parked")
             return
         self.scheduler.add(seq)
-
-    def _unhold(self, seq_id: int) -> Sequence | None:
-        """Remove a held member (its client left, or the router sent it elsewhere): it, if it was held."""
-        for i, seq in enumerate(self._held):
-            if seq.seq_id == seq_id:
-                return self._held.pop(i)
-        return None
 
     # ---- control commands (the supervisor) -------------------------------------------------
     def command(self, cmd: dict) -> None:
@@ -301,17 +285,13 @@ class LLMEngine:
             log.error("promotion refused: %s", e)
             return "promote_failed", {"error": str(e)}
         self.trace.arm(self._reserved())
-        held, self._held = self._held, []
-        for seq in held:  # (continued ones go first at the next step: engines/scheduler.py FairQueue)
-            self.scheduler.add(seq)
         log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined, %d tails "
                  "(%.1f ms, the claim %.1f, of which waiting for the previous writer %.1f, the keys' sort %.1f: %.1f "
-                 "on CPU, %d page faults); %d requests sent ahead were waiting for it", report["pool_epoch"],
-                 report["adopted_blocks"], report["free_blocks"], report["quarantined_blocks"], report["tails"],
-                 report["seconds"] * 1e3, report["claim_seconds"] * 1e3, report["claim_wait_seconds"] * 1e3,
-                 report["claim_sort_seconds"] * 1e3, report["claim_sort_cpu_seconds"] * 1e3,
-                 report["claim_sort_faults"], len(held))
-        return "promoted", {"kv_mode": "writer", "held": len(held), **report}
+                 "on CPU, %d page faults)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
+                 report["quarantined_blocks"], report["tails"], report["seconds"] * 1e3, report["claim_seconds"] * 1e3,
+                 report["claim_wait_seconds"] * 1e3, report["claim_sort_seconds"] * 1e3,
+                 report["claim_sort_cpu_seconds"] * 1e3, report["claim_sort_faults"])
+        return "promoted", {"kv_mode": "writer", **report}
 
     def demote(self) -> dict:
         """A planned switchover: finish the step in flight, seal what it filled, name every running

@@ -439,7 +439,7 @@ def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_i
         client.submit([7, 8, 9], SamplingParams(**params), lambda o: None, 2)
     kind, build = engine.inbox.get(timeout=10)
     items = build()
-    assert kind == "later" and [k for k, _ in items] == ["member"] * 4  # (a batch's: a parked standby holds them)
+    assert kind == "later" and [k for k, _ in items] == ["add"] * 4
     for (_, seq), p in zip(items, prompts):
         assert seq.prompt_ids.tolist() == p.tolist() and seq.replayed == 5
         assert seq.prefix_keys == prompt_keys(p, engine.blocks.root, 16) and len(seq.prefix_keys) == 16 * 2
@@ -455,7 +455,7 @@ def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_i
     items = build()
     peer.close(linger=0)
     link.close()
-    assert [k for k, _ in items] == ["member"] and items[0][1].prompt_ids.tolist() == [0, 1, 2, 3]
+    assert [k for k, _ in items] == ["add"] and items[0][1].prompt_ids.tolist() == [0, 1, 2, 3]
     assert items[0][1].prefix_keys is None
 
 

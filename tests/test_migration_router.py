@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import signal
 import textwrap
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +32,7 @@ ENGINE = textwrap.dedent('''
     import uvicorn
     from engines.batch_wire import read_members
     app = FastAPI()
-    seen, peers, tails, arrived_at = [], [], [], []
+    seen, peers, tails, arrived_at, aborts = [], [], [], [], []
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -102,6 +100,15 @@ ENGINE = textwrap.dedent('''
                     raise
         return gen()
 
+    @app.post("/v1/continuations/abort")  # one member of a batch stopped (its client left)
+    async def abort(request: Request):
+        aborts.append(json.loads(await request.body())["index"])
+        return {"aborted": True}
+
+    @app.get("/aborts")
+    async def get_aborts():
+        return aborts
+
     @app.get("/seen")
     async def get_seen():
         return seen
@@ -153,15 +160,13 @@ def engines(tmp_path, monkeypatch):
 
 
 async def follow(table: RoutingTable, engines) -> None:
-    """The supervisor's part: when the primary's process exits, promote the next engine, which takes
-    the KV pool over first (a failover's continuations go ahead to it meanwhile)."""
+    """The supervisor's part: when the primary's process exits, promote the next engine."""
     for epoch, (proc, url) in enumerate(engines, start=1):
         table.set_primary(Upstream(url, f"u{epoch}", epoch))
         while proc.poll() is None:
             await asyncio.sleep(0.01)
         table.mark_lost(epoch)
-        table.set_primary(None, "failing over", coming=engines[epoch][1] if epoch < len(engines) else None)
-        await asyncio.sleep(0.02)
+        table.set_primary(None, "failing over")
 
 
 async def both_lost_at_once(table: RoutingTable, engines) -> None:
@@ -460,6 +465,34 @@ def test_a_member_closed_before_its_batch_ran_is_stopped_in_the_engine_once_it_r
     assert asyncio.run(go()) == ["early"]
 
 
+@pytest.mark.parametrize("fenced", [False, True], ids=["client-left", "fenced"])
+def test_a_fenced_batchs_members_send_its_engine_no_aborts(engines, fenced):
+    """A member closed unfinished (its client left) is aborted in the engine, alone; once its batch's
+    primary is fenced, its members' ends send none (the fence ends the batch's call, and with its
+    connection every member): a member's task may run before the batch's, as at a real fence."""
+    from array import array
+
+    from engines.batch_wire import encode_member
+    from supervisor.router.batching import Batcher
+    from supervisor.router.upstream import Client
+
+    async def go() -> list[int]:
+        table, url = RoutingTable(), engines[0][1]
+        batcher = Batcher(Client(timeout_s=10), table, max_bytes=1 << 20, timeout_s=10)
+        up = Upstream(url, "u1", 1)
+        table.set_primary(up)
+        body = json.dumps({"model": "m", "prompt": "p", "max_tokens": 500, "stream": True}).encode()
+        frame = encode_member(b"/v1/completions", body, array("q", [7, 8]), array("q", [0]))
+        members = await asyncio.gather(*(batcher.request(up, frame) for _ in range(3)))
+        if fenced:
+            table.mark_lost(1)  # (the batch's task hears it in the next loop round; its members end now)
+        for m in members[:2]:
+            m.close()
+        await asyncio.sleep(0.3)
+        return httpx.get(url + "/aborts").json()
+    assert sorted(asyncio.run(go())) == ([] if fenced else [0, 1])
+
+
 def promoted_after(delay_s: float, promoted_at: list[float], leaver: list[asyncio.Task] | None = None):
     """The supervisor's part on a shared KV pool: u1 exits; requests are held while u2 takes the pool
     over (`delay_s`), then u2 is primary (the moment noted in `promoted_at`). ``leaver``: its one
@@ -480,8 +513,7 @@ def promoted_after(delay_s: float, promoted_at: list[float], leaver: list[asynci
     return supervise
 
 
-def streams_across(engines, n: int, supervisor, leaver: list[asyncio.Task] | None = None, max_tokens: int = 6,
-                   die: dict[str, int] | None = None):
+def streams_across(engines, n: int, supervisor, leaver: list[asyncio.Task] | None = None):
     """`n` streaming completions at once (6 tokens, u1 dies after its 3rd chunk of one): the
     responses (the first one's task in `leaver` if given, None for its response), the events."""
     async def go():
@@ -489,7 +521,7 @@ def streams_across(engines, n: int, supervisor, leaver: list[asyncio.Task] | Non
         app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
                            migration=MigrationSection(batch=BATCH), publish=events.append)
         watcher = asyncio.ensure_future(supervisor(table, engines))
-        body = {"model": "m", "prompt": "p", "max_tokens": max_tokens, "stream": True, "die_after": die or {"u1": 3}}
+        body = {"model": "m", "prompt": "p", "max_tokens": 6, "stream": True, "die_after": {"u1": 3}}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=30) as c:
             tasks = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(n)]
             if leaver is not None:
@@ -552,90 +584,6 @@ def test_a_failovers_batch_goes_out_from_the_routing_change_on_the_connection_ke
         assert len(httpx.get(engines[1][1] + "/peers").json()) == 1
     else:
         assert len(arrived) == 4 and min(arrived) >= changed_at[1], (changed_at, arrived)
-
-
-def promoted_ahead(promoted: str, promoted_at: list[float], then=None):
-    """The supervisor's part, u2 taking the pool over (`coming`) for 0.3 s after u1 exits; then
-    `promoted` ("u2" or "u3") is primary under epoch 2 (the moment noted in `promoted_at`), and
-    `then(table, engines)` runs."""
-    async def supervise(table: RoutingTable, engines) -> None:
-        (p1, url1), (_, url2), _ = engines
-        urls = {f"u{i}": url for i, (_, url) in enumerate(engines, 1)}
-        table.set_primary(Upstream(url1, "u1", 1))
-        table.set_next_primary(url2)
-        while p1.poll() is None:
-            await asyncio.sleep(0.005)
-        table.mark_lost(1)
-        table.set_primary(None, "u2 is taking the KV pool over", coming=url2)
-        await asyncio.sleep(0.3)
-        promoted_at.append(time.monotonic())
-        table.set_primary(Upstream(urls[promoted], promoted, 2))
-        if then is not None:
-            await then(table, engines)
-    return supervise
-
-
-def test_a_failovers_continuations_go_ahead_to_the_engine_taking_the_pool_over(engines):
-    """While u2 takes the KV pool over, the continuations go to it at once, in one batch, and their
-    streams go on from the routing change that makes it primary (what u2 sent before it is held)."""
-    promoted_at: list[float] = []
-    answers, events = streams_across(engines, 4, promoted_ahead("u2", promoted_at))
-    assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 4
-    assert [e["result"] for e in events] == ["continued"] * 4
-    arrived = httpx.get(engines[1][1] + "/arrived_at").json()
-    if BATCH:
-        assert len(arrived) == 1 and arrived[0] < promoted_at[0], (arrived, promoted_at)
-        assert all(e["timeline"]["sent"] < promoted_at[0] < e["timeline"]["token"] for e in events), events
-    else:
-        assert min(arrived) > promoted_at[0], (arrived, promoted_at)
-
-
-def test_continuations_sent_ahead_go_the_usual_way_when_another_engine_is_promoted(engines):
-    """u2 was taking the pool over, u3 is promoted instead: the batch sent ahead to u2 stops, and
-    each stream goes on on u3."""
-    answers, events = streams_across(engines, 3, promoted_ahead("u3", []))
-    assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 3
-    assert [e["result"] for e in events] == ["continued"] * 3
-    assert len(seen(engines[2][1])) == 3, "every stream went on on u3"
-
-
-def test_continuations_sent_ahead_to_an_engine_lost_while_promoted_go_on_on_the_next(engines):
-    """u2, taking the pool over, dies with the batch sent ahead to it (after one chunk each; killed
-    anyway): the promotion ends without it (the hold names none), u3 is promoted, and every stream
-    goes on on u3."""
-    async def supervise(table: RoutingTable, engines) -> None:
-        (p1, url1), (p2, url2), (_, url3) = engines
-        table.set_primary(Upstream(url1, "u1", 1))
-        while p1.poll() is None:
-            await asyncio.sleep(0.005)
-        table.mark_lost(1)
-        table.set_primary(None, "u2 is taking the KV pool over", coming=url2)
-        await asyncio.sleep(0.2)  # (a batch sent ahead kills u2 after one chunk each; one-each, u2 never ran any)
-        p2.kill()
-        table.set_primary(None, "u2 was lost while taking the KV pool over")
-        await asyncio.sleep(0.1)
-        table.set_primary(Upstream(url3, "u3", 2))
-    answers, events = streams_across(engines, 3, supervise, die={"u1": 3, "u2": 1})
-    assert [texts(r) for r in answers] == ["t0 t1 t2 t3 t4 t5 "] * 3
-    assert len(seen(engines[2][1])) == 3, "every stream went on on u3"
-
-
-def test_a_batch_sent_ahead_is_interrupted_when_its_primary_is_fenced(engines, caplog):
-    """Once bound, a batch sent ahead runs under its primary's epoch: u2 hangs (SIGSTOP: its sockets
-    stay open) and is fenced, and the fence interrupts the batch's call with its streams', which go
-    on on u3 at once, not at the upstream timeout."""
-    caplog.set_level(logging.INFO, "understudy.router")
-    async def hang_u2(table: RoutingTable, engines) -> None:
-        await asyncio.sleep(0.1)
-        engines[1][0].send_signal(signal.SIGSTOP)
-        table.mark_lost(2)
-        table.set_primary(Upstream(engines[2][1], "u3", 3))
-    began = time.monotonic()
-    answers, events = streams_across(engines, 2, promoted_ahead("u2", [], hang_u2), max_tokens=150)
-    assert [texts(r) for r in answers] == ["".join(f"t{i} " for i in range(150))] * 2
-    assert time.monotonic() - began < 8, "the fence, not the upstream timeout (10 s), ended the hung streams"
-    assert len(seen(engines[2][1])) == 2 and [e["result"] for e in events] == ["continued"] * 4
-    assert f"epoch 2 fenced: {3 if BATCH else 2} calls to its primary interrupted" in caplog.text, caplog.text
 
 
 def test_a_continuation_whose_client_left_while_held_is_never_sent(engines, monkeypatch):

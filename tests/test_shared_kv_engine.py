@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import threading
 from collections.abc import Callable
 
 import httpx
@@ -312,42 +311,5 @@ def test_on_cuda_a_continuation_copies_the_dead_writers_tail_and_is_exact(tiny_m
         b = node.engine("b", 1)
         assert node.command(b, "promote", "promoted")["quarantined_blocks"] >= 1
         assert continued(node, b, body, prompt, ids) == [[len(prompt) + len(ids) - 1, 1]]
-    finally:
-        node.close()
-
-
-def test_a_batch_sent_ahead_to_a_parked_standby_waits_for_its_promotion(tiny_model, tmp_path) -> None:
-    """At a failover the router sends the continuations ahead, to the standby taking the pool over
-    (supervisor/router/batching.py): parked, it holds them (no step, no scratch block) until it is
-    promoted, then continues each exactly; a member stopped meanwhile (its client, or its router
-    left) is dropped."""
-    from test_continuation_batch import as_batch, frames, token_ids
-    node = Node(tiny_model, tmp_path)
-    try:
-        a = node.engine("a", 0)
-        node.command(a, "promote", "promoted")
-        body = {**LONG, "max_tokens": 700}  # (more than a parked standby's scratch holds)
-        prompt, ids = stream_then_kill(a, body, 40)
-        b = node.engine("b", 1)
-        member = {**body, "model": model_name(b), "stream": True,
-                  "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}}
-        answer: dict[str, bytes] = {}
-        kept = threading.Thread(target=lambda: answer.update(body=httpx.post(
-            b.url + "/v1/continuations", content=as_batch(member), timeout=120).content))
-        kept.start()
-        with httpx.stream("POST", b.url + "/v1/continuations", content=as_batch(*[{**member, "seed": 9}] * 2),
-                          timeout=60) as left:
-            assert left.status_code == 200
-            hb = node.heartbeat(b, lambda m: m["held"] == 3)
-            assert hb["kv_mode"] == "parked" and hb["kv_blocks_used"] == 0 and hb["running"] == hb["waiting"] == 0
-            stop = {"batch": left.headers["x-understudy-batch"], "index": 1}  # (its client left)
-            assert httpx.post(b.url + "/v1/continuations/abort", json=stop).json() == {"aborted": True}
-            node.heartbeat(b, lambda m: m["held"] == 2)
-        assert node.heartbeat(b, lambda m: m["held"] == 1)["generated_tokens"] == 0  # (its router left: dropped)
-        assert node.command(b, "promote", "promoted")["held"] == 1
-        kept.join(120)
-        got = token_ids(b"".join(payload for status, payload in frames(answer["body"])[0] if status == 200))
-        assert ids + got == complete(b, body).json()["choices"][0]["token_ids"]  # the uninterrupted answer
-        assert node.heartbeat(b)["held"] == 0
     finally:
         node.close()

@@ -25,8 +25,6 @@ def test_a_killed_writer_is_replaced_by_round_trip_and_its_blocks_freed_once_rea
     p = serving(**KV)
     got = p.play(("exit", "a"))
     assert in_order(got, ["fence a", "tell b promote", "hold"]) and "promote b epoch 2" not in got
-    hold = next(a for a in reversed(p.actions) if type(a).__name__ == "Hold")
-    assert (hold.lost_epoch, hold.coming) == (1, p.node.engines["b"].url)  # (the continuations go ahead to b)
     got = p.play(PROMOTED)
     assert in_order(got, ["publish failover", "promote b epoch 2"]) and "tell b fenced" not in got  # a not reaped
     assert p.node.unfenced == {"a:1"}
@@ -74,9 +72,6 @@ def test_a_planned_switchover_demotes_the_writer_first() -> None:
     assert in_order(got, ["tell a demote", "answer 200"]) and "hold" in got and "promote b epoch 2" not in got
     got = p.play(("said", "a", "demoted", {"handed_off": 7}))
     assert in_order(got, ["tell b promote", "drain a"])
-    holds = [a for a in p.actions if type(a).__name__ == "Hold"]
-    assert [(h.lost_epoch, h.coming) for h in holds[-2:]] == [(None, ""), (1, p.node.engines["b"].url)]  # (handed
-    # off requests go ahead to b, the engine taking the pool over; none went ahead while a still held it)
     assert p.node.engines["a"].heartbeat["kv_mode"] == "parked"  # status says so before a's next heartbeat
     got = p.play(PROMOTED)
     assert p.node.engines["b"].heartbeat["kv_mode"] == "writer"

@@ -2,12 +2,11 @@
 (supervisor/router, on uvloop, on a socket) from a stand-in engine (a process of its own, streaming
 token ids forever) to a client (another process), then the primary is fenced (`mark_lost`, a hold):
 the time from the fence until every stream's continuation waits built for the next primary
-(batching.Batcher.at_next_primary), or with --ahead (the hold names an engine being promoted) until
-every one's batch was sent ahead to it, per round, and with --profile the router's functions that
+(batching.Batcher.at_next_primary), per round, and with --profile the router's functions that
 took it. On an H200 host the fourteenth session's 256 losses were still being handled ~10 ms after
 detection (bench/RESULTS.md): the next primary's answer waits for all of them (one loop round).
 
-    python bench/probes/router_losses.py [--streams 256] [--prompt 600] [--rounds 5] [--ahead] [--profile]
+    python bench/probes/router_losses.py [--streams 256] [--prompt 600] [--rounds 5] [--profile]
 """
 from __future__ import annotations
 
@@ -106,14 +105,9 @@ async def measure(args: argparse.Namespace, engine_url: str) -> list[float]:
             profile.enable()
         t0 = time.perf_counter()
         table.mark_lost(epoch)
-        if args.ahead:  # (the shared pool's promotion: the continuations go ahead to the engine taking it)
-            table.set_primary(None, "promoting", coming=engine_url)
-            while sum(len(a.members) for a in batcher._sent_ahead) < args.streams:
-                await asyncio.sleep(0)
-        else:
-            table.set_primary(None, "promoting")
-            while len(batcher._early) < args.streams:
-                await asyncio.sleep(0)
+        table.set_primary(None, "promoting")
+        while len(batcher._early) < args.streams:
+            await asyncio.sleep(0)
         took.append(time.perf_counter() - t0)
         if profile:
             profile.disable()
@@ -132,8 +126,6 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--prompt", type=int, default=600)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--ahead", action="store_true",
-                   help="name an engine being promoted: until every continuation's batch is sent ahead to it")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sort", default="tottime")
     args = p.parse_args()

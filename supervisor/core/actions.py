@@ -101,12 +101,10 @@ class Promote:
 
 @dataclass(frozen=True)
 class Hold:
-    """No primary: requests wait (up to hold_timeout_s); ``reason`` is what /readyz says; ``coming``:
-    the URL of the engine taking the KV pool over, if one is (a failover's continuations go ahead)."""
+    """No primary: requests wait (up to hold_timeout_s); ``reason`` is what /readyz says."""
 
     reason: str
     lost_epoch: int | None = None
-    coming: str = ""
 
     def brief(self) -> str:
         return "hold"

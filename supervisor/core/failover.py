@@ -110,17 +110,15 @@ def announce(node: Node) -> None:
 
 def route(node: Node) -> None:
     """What the router must know, emitted when it changed: the primary (with a fenced epoch to give
-    up on, and the failover clock), or a hold, why, and which engine is being promoted; then the
-    drained and stopping flags."""
+    up on, and the failover clock), or a hold and why; then the drained and stopping flags."""
     p = node.primary_engine()
-    coming = node.engines[node.promoting.name].url if node.promoting is not None else ""
-    want = ("primary", p.name, p.url, node.epoch) if p is not None else ("hold", node.hold_reason, coming)
+    want = ("primary", p.name, p.url, node.epoch) if p is not None else ("hold", node.hold_reason)
     if want != node.routed or node.lost_epoch is not None:
         if p is not None:
             clock = node.clock if node.clock is not None and node.clock[0] == node.epoch else None
             node.emit(Promote(p.name, p.url, node.epoch, node.lost_epoch, clock[1] if clock else None))
         else:
-            node.emit(Hold(node.hold_reason, node.lost_epoch, coming))
+            node.emit(Hold(node.hold_reason, node.lost_epoch))
         node.routed, node.lost_epoch, node.clock = want, None, None
     flags = (node.drained, node.stopping)
     if flags != node.routed_flags:

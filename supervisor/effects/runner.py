@@ -74,7 +74,7 @@ class Effects:
     def _hold(self, a: Hold) -> None:
         if a.lost_epoch is not None:
             self.table.mark_lost(a.lost_epoch)
-        self.table.set_primary(None, a.reason, a.coming or None)
+        self.table.set_primary(None, a.reason)
 
     def _flags(self, a: RouterFlags) -> None:
         self.table.drained = a.drained

@@ -3,32 +3,25 @@ says why and gives the frames), up to the engines' body limit a request; each ge
 of its own part of the answer, so that the continuation loop (supervisor/router/migrating.py) reads it
 as it reads a response of its own.
 
-Three ways in. A continuation that lost its primary while an engine takes the KV pool over (a failover
-on the shared pool: RoutingTable.coming) goes there at once, with the others of the same loop round,
-sent ahead (`at_next_primary`): the engine holds them, parked, until its promotion, then starts them
-before the supervisor has even heard it (engines/engine.py). Before, they left only at the routing
-change that follows the engine's answer, ~10-20 ms later on the GPU hosts (bench/RESULTS.md), and the
-engine then parsed them after its promotion instead of during it. The routing change that makes that
-engine primary binds them to its epoch; any other change stops their batch (its members then go the
-usual way). Without one being promoted, such a continuation waits with its member built: the change
-that brings the next primary sends every such member at once, from the supervisor's pass itself. The
-others (`request`) go together when they ask for the same primary in the same pass of the event loop.
+Two ways in. A continuation that lost its primary while none serves (a failover's promotion under
+way) waits with its member built (`at_next_primary`): the routing table's change that brings the next
+primary sends every such member at once, from the supervisor's pass itself. Before, each went once its
+request's task had run again: a failover woke 256 of them at once, and their batch left once the last
+had run (~12 ms on an H200 host, bench/RESULTS.md). The others (`request`) go together when they ask
+for the same primary in the same pass of the event loop.
 
-A batch runs under its primary's epoch (routing.RoutingTable.unless_lost; one sent ahead, once bound):
-one fenced before or while its batch goes fails its members at once, and none reaches an engine after
-its fence."""
+A batch runs under its primary's epoch (routing.RoutingTable.unless_lost): one fenced before or while
+its batch goes fails its members at once, and none reaches an engine after its fence."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from engines import sse
 from engines.batch_wire import BATCH_HEADER, END, FRAMES_TYPE
-from engines.interrupt import Interrupt
 from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
 from supervisor.router.idle_guard import IdleGuard
 from supervisor.router.routing import PrimaryLost, RoutingTable, Upstream
@@ -54,12 +47,8 @@ class Member:
         self._ran = ran  # called when the engine's scheduled marker arrives (it began running this one)
         self.status, self.headers = 0, SSE
         self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.sent_to: Upstream | None = None  # sent for the next primary (Batcher.at_next_primary): which one
-        self.sent_at = 0.0  # ... when it was sent (time.monotonic)
-        self.primary_at = 0.0  # ... and when that engine became primary (the routing change)
-        self.ahead = False  # sent ahead, to the engine taking the KV pool over: its head waits for `bind`
-        self.ahead_until = 0.0  # (waiting for the next primary) how long it may wait there, sent ahead
-        self.timer: asyncio.TimerHandle | None = None  # ... and the end of its wait (Batcher._unsent)
+        self.sent_to: Upstream | None = None  # sent at a routing change (Batcher.at_next_primary): where
+        self.sent_at = 0.0  # ... and when (time.monotonic)
         self.ended = False  # the engine sent all of it (or failed it)
         self._abort: Callable[[], None] | None = None  # stops this member in the engine, once its batch runs
         self._abort_due = False  # closed unfinished before its batch ran: stopped as it runs
@@ -104,15 +93,8 @@ class Member:
             self.status, self.headers, self._refusal, self.ended = status, JSON, payload, True
         if not self.head.done():
             self.status = self.status or 200
-            if not self.ahead or self.sent_to is not None:
-                self.head.set_result(None)
-        self._wake.set()
-
-    def bind(self, up: Upstream, now: float) -> None:
-        """(Sent ahead) its engine serves now, as ``up``: what it already answered counts from here."""
-        self.sent_to, self.primary_at = up, now
-        if self.status and not self.head.done():
             self.head.set_result(None)
+        self._wake.set()
 
     def fail(self, error: UpstreamError) -> None:
         """The batch's answer broke (or ended) before this member's end."""
@@ -122,11 +104,6 @@ class Member:
         if not self.head.done():
             self.head.set_result(None)  # (request() raises the error: a future would keep it, see error())
         self._wake.set()
-
-    def unsent(self) -> None:
-        """(Sent ahead) its engine will not serve it: its wait ends, whatever it answered."""
-        if not self.head.done():
-            self.head.set_result(None)
 
     def error(self) -> UpstreamError:
         """This member's failure, a new exception each time it is raised: a raised exception's
@@ -181,21 +158,6 @@ class Member:
         self.ended = True
 
 
-class _Ahead:
-    """A batch sent ahead to the engine taking the KV pool over (RoutingTable.coming), before it serves."""
-
-    def __init__(self, url: str, members: dict[Member, int | None], table: RoutingTable) -> None:
-        self.url, self.members, self.table = url, members, table  # (each member: the epoch it must not go to)
-        self.interrupt = Interrupt()  # stops its exchange: when stopped, or its primary fenced once bound
-        self.up: Upstream | None = None  # bound: the engine serves, as this primary
-        self.stopped = False  # another engine serves, or its promotion ended
-        self.done = False  # its exchange ended (its members may wait to be bound still)
-
-    def ending(self) -> bool:
-        """Stopped, or its primary fenced once bound."""
-        return self.stopped or (self.up is not None and self.table.is_lost(self.up.epoch))
-
-
 class Batcher:
     """``await batcher.request(up, frame)``: a Member once its first frame is in (as
     ``Client.request`` returns once a response head is in); ``await batcher.at_next_primary(...)``:
@@ -205,8 +167,6 @@ class Batcher:
         self.client, self.table, self.max_bytes, self.timeout_s = client, table, max_bytes, timeout_s
         self._pending: dict[Upstream, list[Member]] = {}
         self._early: dict[Member, int | None] = {}  # waiting for the next primary (in order): the epoch not to take
-        self._ahead: dict[Member, int | None] = {}  # to go ahead to the engine taking the pool over, this round
-        self._sent_ahead: set[_Ahead] = set()  # batches sent ahead, until they end
         self._running: set[asyncio.Task] = set()
         self._warm_timer: asyncio.TimerHandle | None = None
         table.on_change.append(self._on_change)
@@ -225,73 +185,41 @@ class Batcher:
         return member.answer()
 
     async def at_next_primary(self, frame: Callable[[], bytes], ran: Callable[[], None] | None,
-                              not_epoch: int | None, until: float, ahead_until: float) -> Member | None:
-        """A member (its frame: ``frame()``) for the next primary (of an epoch other than
-        ``not_epoch``), returned once its first frame is in and that engine serves (or it failed:
-        ``Member.answer``), the primary it went to in ``sent_to``. While an engine takes the KV pool
-        over (RoutingTable.coming) it goes there at once, with the others of this loop round, and
-        waits there for the engine's promotion, up to ``ahead_until``; else it goes at the routing
-        change that brings a primary, up to ``until`` (monotonic). None when a primary is there
-        already, or none came in time, or the router is stopping: the request waits the usual way
-        (supervisor/router/attempts.py)."""
+                              not_epoch: int | None, until: float) -> Member | None:
+        """A member (its frame: ``frame()``) sent by the routing table's change that brings a primary
+        (of an epoch other than ``not_epoch``), returned once its first frame is in (or it failed:
+        ``Member.answer``), the primary it went to in ``sent_to``. None when a primary is there
+        already, or none came by ``until`` (monotonic), or the router is stopping: nothing was sent,
+        the request waits the usual way (supervisor/router/attempts.py)."""
         table = self.table
         if table.stopping or (table.primary is not None and table.primary.epoch != not_epoch):
             return None
         member = Member(frame(), self.timeout_s, ran)
-        member.ahead_until = ahead_until
-        if table.coming is not None:
-            self._go_ahead(member, not_epoch)
-        else:
-            self._early[member] = not_epoch
-            self._arm(member, until)
+        self._early[member] = not_epoch
+        timer = asyncio.get_running_loop().call_later(max(until - time.monotonic(), 0.0), self._unsent, member)
         try:
             await self._answered(member)
         finally:
-            member.timer.cancel()  # type: ignore[union-attr]
+            timer.cancel()
         return member if member.sent_to is not None else None
-
-    def _arm(self, member: Member, until: float) -> None:
-        """``member``'s wait for the next primary ends by ``until`` (monotonic)."""
-        if member.timer is not None:
-            member.timer.cancel()
-        member.timer = asyncio.get_running_loop().call_later(max(until - time.monotonic(), 0.0), self._unsent, member)
-
-    def _go_ahead(self, member: Member, not_epoch: int | None) -> None:
-        """``member`` goes to the engine taking the pool over at the end of this loop round, with the
-        others of the round (its wait now bounded by its ``ahead_until``)."""
-        if not self._ahead:
-            asyncio.get_running_loop().call_soon(self._send_ahead, self.table.coming)
-        member.ahead = True
-        self._ahead[member] = not_epoch
-        self._arm(member, member.ahead_until)
 
     async def _answered(self, member: Member) -> None:
         try:
             await member.head
         except BaseException:  # (its request ended: its client left)
             self._early.pop(member, None)
-            self._ahead.pop(member, None)
             member.close()
             raise
 
     def _unsent(self, member: Member) -> None:
-        """``member``'s wait for the next primary is over, unsent (or, sent ahead, stopped there):
-        its request goes the usual way."""
+        """``member``'s wait for the next primary is over, unsent: its request goes the usual way."""
         if member in self._early:
             del self._early[member]
             member.head.set_result(None)
-        elif member.ahead and member.sent_to is None:
-            self._ahead.pop(member, None)
-            member.close()
-            member.unsent()
 
     def _on_change(self) -> None:
-        """The routing table changed: batches sent ahead are bound to the new primary or stopped;
-        the members waiting for a primary go to the new one now (the router stopping: they go the
-        usual way, to their 503)."""
-        for ahead in list(self._sent_ahead):
-            if ahead.up is None:
-                self._settle(ahead)
+        """The routing table changed: the members waiting for a primary go to the new one now (the
+        router stopping: they go the usual way, to their 503)."""
         if not self._early:
             return
         up = self.table.primary
@@ -300,64 +228,13 @@ class Batcher:
                 self._unsent(member)
             return
         if up is None:
-            if self.table.coming is not None:  # (an engine is being promoted: they go ahead to it)
-                early, self._early = self._early, {}
-                for m, not_epoch in early.items():
-                    self._go_ahead(m, not_epoch)
             return
         members = [m for m, not_epoch in self._early.items() if not_epoch != up.epoch]
         now = time.monotonic()
         for m in members:
             del self._early[m]
-            m.sent_to, m.sent_at, m.primary_at = up, now, now
+            m.sent_to, m.sent_at = up, now
         self._start(up, members)
-
-    def _send_ahead(self, url: str) -> None:
-        """This loop round's members for the engine taking the pool over, sent to it (their batch
-        runs unbound until it serves: `_settle`)."""
-        members, self._ahead = self._ahead, {}
-        if self.table.coming != url:  # (the routing changed within the round: they go the usual way)
-            for m, not_epoch in members.items():
-                m.ahead = False
-                self._early[m] = not_epoch
-            self._on_change()
-            return
-        now = time.monotonic()
-        for batch in self._split(list(members)):
-            if batch:
-                ahead = _Ahead(url, {m: members[m] for m in batch}, self.table)
-                for m in batch:
-                    m.sent_at = now
-                body = b"".join(m.frame for m in batch)
-                self._sent_ahead.add(ahead)
-                self._spawn(self._run_ahead(ahead, body, self.client.send_now("POST", url, BATCH_PATH, FRAMES, body)))
-
-    def _settle(self, ahead: _Ahead) -> None:
-        """A batch sent ahead, at a routing change: bound to its engine, now primary (it runs under
-        that epoch from here, as any batch), or stopped (another serves, or its promotion ended)."""
-        table, up = self.table, self.table.primary
-        if up is not None and up.url == ahead.url and up.epoch not in ahead.members.values():
-            ahead.up = up
-            now = time.monotonic()
-            for m in ahead.members:
-                m.bind(up, now)
-        elif up is not None or table.stopping or table.coming != ahead.url:
-            ahead.stopped = True
-            ahead.interrupt.fire()
-            for m in ahead.members:
-                m.unsent()
-        else:
-            return
-        if ahead.done:
-            self._forget(ahead)
-        elif ahead.up is not None:
-            table.register(up.epoch, ahead.interrupt)
-
-    def _forget(self, ahead: _Ahead) -> None:
-        """A batch sent ahead is over (ended and settled): its members are its no more (each member's
-        abort refers to it: no reference cycle is left to the garbage collector)."""
-        self._sent_ahead.discard(ahead)
-        ahead.members = {}
 
     def _keep_warm(self) -> None:
         """A connection to the next primary kept open (Client.warm), checked every WARM_EVERY_S while
@@ -380,12 +257,10 @@ class Batcher:
         for batch in self._split(members):
             if batch:
                 body = b"".join(m.frame for m in batch)
-                self._spawn(self._run(up, batch, body, self.client.send_now("POST", up.url, BATCH_PATH, FRAMES, body)))
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+                sent = self.client.send_now("POST", up.url, BATCH_PATH, FRAMES, body)
+                task = asyncio.ensure_future(self._run(up, batch, body, sent))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
 
     def _split(self, members: list[Member]) -> list[list[Member]]:
         """Batches whose bodies fit the engines' limit (a member over it alone: refused as it would be alone)."""
@@ -412,29 +287,10 @@ class Batcher:
             if sent is not None and not sent.awaited:  # (fenced before its exchange began: never read)
                 self.client.abandon(sent)
 
-    async def _run_ahead(self, ahead: _Ahead, body: bytes, sent: Sent | None) -> None:
-        """One batch sent ahead: it runs until stopped, or once bound until its primary is fenced."""
-        try:
-            if ahead.stopped:
-                raise UpstreamError("its engine did not become primary")
-            with ahead.interrupt:
-                await self._exchange(ahead.url, list(ahead.members), body, sent, ahead.ending)
-        except UpstreamError as e:
-            for m in ahead.members:
-                m.fail(e)
-        finally:
-            ahead.done = True
-            if ahead.up is not None:
-                self.table.unregister(ahead.up.epoch, ahead.interrupt)
-            if ahead.up is not None or ahead.stopped:  # (else its members wait to be bound: `_settle`)
-                self._forget(ahead)
-            if sent is not None and not sent.awaited:
-                self.client.abandon(sent)
-
     async def _exchange(self, url: str, members: list[Member], body: bytes, sent: Sent | None,
-                        ending: Callable[[], bool]) -> None:
+                        fenced: Callable[[], bool]) -> None:
         """One batch: sent (``sent``: written already), its frames dealt to its members; any failure
-        fails those not ended. ``ending()``: the batch is being stopped whole (no member's own abort)."""
+        fails those not ended. ``fenced()``: its primary was fenced (no member's own abort then)."""
         resp = None
         try:
             resp = await (self.client.response(sent) if sent is not None else
@@ -446,7 +302,7 @@ class Batcher:
                 return
             batch = (resp.header(BATCH_HEADER) or b"").decode()
             for i, m in enumerate(members):
-                m.bind_abort(lambda i=i: self._abort(url, batch, i, ending))
+                m.bind_abort(lambda i=i: self._abort(url, batch, i, fenced))
             await self._deal(resp, members)
             error: UpstreamError = RemoteProtocolError("the batch's answer ended before this continuation's end")
         except UpstreamError as e:
@@ -483,12 +339,16 @@ class Batcher:
             if all(m.ended for m in members):
                 return
 
-    def _abort(self, url: str, batch: str, index: int, ending: Callable[[], bool]) -> None:
-        """Stop member ``index`` in the engine, unless its whole batch is ``ending`` (its primary fenced,
-        or stopped there: its call's end closes the connection, which stops every member; a fence
-        used to send the dead engine an abort for each member whose task ran before the batch's)."""
-        if not ending():
-            self._spawn(self._send_abort(url, batch, index))
+    def _abort(self, url: str, batch: str, index: int, fenced: Callable[[], bool]) -> None:
+        """Stop member ``index`` in the engine, unless its batch's primary was ``fenced``: the fence
+        interrupts the batch's own call, whose end closes its connection and so stops every member. (A
+        fence used to send the dead engine an abort for each member whose task ran before the batch's:
+        20 of 64 at one fence on the dev VM, bench/RESULTS.md.)"""
+        if fenced():
+            return
+        task = asyncio.ensure_future(self._send_abort(url, batch, index))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _send_abort(self, url: str, batch: str, index: int) -> None:
         try:

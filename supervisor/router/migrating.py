@@ -191,10 +191,9 @@ class _Call:
         self.req.ran = False
         began = time.monotonic()
         self.early = await self.m.batcher.at_next_primary(self._member, self._ran, attempts.failed_epoch,
-                                                          min(attempts.deadline, began + SAME_PRIMARY_RETRY_S),
-                                                          attempts.deadline)
+                                                          min(attempts.deadline, began + SAME_PRIMARY_RETRY_S))
         if self.early is not None:
-            attempts.held(self.early.primary_at - began)
+            attempts.held(self.early.sent_at - began)
 
     def _member(self) -> bytes:
         return self.req.batch_member(self.target.partition(b"?")[0])

@@ -41,7 +41,6 @@ class RoutingTable:
         # wake: a failover's continuations are sent from here (supervisor/router/batching.py).
         self.on_change: list[Callable[[], None]] = []
         self.next_primary: str | None = None  # the URL of the engine a failover would promote now
-        self.coming: str | None = None  # no primary: the URL of the engine being promoted (taking the KV pool)
         self.on_next: list[Callable[[], None]] = []  # called when it changes (batching.Batcher keeps it warm)
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
@@ -73,6 +72,10 @@ class RoutingTable:
         log.info("epoch %d fenced: %d calls to its primary interrupted (requests and batches)", epoch, len(calls))
         _tell(self.on_lost, epoch, set(calls))
 
+    def is_lost(self, epoch: int) -> bool:
+        """The primary of `epoch` was fenced (a recent epoch)."""
+        return epoch in self._lost
+
     async def unless_lost(self, epoch: int, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` (a call to the primary of `epoch`) in this task; raise PrimaryLost if that
         primary is fenced first (mark_lost interrupts the call)."""
@@ -80,31 +83,15 @@ class RoutingTable:
             coro.close()
             raise PrimaryLost(f"epoch {epoch} primary fenced")
         interrupt = Interrupt()
-        self.register(epoch, interrupt)
+        calls = self._calls.setdefault(epoch, set())
+        calls.add(interrupt)
         try:
             with interrupt:
                 return await coro
             raise PrimaryLost(f"epoch {epoch} primary fenced")  # (reached only when interrupted)
         finally:
-            self.unregister(epoch, interrupt)
-
-    def is_lost(self, epoch: int) -> bool:
-        """The primary of `epoch` was fenced (a recent epoch)."""
-        return epoch in self._lost
-
-    def register(self, epoch: int, call: Interrupt) -> None:
-        """`call` (a block running in its task) is interrupted when the primary of `epoch` is fenced:
-        now, if it was already."""
-        if epoch in self._lost:
-            call.fire()
-        else:
-            self._calls.setdefault(epoch, set()).add(call)
-
-    def unregister(self, epoch: int, call: Interrupt) -> None:
-        calls = self._calls.get(epoch)
-        if calls is not None:
-            calls.discard(call)
-            if not calls:
+            calls.discard(interrupt)
+            if not calls and self._calls.get(epoch) is calls:
                 del self._calls[epoch]
 
     def start_failover_clock(self, epoch: int, detected_at: float) -> None:
@@ -120,11 +107,9 @@ class RoutingTable:
         self._failover_clock = None
         return (time.monotonic() if began_at is None else began_at) - clock[1]
 
-    def set_primary(self, up: Upstream | None, reason: str = "", coming: str | None = None) -> None:
-        """Switch traffic (None = hold requests; `coming`: meanwhile, the URL of the engine taking the
-        KV pool over, where a failover's continuations go ahead); wakes every waiting request."""
+    def set_primary(self, up: Upstream | None, reason: str = "") -> None:
+        """Switch traffic (None = hold requests); wakes every waiting request."""
         self.primary = up
-        self.coming = coming if up is None else None
         if up is None:
             self.not_ready_reason = reason or "no primary"
         self._wake()
