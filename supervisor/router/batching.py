@@ -278,8 +278,7 @@ class Batcher:
     async def _run(self, up: Upstream, members: list[Member], body: bytes, sent: Sent | None) -> None:
         """One batch, as long as its primary is not fenced: a fence fails its members at once."""
         try:
-            await self.table.unless_lost(up.epoch, self._exchange(up.url, members, body, sent,
-                                                                  lambda: self.table.is_lost(up.epoch)))
+            await self.table.unless_lost(up.epoch, self._exchange(up.url, members, body, sent, up.epoch))
         except PrimaryLost:
             for m in members:
                 m.fail(UpstreamError(f"{up.name} (epoch {up.epoch}) was fenced before this continuation's end"))
@@ -287,10 +286,9 @@ class Batcher:
             if sent is not None and not sent.awaited:  # (fenced before its exchange began: never read)
                 self.client.abandon(sent)
 
-    async def _exchange(self, url: str, members: list[Member], body: bytes, sent: Sent | None,
-                        fenced: Callable[[], bool]) -> None:
-        """One batch: sent (``sent``: written already), its frames dealt to its members; any failure
-        fails those not ended. ``fenced()``: its primary was fenced (no member's own abort then)."""
+    async def _exchange(self, url: str, members: list[Member], body: bytes, sent: Sent | None, epoch: int) -> None:
+        """One batch to the primary of ``epoch``: sent (``sent``: written already), its frames dealt to its
+        members; any failure fails those not ended."""
         resp = None
         try:
             resp = await (self.client.response(sent) if sent is not None else
@@ -302,7 +300,7 @@ class Batcher:
                 return
             batch = (resp.header(BATCH_HEADER) or b"").decode()
             for i, m in enumerate(members):
-                m.bind_abort(lambda i=i: self._abort(url, batch, i, fenced))
+                m.bind_abort(lambda i=i: self._abort(url, batch, i, epoch))
             await self._deal(resp, members)
             error: UpstreamError = RemoteProtocolError("the batch's answer ended before this continuation's end")
         except UpstreamError as e:
@@ -339,12 +337,12 @@ class Batcher:
             if all(m.ended for m in members):
                 return
 
-    def _abort(self, url: str, batch: str, index: int, fenced: Callable[[], bool]) -> None:
-        """Stop member ``index`` in the engine, unless its batch's primary was ``fenced``: the fence
+    def _abort(self, url: str, batch: str, index: int, epoch: int) -> None:
+        """Stop member ``index`` in the engine, unless its batch's primary (of ``epoch``) was fenced: the fence
         interrupts the batch's own call, whose end closes its connection and so stops every member. (A
         fence used to send the dead engine an abort for each member whose task ran before the batch's:
         20 of 64 at one fence on the dev VM, bench/RESULTS.md.)"""
-        if fenced():
+        if self.table.is_lost(epoch):
             return
         task = asyncio.ensure_future(self._send_abort(url, batch, index))
         self._running.add(task)

@@ -79,7 +79,7 @@ class RoutingTable:
     async def unless_lost(self, epoch: int, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` (a call to the primary of `epoch`) in this task; raise PrimaryLost if that
         primary is fenced first (mark_lost interrupts the call)."""
-        if epoch in self._lost:
+        if self.is_lost(epoch):
             coro.close()
             raise PrimaryLost(f"epoch {epoch} primary fenced")
         interrupt = Interrupt()
