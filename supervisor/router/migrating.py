@@ -83,10 +83,10 @@ class Migrator:
 
     def _unregistered(self, epoch: int, interrupted: set) -> None:
         """A fence of ``epoch``'s primary: the requests with an attempt in flight there whose task it did
-        not interrupt wait for the dead engine's sockets to close (after its GPU teardown): say how many
-        and where they wait. (A GPU run saw 158 streams wait so for 238 ms once. Fences that interrupted
-        the calls of only 123-134 of 256 streams, every stream continued on time, are likely not that:
-        the others' sockets had closed first, so they were between attempts.)"""
+        not interrupt would wait for the dead engine's sockets: say how many and where they wait. (A GPU
+        run once continued 158 streams ~240 ms late, why not shown: bench/RESULTS.md, twenty-sixth
+        session. Fences that interrupted fewer calls than streams, with no such request, are streams
+        whose sockets closed first: they were between attempts, and continued on time.)"""
         tasks = {i.task for i in interrupted}
         missed = [c for c in self._live if c.attempt_on == epoch and not c.req.done and c.task not in tasks]
         if missed:

@@ -67,8 +67,8 @@ class RoutingTable:
         calls = self._calls.pop(epoch, ())
         for call in calls:
             call.fire()
-        # (the count: a stream that was in flight there and is not among them waits for the kernel to close
-        # its socket, after the dead engine's GPU teardown; a GPU run saw 158 streams do so once)
+        # (the count: the streams not among them had lost this primary already, their sockets closed
+        # first; one with an attempt still in flight there is warned of by migrating.Migrator)
         log.info("epoch %d fenced: %d calls to its primary interrupted (requests and batches)", epoch, len(calls))
         _tell(self.on_lost, epoch, set(calls))
 
