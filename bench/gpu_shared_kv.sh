@@ -74,8 +74,10 @@ import json, sys
 for r in json.load(open(sys.argv[1])):
     g, q, f, rc = (r["gap_across_kill_ms"], r["gap_at_quiet_moments_ms"], r["failover_seconds_ms"],
                    r["recomputed_tokens_per_continuation"])
+    a = r["gap_added_by_kill_ms"]
     print(f"shared_kv={r['shared_kv']}: gap across kill p50 {g.get('p50')} p99 {g.get('p99')} max {g.get('max')} ms "
           f"(n={g['n']}); at quiet moments p50 {q.get('p50')} p99 {q.get('p99')} max {q.get('max')} ms (n={q['n']}); "
+          f"added by the kill p50 {a.get('p50')} p99 {a.get('p99')} ms (n={a.get('n')}); "
           f"failover_seconds p50 {f.get('p50')} max {f.get('max')} ms (n={f['n']}); recomputed max "
           f"{rc.get('max')} p50 {rc.get('p50')} (n={rc['n']}); standby back p50 {r['standby_back_s'].get('p50')} "
           f"max {r['standby_back_s'].get('max')} s; failed {r['failed']} of {r['requests']}; client CPU max "

@@ -105,3 +105,21 @@ def test_the_supervisors_collections_between_two_scrapes_by_generation():
     got = gc_pauses_between(before, MetricsSnapshot.parse(m.render().decode()))
     assert got == {"0": {"count": 2, "total_ms": 4.0, "over_10ms": 0}, "1": {"count": 1, "total_ms": 12.0, "over_10ms": 1},
                    "2": {"count": 2, "total_ms": 48.0, "over_10ms": 1}}
+
+
+def test_what_a_kill_added_pairs_a_streams_gap_across_it_with_its_own_quiet_gap_before():
+    """Node whole at 10.0 (the quiet window 10.0-11.0), kill at 12.0. The first stream waits 0.3 s at
+    quiet and 0.5 s across the kill: the kill added 0.2 s. The second began after the quiet window: it
+    counts across the kill, not in what the kill added."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--streams", "2"])
+    args.runs = 1
+    kills, whole = [12.0], [10.0]
+    results = [stream(9.5, [9.6, 9.9, 10.2, 10.5, 10.8, 11.1, 11.4, 11.7, 11.95, 12.45, 12.5]),
+               stream(11.5, [11.6, 11.9, 12.6, 12.7])]
+    gaps = [Gaps.of(r, kills + whole, 1.0, [None] + kills) for r in results]
+    out = summarize(args, True, [ProcessReport(start=9.0, end=13.0, cpu_s=0.1, gaps=gaps)], kills, [0.01], [1.0], [])
+    assert out["gap_across_kill_ms"] == bench_summary([500.0, 700.0], 2)
+    assert out["gap_at_quiet_moments_ms"] == bench_summary([300.0], 2)
+    assert out["gap_added_by_kill_ms"] == bench_summary([200.0], 2)

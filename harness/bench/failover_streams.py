@@ -218,11 +218,16 @@ def longest_waits(gaps: list[Gaps], kills: list[float], n: int = 5) -> list[dict
 def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessReport], kills: list[float],
               failover_s: list[float], recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
     """Per kill, the gap every stream in flight saw across it; the same gap at quiet moments (the
-    window from the node whole before each kill, its gaps ended by the kill); the other streams' longest gaps (those not within `--window` of a kill); the failures;
-    the client processes' CPU."""
+    window from the node whole before each kill, its gaps ended by the kill); what the kill added to
+    each stream in flight through both; the other streams' longest gaps (those not within `--window`
+    of a kill); the failures; the client processes' CPU."""
     gaps: list[Gaps] = [g for r in reports for g in r.gaps]
-    across_kill = [[a for g in gaps if (a := g.across[k]) is not None] for k in range(len(kills))]
-    at_quiet = [a for g in gaps for a in g.across[len(kills):] if a is not None]
+    n = len(kills)
+    across_kill = [[a for g in gaps if (a := g.across[k]) is not None] for k in range(n)]
+    at_quiet = [a for g in gaps for a in g.across[n:] if a is not None]
+    # what a kill added to a stream's longest wait: its gap across the kill less its own gap in the quiet
+    # window before that kill (streams in flight through both; the load's own jitter cancels out)
+    added = [a - q for g in gaps for a, q in zip(g.across[:n], g.across[n:]) if a is not None and q is not None]
     calm = [g.longest for g in gaps if g.error is None and
             not any(g.sent - args.window < t < g.end + args.window for t in kills)]
     failed = [{"sent": g.sent, "end": g.end, "error": g.error} for g in gaps if g.error]
@@ -235,6 +240,7 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessRe
         "gap_window_s": args.gap_window,
         "gap_across_kill_ms": ms([a for per_kill in across_kill for a in per_kill]),
         "gap_at_quiet_moments_ms": ms(at_quiet),
+        "gap_added_by_kill_ms": ms(added),
         "longest_gap_other_streams_ms": ms(calm),
         "failover_seconds_ms": ms(failover_s), "standby_back_s": bench_summary(recovery_s),
         "recomputed_tokens_per_continuation": bench_summary(recomputed, 1),
@@ -275,7 +281,8 @@ def run_streams(args: argparse.Namespace) -> int:
                               r["failover_seconds_ms"], r["recomputed_tokens_per_continuation"])
             print(f"shared_kv={r['shared_kv']}: gap across a kill (longest wait within {r['gap_window_s']:g} s) median "
                   f"{g.get('p50')} ms, {tail_text(g)}; the same at quiet moments median {q.get('p50')} ms, "
-                  f"{tail_text(q)}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
+                  f"{tail_text(q)}; added by the kill to a stream in flight through both median "
+                  f"{r['gap_added_by_kill_ms'].get('p50')} ms, {tail_text(r['gap_added_by_kill_ms'])}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
                   f"failover_seconds median {f.get('p50')} ms, {tail_text(f)} (from a detection "
                   f"{r['kill_to_detection_ms'].get('p50')} ms after the kill at the median, "
                   f"{r['kill_to_detection_ms'].get('max')} at most); recomputed per continuation max "
