@@ -226,7 +226,7 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessRe
     across_kill = [[a for g in gaps if (a := g.across[k]) is not None] for k in range(n)]
     at_quiet = [a for g in gaps for a in g.across[n:] if a is not None]
     # what a kill added to a stream's longest wait: its gap across the kill less its own gap in the quiet
-    # window before that kill (streams in flight through both; the load's own jitter cancels out)
+    # window before that kill (streams in flight through both: each set against its own quiet wait)
     added = [a - q for g in gaps for a, q in zip(g.across[:n], g.across[n:]) if a is not None and q is not None]
     calm = [g.longest for g in gaps if g.error is None and
             not any(g.sent - args.window < t < g.end + args.window for t in kills)]
@@ -279,10 +279,11 @@ def run_streams(args: argparse.Namespace) -> int:
         for r in results:
             g, q, o, f, rc = (r["gap_across_kill_ms"], r["gap_at_quiet_moments_ms"], r["longest_gap_other_streams_ms"],
                               r["failover_seconds_ms"], r["recomputed_tokens_per_continuation"])
+            a = r["gap_added_by_kill_ms"]
             print(f"shared_kv={r['shared_kv']}: gap across a kill (longest wait within {r['gap_window_s']:g} s) median "
                   f"{g.get('p50')} ms, {tail_text(g)}; the same at quiet moments median {q.get('p50')} ms, "
-                  f"{tail_text(q)}; added by the kill to a stream in flight through both median "
-                  f"{r['gap_added_by_kill_ms'].get('p50')} ms, {tail_text(r['gap_added_by_kill_ms'])}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
+                  f"{tail_text(q)}; added by the kill to a stream in flight through both median {a.get('p50')} ms, "
+                  f"{tail_text(a)}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
                   f"failover_seconds median {f.get('p50')} ms, {tail_text(f)} (from a detection "
                   f"{r['kill_to_detection_ms'].get('p50')} ms after the kill at the median, "
                   f"{r['kill_to_detection_ms'].get('max')} at most); recomputed per continuation max "
