@@ -15,6 +15,8 @@ import json
 import sys
 import tarfile
 
+from harness.stats import tail_text
+
 
 def runs(path: str) -> list[dict]:
     """The failover reports (one per node) in a failover_streams.json or in the .tgz that holds one."""
@@ -27,8 +29,7 @@ def runs(path: str) -> list[dict]:
 
 def row(path: str, r: dict, target_ms: float) -> str:
     q = r.get("gap_at_quiet_moments_ms", {})  # (older reports had no quiet figure, none what a kill added)
-    pair = lambda s: f"{s.get('p50', '-')} / " + (  # noqa: E731  (no p99 of fewer than 100)
-        str(s["p99"]) if "p99" in s else f"max {s['max']} of {s['n']}" if s.get("n") else "-")
+    pair = lambda s: f"{s['p50']} / {tail_text(s, '', '.2f').strip()}" if s.get("n") else "-"  # noqa: E731
     floor = "-" if q.get("p99") is None else ("below the quiet p99" if q["p99"] > target_ms else "above it")
     return (f"| {path} | {r['shared_kv']} | {r['streams']} | {r['kills']} | {pair(r['gap_across_kill_ms'])} | "
             f"{pair(q)} | {pair(r.get('gap_added_by_kill_ms', {}))} | "
@@ -36,9 +37,9 @@ def row(path: str, r: dict, target_ms: float) -> str:
 
 
 def main(paths: list[str], target_ms: float = 30.0) -> None:
-    print(f"| run | shared_kv | streams | kills | across a kill: p50 / p99 ms | quiet: p50 / p99 ms | "
-          f"added by the kill: p50 / p99 ms | "
-          f"first token after the kill: p50 / p99 ms | a {target_ms:g} ms p99 target is |")
+    print(f"| run | shared_kv | streams | kills | across a kill: p50 / tail ms | quiet: p50 / tail ms | "
+          f"added by the kill: p50 / tail ms | "
+          f"first token after the kill: p50 / tail ms | a {target_ms:g} ms p99 target is |")
     print("|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         for r in runs(path):

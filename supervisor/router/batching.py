@@ -278,7 +278,7 @@ class Batcher:
     async def _run(self, up: Upstream, members: list[Member], body: bytes, sent: Sent | None) -> None:
         """One batch, as long as its primary is not fenced: a fence fails its members at once."""
         try:
-            await self.table.unless_lost(up.epoch, self._exchange(up.url, members, body, sent, up.epoch))
+            await self.table.unless_lost(up.epoch, self._exchange(up, members, body, sent))
         except PrimaryLost:
             for m in members:
                 m.fail(UpstreamError(f"{up.name} (epoch {up.epoch}) was fenced before this continuation's end"))
@@ -286,13 +286,13 @@ class Batcher:
             if sent is not None and not sent.awaited:  # (fenced before its exchange began: never read)
                 self.client.abandon(sent)
 
-    async def _exchange(self, url: str, members: list[Member], body: bytes, sent: Sent | None, epoch: int) -> None:
-        """One batch to the primary of ``epoch``: sent (``sent``: written already), its frames dealt to its
-        members; any failure fails those not ended."""
+    async def _exchange(self, up: Upstream, members: list[Member], body: bytes, sent: Sent | None) -> None:
+        """One batch to ``up``: sent (``sent``: written already), its frames dealt to its members; any
+        failure fails those not ended."""
         resp = None
         try:
             resp = await (self.client.response(sent) if sent is not None else
-                          self.client.request("POST", url, BATCH_PATH, FRAMES, body))
+                          self.client.request("POST", up.url, BATCH_PATH, FRAMES, body))
             if resp.status != 200 or resp.header(b"content-type") != FRAMES_TYPE:
                 content = await resp.read()
                 for m in members:  # (the engine refused the batch: each member as its own request would be)
@@ -300,7 +300,7 @@ class Batcher:
                 return
             batch = (resp.header(BATCH_HEADER) or b"").decode()
             for i, m in enumerate(members):
-                m.bind_abort(lambda i=i: self._abort(url, batch, i, epoch))
+                m.bind_abort(lambda i=i: self._abort(up, batch, i))
             await self._deal(resp, members)
             error: UpstreamError = RemoteProtocolError("the batch's answer ended before this continuation's end")
         except UpstreamError as e:
@@ -337,14 +337,14 @@ class Batcher:
             if all(m.ended for m in members):
                 return
 
-    def _abort(self, url: str, batch: str, index: int, epoch: int) -> None:
-        """Stop member ``index`` in the engine, unless its batch's primary (of ``epoch``) was fenced: the fence
+    def _abort(self, up: Upstream, batch: str, index: int) -> None:
+        """Stop member ``index`` in the engine, unless its batch's primary (``up``) was fenced: the fence
         interrupts the batch's own call, whose end closes its connection and so stops every member. (A
         fence used to send the dead engine an abort for each member whose task ran before the batch's:
         20 of 64 at one fence on the dev VM, bench/RESULTS.md.)"""
-        if self.table.is_lost(epoch):
+        if self.table.is_lost(up.epoch):
             return
-        task = asyncio.ensure_future(self._send_abort(url, batch, index))
+        task = asyncio.ensure_future(self._send_abort(up.url, batch, index))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
