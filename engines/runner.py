@@ -135,6 +135,11 @@ class ModelRunner:
         self.deterministic = model.deterministic = deterministic  # batch-invariant ops (engines/models/invariant.py)
         attn = model.model.layers[0].self_attn
         self.deterministic_status = "on" if deterministic else "off"
+        if deterministic and device.type == "cpu":
+            from .models.invariant import check_cpu_tiles
+            tiles = check_cpu_tiles(model)
+            self.deterministic_status = ("on (CPU: torch on fixed tiles, checked bit-identical at every place)" if tiles
+                                         else "on (CPU: rows one by one: this BLAS sums a row by its place in a tile)")
         if deterministic and device.type == "cuda":
             from .kernels.paged_attention import check_query_tiles
             from .models.invariant_forward import check_product_tiles

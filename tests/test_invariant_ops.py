@@ -1,7 +1,9 @@
 """Batch invariance of the deterministic ops (engines/models/invariant.py, engines/kernels/
 invariant_matmul.py and row_ops.py): a row's output is bit-identical alone and inside batches of many sizes with
-random other rows, in float32 and bfloat16 on the torch path, and on the Triton kernel through
-Triton's interpreter on CPU (float32 and float16: the interpreter has no bfloat16 product)."""
+random other rows, in float32 and bfloat16 on the torch path (CPU). The Triton kernels' bit-identity is
+a property of the GPU's products, checked on a GPU (`-m gpu`); through Triton's interpreter on CPU
+(float32 and float16: the interpreter has no bfloat16 product) their products are numpy's, whose
+bits depend on the CPU's BLAS, so there they are checked for their values only."""
 from __future__ import annotations
 
 import os
@@ -10,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.models.invariant import chunked_attention, linear, rms_norm
+from engines.models.invariant import TILE, chunked_attention, linear, per_row, per_tile, rms_norm, tiles_agree
 from engines.sampling import SamplingParams, filter_logits
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # as tests/test_kernels.py: set before triton runs a kernel
+import triton  # noqa: E402, F401  (scripts/install pins it: the kernels' tests run, never skip)
 
 DTYPES = [torch.float32, torch.bfloat16]
 SIZES = [1, 3, 17, 64, 200]
@@ -57,6 +60,25 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype: torch.dtype, variant: str
     if variant == "gated+residual":
         want = want + res_row.float()
     torch.testing.assert_close(alone.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_a_blas_that_sums_by_place_is_caught_and_rows_go_one_by_one() -> None:
+    """The CPU check: a product whose last rows of a tile are summed in another order (as some BLAS
+    edge kernels do) fails `tiles_agree`, and `per_row` (the fallback) gives every row its bits alone."""
+    def by_place(t: torch.Tensor) -> torch.Tensor:  # rows past 11 summed one by one
+        return torch.stack([r.sum() if i < 12 else r.cumsum(0)[-1] for i, r in enumerate(t)])[:, None]
+    assert tiles_agree(lambda t: t @ torch.ones(t.shape[1], 1), 64, torch.float32)
+    assert not tiles_agree(by_place, 64, torch.float32)
+    g = torch.Generator().manual_seed(7)
+    row = torch.randn(64, generator=g)
+    while row.sum() == row.cumsum(0)[-1]:  # a row whose two sums differ
+        row = torch.randn(64, generator=g)
+    alone = by_place(row[None])[0]
+    for x, at in batches(g, row):
+        assert torch.equal(per_row(by_place, x)[at], alone)
+    x = torch.randn(TILE, 64, generator=g)
+    x[13] = row
+    assert not torch.equal(per_tile(by_place, x)[13], alone)  # (what the check caught)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,49 +129,71 @@ def test_top_p_filter_of_a_row_does_not_depend_on_the_batch() -> None:
 
 
 # ---- the Triton kernel (natively on a GPU, else through the interpreter) --------------------------
-triton = pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float32, torch.float16]
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("variant", ["plain", "norm+bias", "gated+residual"])
-def test_invariant_kernels_rows_do_not_depend_on_the_batch_or_the_tile(dtype: torch.dtype, variant: str) -> None:
-    """The Triton path of `linear` (engines/kernels/row_ops.py, then the product): a row alone and
-    in batches of 3 and 70 rows, through each tile; on a GPU also through the tile chosen by the
-    rows (SMALL alone and for 3, MEDIUM for 70), which must give the same bits as each other."""
-    from engines.kernels.invariant_matmul import LARGE, MEDIUM, SMALL, invariant_matmul
-    from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
-    g = torch.Generator().manual_seed(5)
-    n, k = 200, 600
-    rnd = lambda *size: torch.randn(*size, generator=g).to(DEV, dtype)  # noqa: E731
-    w = rnd(n, k)
-    gated, normed = variant == "gated+residual", variant == "norm+bias"
-    norm_w, bias = (rnd(k), rnd(n)) if normed else (None, None)
-    row, res_row = rnd(2 * k if gated else k), rnd(n)
+def test_invariant_kernels_compute_their_product_through_every_tile(dtype: torch.dtype, variant: str) -> None:
+    """The Triton path of `linear` (engines/kernels/row_ops.py, then the product), through each tile:
+    the product it claims, alone and in batches of 3 and 70 rows (interpreter or GPU)."""
+    from engines.kernels.invariant_matmul import LARGE, MEDIUM, SMALL
+    case = _kernel_case(dtype, variant)
+    for tiles in (SMALL, MEDIUM, LARGE):
+        case.close_to_reference(case.call(case.row[None], tiles)[0])
+        for x, at in batches(case.g, case.row.cpu(), [3, 70]):
+            case.close_to_reference(case.call(x.to(DEV), tiles)[at])
 
-    def call(x: torch.Tensor, tiles) -> torch.Tensor:  # noqa: ANN001
-        if gated:
-            x = silu_mul_rows(x)
-        if normed:
-            x = rms_norm_rows(x, norm_w, 1e-5)
-        residual = res_row.expand(x.shape[0], n).contiguous() if gated else None
-        return invariant_matmul(x, w, bias=bias, residual=residual, tiles=tiles)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="the products' bits are the GPU's (on CPU the interpreter's are numpy's)")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("variant", ["plain", "norm+bias", "gated+residual"])
+def test_invariant_kernels_rows_do_not_depend_on_the_batch_or_the_tile(dtype: torch.dtype, variant: str) -> None:
+    """A row alone and in batches of 3 and 70 rows, through each tile and through the tile chosen by
+    the rows (SMALL alone and for 3, MEDIUM for 70): the same bits."""
+    from engines.kernels.invariant_matmul import LARGE, MEDIUM, SMALL
+    case = _kernel_case(dtype, variant)
     by_tile = {}
-    for tiles in (SMALL, MEDIUM, LARGE, *([None] if DEV == "cuda" else [])):
-        alone = by_tile[tiles] = call(row[None], tiles)[0]
-        for x, at in batches(g, row.cpu(), [3, 70]):
-            assert torch.equal(call(x.to(DEV), tiles)[at], alone), (x.shape, tiles)
-    if DEV == "cuda":
-        assert torch.equal(by_tile[SMALL], by_tile[MEDIUM]) and torch.equal(by_tile[SMALL], by_tile[LARGE])
-    a = row.float()
-    if gated:
-        a = F.silu(a[:k]) * a[k:]
-    if normed:
-        a = a * torch.rsqrt(a.pow(2).mean() + 1e-5) * norm_w.float()
-    want = w.float() @ a + (bias.float() if normed else 0) + (res_row.float() if gated else 0)
-    got = by_tile[SMALL].float()
-    torch.testing.assert_close(got, want, rtol=0, atol=0.02 * want.abs().max().item())
+    for tiles in (SMALL, MEDIUM, LARGE, None):
+        alone = by_tile[tiles] = case.call(case.row[None], tiles)[0]
+        for x, at in batches(case.g, case.row.cpu(), [3, 70]):
+            assert torch.equal(case.call(x.to(DEV), tiles)[at], alone), (x.shape, tiles)
+    assert torch.equal(by_tile[SMALL], by_tile[MEDIUM]) and torch.equal(by_tile[SMALL], by_tile[LARGE])
+    case.close_to_reference(by_tile[SMALL])
+
+
+class _kernel_case:
+    """One product of the invariant kernels: weights, a row, the call, and its float32 reference."""
+
+    def __init__(self, dtype: torch.dtype, variant: str) -> None:
+        self.g = torch.Generator().manual_seed(5)
+        n, k = 200, 600
+        rnd = lambda *size: torch.randn(*size, generator=self.g).to(DEV, dtype)  # noqa: E731
+        self.w = rnd(n, k)
+        self.gated, self.normed = variant == "gated+residual", variant == "norm+bias"
+        self.norm_w, self.bias = (rnd(k), rnd(n)) if self.normed else (None, None)
+        self.row, self.res_row = rnd(2 * k if self.gated else k), rnd(n)
+        a = self.row.float()
+        if self.gated:
+            a = F.silu(a[:k]) * a[k:]
+        if self.normed:
+            a = a * torch.rsqrt(a.pow(2).mean() + 1e-5) * self.norm_w.float()
+        self.want = self.w.float() @ a + (self.bias.float() if self.normed else 0) + (self.res_row.float() if self.gated else 0)
+
+    def call(self, x: torch.Tensor, tiles) -> torch.Tensor:  # noqa: ANN001
+        from engines.kernels.invariant_matmul import invariant_matmul
+        from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
+        if self.gated:
+            x = silu_mul_rows(x)
+        if self.normed:
+            x = rms_norm_rows(x, self.norm_w, 1e-5)
+        residual = self.res_row.expand(x.shape[0], self.w.shape[0]).contiguous() if self.gated else None
+        return invariant_matmul(x, self.w, bias=self.bias, residual=residual, tiles=tiles)
+
+    def close_to_reference(self, got: torch.Tensor) -> None:
+        torch.testing.assert_close(got.float(), self.want, rtol=0, atol=0.02 * self.want.abs().max().item())
 
 
 def test_the_products_tiles_check_says_whether_they_agree() -> None:
@@ -170,7 +214,9 @@ def test_the_products_tiles_check_says_whether_they_agree() -> None:
         im._tiles_by_rows.pop(dev, None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float16])
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="the kernel's bits are the GPU's (on CPU the interpreter's products are numpy's)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(dtype: torch.dtype) -> None:
     """The Triton kernel as deterministic engines run it (decode's query tile for every row, every
     row's keys in the same splits merged in order): a position's output as a
@@ -201,3 +247,23 @@ def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(
         assert torch.equal(run(q[p:p + 1], [1], [p + 1], [0])[0], whole[p]), p
         mixed = run(torch.cat([other[:1], q[p:p + 1], other[1:]]), [1, 1, 1], [280, p + 1, 120], [1, 0, 2])
         assert torch.equal(mixed[1], whole[p]), p
+
+
+def test_paged_attention_kernel_deterministic_mode_computes_attention() -> None:
+    """The kernel as deterministic engines run it (every row's keys in fixed splits, merged in
+    order), a prefill beside decode rows: attention's values (interpreter or GPU; the bits are the
+    GPU test's above)."""
+    from engines.kernels.paged_attention import BLOCK_KEYS, paged_attention, query_block
+    from engines.models.paged import packed_meta, reference_paged_attention
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, d, bs = 4, 2, 16, 16
+    cache, tables = paged(g, torch.float16, [300, 280], heads, kv_heads, d, bs=bs)
+    cache = cache.to(DEV)
+    work = [(tables[0].tolist(), 200, 100), (tables[1].tolist(), 279, 1)]
+    q = torch.randn(101, heads, d, generator=g).to(DEV, torch.float16)
+    bq = query_block(heads, kv_heads, False, deterministic=True)
+    meta = packed_meta(work, bs, tables.shape[1], bq, DEV)
+    got = paged_attention(q, cache[0], cache[1], meta.cu_q, meta.seq_lens, meta.block_tables, meta.cu_qblocks,
+                          meta.num_programs, bq, min_split_keys=BLOCK_KEYS, merge_splits=True)
+    want = reference_paged_attention(q.float(), cache[0].float(), cache[1].float(), meta)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-3)

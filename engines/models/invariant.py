@@ -7,8 +7,11 @@ gives other bits alone, in a batch of 17 or in a prefill chunk. Here:
 - `linear` (RMSNorm of its input or silu(gate) * up, then the product, bias and the residual add):
   on CUDA the Triton kernels engines/kernels/row_ops.py and invariant_matmul.py (K never split,
   one row's reduction in one program); elsewhere torch on tiles of a fixed TILE rows
-  (the rows padded with zeros), one call per tile, so the library always sees the same shape and a
-  row is summed the same way wherever it sits;
+  (the rows padded with zeros), one call per tile, so the library always sees the same shape. That
+  a row is then summed the same way at every place in its tile is a property of the CPU's BLAS
+  kernel (not of every one: some sum a tile's last rows in an edge kernel), so it is checked once
+  per weight shape (`check_cpu_tiles`, run at start on the model's own weights); where it fails,
+  every row is multiplied on its own (a one-row call on a fresh copy: slower, the same bits);
 - `rms_norm` (the same fixed tiles) and `silu_mul` (elementwise), for probes and tests (the forward
   folds both into `linear`);
 - `paged_attention`: on CUDA the paged Triton kernel with one query tile for decode and prefill and
@@ -24,6 +27,7 @@ Elementwise ops (residual adds, rotary, the embedding) are per element and alrea
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -32,6 +36,8 @@ import torch.nn.functional as F
 
 TILE = 16  # rows per torch call (CPU)
 QUERY_TILE, KEY_CHUNK = 16, 64  # the CPU attention's tiles
+log = logging.getLogger(__name__)
+_tiles_agree: dict[tuple, bool] = {}  # CPU: (weight shape, dtype, prologue) -> a row's bits the same at every tile place
 
 
 def per_tile(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = TILE) -> torch.Tensor:
@@ -75,8 +81,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if norm_weight is not None:
             t = F.rms_norm(t, (t.shape[-1],), norm_weight, eps)
         return F.linear(t, weight, bias)
-    y = per_tile(tile, x)
+    key = _key(weight, bias, norm_weight, gated)
+    if key not in _tiles_agree:
+        _tiles_agree[key] = tiles_agree(tile, x.shape[-1], x.dtype)
+        if not _tiles_agree[key]:
+            log.info("deterministic: this CPU's BLAS sums a row by its place in a tile for weight %s %s; "
+                     "rows are multiplied one by one", tuple(weight.shape), weight.dtype)
+    y = per_tile(tile, x) if _tiles_agree[key] else per_row(tile, x)
     return y if residual is None else residual + y
+
+
+def _key(weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None, gated: bool) -> tuple:
+    return tuple(weight.shape), weight.dtype, gated, norm_weight is not None, bias is not None
+
+
+def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn applied to each row alone, as a fresh one-row tensor (same shape and alignment every time)."""
+    if x.shape[0] == 0:
+        return fn(x.new_zeros(1, *x.shape[1:]))[:0]
+    return torch.cat([fn(x[i:i + 1].clone()) for i in range(x.shape[0])])
+
+
+def tiles_agree(fn: Callable[[torch.Tensor], torch.Tensor], cols: int, dtype: torch.dtype) -> bool:
+    """Whether fn on a TILE-row tile gives a row the same bits at each of the tile's places."""
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(cols, generator=g).to(dtype)
+    alone = fn(torch.cat([row[None], torch.zeros(TILE - 1, cols, dtype=dtype)]))[0]
+    for at in range(1, TILE):
+        t = torch.randn(TILE, cols, generator=g).to(dtype)
+        t[at] = row
+        if not torch.equal(fn(t)[at], alone):
+            return False
+    return True
+
+
+def check_cpu_tiles(model: torch.nn.Module) -> bool:
+    """Run the tile check (above) on every product of the model's forward, as a deterministic
+    forward calls them; True where every one keeps the fast tiled path."""
+    layer, stack, eps = model.model.layers[0], model.model, model.args.rms_norm_eps
+    attn, mlp = layer.self_attn, layer.mlp
+    calls = [(attn.qkv_proj, dict(norm_weight=layer.input_layernorm.weight)), (attn.o_proj, {}),
+             (mlp.gate_up_proj, dict(norm_weight=layer.post_attention_layernorm.weight)),
+             (mlp.down_proj, dict(gated=True)), (model.lm_head, dict(norm_weight=stack.norm.weight))]
+    for lin, kw in calls:
+        cols = lin.weight.shape[1] * (2 if kw.get("gated") else 1)
+        linear(torch.zeros(1, cols, dtype=lin.weight.dtype), lin.weight, lin.bias, eps=eps, **kw)
+    return all(_tiles_agree[_key(lin.weight, lin.bias, kw.get("norm_weight"), kw.get("gated", False))]
+               for lin, kw in calls)
 
 
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
