@@ -12,7 +12,7 @@ block. Its entry then says how many of them are complete (`fill`: written by ste
 the device), under which key they follow (`parent`: the key of the block before, or the root), which
 block came before it in the sequence (`prev`), and the token ids hold them. A continued stream takes
 them (copied to a block of its own: the dead writer's last kernels may still be writing the positions
-after `fill`) and recomputes one token instead of the rest of its last block (engines/kv_tails.py).
+after `fill`) and recomputes one token instead of the rest of its last block (engines/core/tail_publisher.py).
 A SEALED block that began as a tail keeps its parent and token ids: a tail's `prev` names it, for a
 continuation whose client had not got all of it when the writer died; so does the block allocated after
 it (`prev` is written at allocation), until a completed step names that block's own tail.
@@ -32,7 +32,7 @@ code (fenced: SIGKILLed and exiting, or gone, or it released the role); every la
 the header still names this writer, so a writer fenced by a newer epoch stops instead of writing.
 Blocks the previous writer left OWNED may still be written by its last kernels on the device (a
 process's GPU work outlives its last user instruction): the new writer quarantines them until the
-supervisor says that writer's whole process group is gone (`engines/block_manager.py`).
+supervisor says that writer's whole process group is gone (`engines/core/block_manager.py`).
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ class BlockIndex:
         A peek reads beside a running writer, so it sees some SEALED entries mid-write (a bad
         checksum: half of the standbys' first reads under load on the H200 did): it leaves those out
         and goes on, where a claim would distrust the index. It then runs the claim's whole path,
-        sort included, and a parked standby's rehearsal (engines/engine.py `_rehearse`) warms
+        sort included, and a parked standby's rehearsal (engines/core/engine.py `_rehearse`) warms
         what its claim will use. Rehearsals that stopped at the first torn entry are the likely
         reason why one claim in 20 still sorted on memory it had never touched (74 ms, 4,030 page
         faults; bench/RESULTS.md, 2026-12-03)."""

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from engines.make_model import make_model
+        from engines.models.make_model import make_model
 
         made = Path(tempfile.mkdtemp(prefix="understudy-1b-"))
         model = make_model(made / "1b", "1b", "llama", seed=0)

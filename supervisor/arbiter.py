@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from engines.block_keys import key_root
+from wire.block_keys import key_root
 from supervisor.admin.gate import bearer_gate
 from supervisor.admin.requests import AdminRequests
 from supervisor.admin.status_view import status_view

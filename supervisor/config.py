@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.limits import RequestLimits
+from wire.limits import RequestLimits
 
 
 def _local_path(value: str | None) -> str | None:

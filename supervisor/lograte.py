@@ -1,11 +1,11 @@
-"""The log flood filter (engines/lograte.py) as the supervisor installs it: records marked
+"""The log flood filter (wire/lograte.py) as the supervisor installs it: records marked
 ``extra={KEEP: True}`` (every state transition) always pass and are not counted, so a flood of other
 lines never hides one, and no "dropped" notice of other lines is hung on one."""
 from __future__ import annotations
 
 import logging
 
-from engines.lograte import RateLimitFilter
+from wire.lograte import RateLimitFilter
 
 KEEP = "understudy_keep"
 """LogRecord attribute: never rate-limited."""

@@ -5,7 +5,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engines.metrics import FIRST_OUTPUT_BUCKETS
+from engines.frontend.metrics import FIRST_OUTPUT_BUCKETS
 
 _FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -117,7 +117,7 @@ class Metrics:
             self.step_seconds.observe((t - t_before) / (steps - steps_before))
 
     def observe_gc(self, generation: int, seconds: float) -> None:
-        """A collection's pause (engines/gc_pauses.py `GcPauses.observers`)."""
+        """A collection's pause (wire/gc_pauses.py `GcPauses.observers`)."""
         self.gc_pause.labels(generation=str(generation)).observe(seconds)
 
     def render(self) -> bytes:

@@ -83,7 +83,7 @@ def serve(config_path: str | None, port: int | None = None, admin_port: int | No
         print(f"understudy: {e}", file=sys.stderr)
         return 2
     log.info("runtime dir %s, model %s on %s, %d engines", sup.rd, sup.model_path, sup.device, len(sup.node.engines))
-    from engines import event_loop, gc_pauses
+    from wire import event_loop, gc_pauses
     gc_pauses.watch().observers.append(sup.metrics.observe_gc)
     gc_pauses.freeze_startup()
     sup.when_serving.append(gc_pauses.freeze_startup)  # (and what the loop made until then: its servers, apps)

@@ -1,4 +1,4 @@
-"""A guarded listener (engines/guarded_http.py) serving an ASGI app on a port of its own, in a thread:
+"""A guarded listener (wire/guarded_http.py) serving an ASGI app on a port of its own, in a thread:
 what the listener tests start (real sockets, our own listener code, no network)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from engines.guarded_http import Gate, ListenerLimits, guarded_config
-from engines.loopback import QuietServer
+from wire.guarded_http import Gate, ListenerLimits, guarded_config
+from wire.loopback import QuietServer
 
 
 def serve_guarded(app, limits: ListenerLimits, gate: Gate | None = None, backlog: int = 64) -> Iterator[tuple[int, object]]:  # noqa: ANN001, E501

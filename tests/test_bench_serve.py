@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from engines.loopback import free_port
+from wire.loopback import free_port
 from harness.bench.serve.metrics import HIT, QUERIED, parse_counters, prefix_delta
 from harness.bench.serve.workloads import WORKLOADS, Lengths, Workload, make_requests
 from harness import ROOT

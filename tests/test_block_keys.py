@@ -1,6 +1,6 @@
-"""Block keys hashed in one place for three processes (engines/block_keys.py): the router's KeyChain
+"""Block keys hashed in one place for three processes (wire/block_keys.py): the router's KeyChain
 as a stream's ids come, the front end's check of the keys a failover's batch member carries, and
-the wire that carries them (engines/batch_wire.py)."""
+the wire that carries them (wire/batch_wire.py)."""
 from __future__ import annotations
 
 import random
@@ -10,8 +10,8 @@ import numpy as np
 import orjson
 import pytest
 
-from engines.batch_wire import BatchFormatError, encode_member, read_members
-from engines.block_keys import DETERMINISTIC_ROOT, ROOT, KeyChain, checked_prompt_keys, prompt_keys
+from wire.batch_wire import BatchFormatError, encode_member, read_members
+from wire.block_keys import DETERMINISTIC_ROOT, ROOT, KeyChain, checked_prompt_keys, prompt_keys
 from supervisor.router.continuation import Tracked
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.loopback import free_port
+from wire.loopback import free_port
 from harness.chaos.cli import EXIT_ABORTED, EXIT_USAGE, main
 from harness.chaos.options import ChaosOptions, parse_counts, require_loopback
 

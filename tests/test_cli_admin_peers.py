@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.loopback import free_port
+from wire.loopback import free_port
 from harness import ROOT
 
 

@@ -1,6 +1,6 @@
 """Connection fairness (issue 23): 200 sockets that reconnect whenever closed must not lock anyone
-out. The bookkeeping (engines/connection_share.py) as a table of moves, then the guarded listener
-(engines/guarded_http.py) against real hogs: from another address than everyone else (the data
+out. The bookkeeping (wire/connection_share.py) as a table of moves, then the guarded listener
+(wire/guarded_http.py) against real hogs: from another address than everyone else (the data
 port), and from the same address with a bearer gate (the admin API on loopback, where every client
 is 127.0.0.1). Each case ends with normal requests served."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engines.connection_share import Occupancy
-from engines.guarded_http import Gate, ListenerLimits, peer_of_address
+from wire.connection_share import Occupancy
+from wire.guarded_http import Gate, ListenerLimits, peer_of_address
 from guarded_listener_helpers import serve_guarded
 
 

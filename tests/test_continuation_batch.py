@@ -1,5 +1,5 @@
 """`POST /v1/continuations` on a real engine process (tiny model, weights `off`): each member answers
-as its own request would, byte for byte in its tokens (its ids framed raw, engines/batch_wire.py,
+as its own request would, byte for byte in its tokens (its ids framed raw, wire/batch_wire.py,
 against the same continuation sent alone as JSON); a bad member gets its own refusal; a bad batch
 is refused whole, naming what is wrong; one member is stopped by its abort, every member by the
 router's leaving."""
@@ -13,10 +13,10 @@ from array import array
 import httpx
 import pytest
 
-from engines.batch_wire import encode_member
-from engines.block_keys import DETERMINISTIC_ROOT, ROOT, prompt_keys
-from engines.config import EngineConfig
-from engines.continuation_batch import GROUP
+from wire.batch_wire import encode_member
+from wire.block_keys import DETERMINISTIC_ROOT, ROOT, prompt_keys
+from engines.process.config import EngineConfig
+from engines.frontend.continuation_batch import GROUP
 from harness.engine_process import EngineProcess
 from supervisor.router.http_wire import take_chunks
 
@@ -102,7 +102,7 @@ def test_members_answer_as_their_own_requests_and_a_bad_one_alone_is_refused(eng
 
 
 def test_members_with_the_routers_block_keys_answer_as_their_own_requests(engine, tiny_model):
-    """A member's block keys as the router hashed them (engines/batch_wire.py): the front end takes
+    """A member's block keys as the router hashed them (wire/batch_wire.py): the front end takes
     them when they are its own and hashes the prompt itself when not (another root, another count):
     each member's tokens are its own request's."""
     model = tiny_model.name
@@ -262,7 +262,7 @@ def test_a_slow_batch_body_holds_no_one_else_up(engine, tiny_model):
 def test_members_read_back_as_framed():
     """The router's frames (supervisor/router/continuation.py `batch_member`) read back member by
     member: paths, JSON, and ids as int64 arrays (the largest id of the widest vocabularies too)."""
-    from engines.batch_wire import read_members
+    from wire.batch_wire import read_members
     big = array("q", [0, 2 ** 31 + 5, 151_935])
     body = (encode_member(b"/v1/chat/completions", b'{"a":1}', big, array("q", [7]))
             + encode_member(b"/v1/completions", b"{}") + encode_member(b"/v1/completions", b"[]", array("q", [3])))

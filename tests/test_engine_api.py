@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from harness.engine_process import EngineProcess
-from engines.startup import PHASES
-from engines.tokenizer import Tokenizer
+from engines.process.startup import PHASES
+from engines.core.tokenizer import Tokenizer
 
 MAX_LEN = 512
 EXTRA = {"ignore_eos": True}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from engines.startup import PHASES
+from engines.process.startup import PHASES
 from harness.bench import engine as bench
 from harness.bench.restart import bench_restart
 

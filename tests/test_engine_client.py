@@ -1,5 +1,5 @@
-"""engines/engine_client.py over real zmq sockets: the core's side is played by the test (the
-messages engines/core_link.py sends), the client is the front end's own."""
+"""engines/frontend/engine_client.py over real zmq sockets: the core's side is played by the test (the
+messages engines/core/core_link.py sends), the client is the front end's own."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +9,9 @@ import orjson
 import pytest
 import zmq
 
-from engines.core_link import encode
-from engines.engine_client import EngineClient
-from engines.sampling import SamplingParams
+from engines.core.core_link import encode
+from engines.frontend.engine_client import EngineClient
+from engines.core.sampling import SamplingParams
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_messages_that_arrive_while_it_waits_are_read_and_a_failing_emit_stops_n
 
 
 def test_submits_and_aborts_inside_together_reach_the_core_as_one_message_in_order(tmp_path: Path) -> None:
-    """`together` (a failover's batch, engines/continuation_batch.py): what is submitted and aborted
+    """`together` (a failover's batch, engines/frontend/continuation_batch.py): what is submitted and aborted
     inside goes out as one `together` message when the block ends, in order; outside, one each."""
     to_core, to_frontend = f"ipc://{tmp_path}/in2.sock", f"ipc://{tmp_path}/out2.sock"
     ctx = zmq.Context()

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import zmq
 
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from harness.engine_process import EngineProcess
-from engines.startup import PHASES
+from engines.process.startup import PHASES
 
 
 class Router:

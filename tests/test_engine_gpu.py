@@ -15,11 +15,11 @@ import torch
 
 from daemon.loader import load_checkpoint_into
 from harness.bench.decode import fused_as_accurate, fused_logit_error, graphs_match_eager
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from engines.models import build_model, read_model_args
-from engines.runner import ModelRunner
+from engines.core.runner import ModelRunner
 from harness.engine_process import EngineProcess, wait_for_ready_line
-from engines.spawn_client import SpawnClient
+from engines.process.spawn_client import SpawnClient
 
 def complete(base_url: str, stream: bool = False, **body) -> str:
     """One completion over plain HTTP (the GPU image has no `openai` package; CPU tests use it)."""
@@ -68,7 +68,7 @@ def test_engine_on_cuda_serves_with_graphs_and_spawns_after_fork(tiny_model, tmp
         assert proc.stop() == 0
 
     sock, pid = tmp_path / "spawn.sock", None
-    server = subprocess.Popen([sys.executable, "-m", "engines.spawn_server", "--socket", str(sock)], cwd=ROOT,
+    server = subprocess.Popen([sys.executable, "-m", "engines.process.spawn_server", "--socket", str(sock)], cwd=ROOT,
                               stdout=open(tmp_path / "spawn.log", "wb"), stderr=subprocess.STDOUT)
     try:
         while not sock.exists():
@@ -157,7 +157,7 @@ def test_engine_in_client_mode_serves_from_the_daemons_read_only_cuda_arena_thro
 
 
 def test_block_copies_on_cuda_ask_torchs_allocator_for_nothing(tiny_model) -> None:
-    """A failover's tail copies (up to max_num_seqs blocks a step, engines/kv_tails.py) go through the
+    """A failover's tail copies (up to max_num_seqs blocks a step, engines/core/tail_publisher.py) go through the
     runner's kept buffer: torch's allocator holds no more device memory after them. (A temporary for
     the copy grew it by a 20 MiB segment in a new primary's first large step, whose schedule phase
     stalled: bench/RESULTS.md, twenty-second session.)"""

@@ -1,4 +1,4 @@
-"""The engine's link sockets (`{runtime_dir}/eng-PID-in|out.sock`, engines/core_link.py): 0600 from
+"""The engine's link sockets (`{runtime_dir}/eng-PID-in|out.sock`, engines/core/core_link.py): 0600 from
 the moment they exist, gone once the front end is connected, removed on the exit paths the engine
 controls, and by whoever reaps an engine killed before that (issue 23, item 6).
 
@@ -18,10 +18,10 @@ import httpx
 import psutil
 import pytest
 
-from engines.config import EngineConfig
-from engines.link_sockets import remove_sockets, socket_paths
+from engines.process.config import EngineConfig
+from wire.link_sockets import remove_sockets, socket_paths
 from harness.engine_process import EngineProcess, wait_for_ready_line
-from engines.spawn_client import SpawnClient
+from engines.process.spawn_client import SpawnClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,7 +136,7 @@ def test_sigkilled_engine_leaves_sockets_that_remove_sockets_takes(tiny_model, t
 def test_spawn_server_removes_the_sockets_of_a_killed_child(tiny_model, tmp_path) -> None:
     path = tmp_path / "spawn.sock"
     log = open(tmp_path / "spawn-server.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "engines.spawn_server", "--socket", str(path)],
+    server = subprocess.Popen([sys.executable, "-m", "engines.process.spawn_server", "--socket", str(path)],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     rt = tmp_path / "rt"
     try:

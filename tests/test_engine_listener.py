@@ -1,4 +1,4 @@
-"""The engine's own listener: connection cap and request-head timeout (engines/guarded_http.py)."""
+"""The engine's own listener: connection cap and request-head timeout (wire/guarded_http.py)."""
 from __future__ import annotations
 
 import select
@@ -7,8 +7,8 @@ import time
 
 import httpx
 
-from engines.config import EngineConfig
-from engines.guarded_http import ListenerLimits
+from engines.process.config import EngineConfig
+from wire.guarded_http import ListenerLimits
 from harness.engine_process import EngineProcess
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.block_manager import BlockManager
-from engines.sampling import SamplingParams
-from engines.sequence import Sequence
+from engines.core.block_manager import BlockManager
+from engines.core.sampling import SamplingParams
+from engines.core.sequence import Sequence
 from test_engine_units import make_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -76,7 +76,7 @@ def test_block_exhaustion_preempts_and_every_request_completes(tiny_model, refer
 
 
 def test_packed_block_tables_follow_preemption_and_reordering(tiny_model, reference) -> None:
-    """The runner rewrites only the new entries of a block table it packed before (engines/runner.py
+    """The runner rewrites only the new entries of a block table it packed before (engines/core/runner.py
     `_write_tables`): under preemption (a sequence gets a new table) and sequences finishing (rows
     shift), every packed row must still equal its sequence's table, in both pinned buffers."""
     batch, want = reference
@@ -117,7 +117,7 @@ def test_a_request_with_many_prompts_takes_turns_with_others(tiny_model) -> None
 
 
 def test_block_manager_shares_refcounts_and_evicts_least_recent(tiny_model) -> None:
-    from engines.tokenizer import Tokenizer
+    from engines.core.tokenizer import Tokenizer
     tok = Tokenizer(tiny_model)
     bm = BlockManager(num_blocks=6, block_size=4)
     make = lambda ids: Sequence(ids, GREEDY, tok, set(), 64, lambda o: None)  # noqa: E731

@@ -1,4 +1,4 @@
-"""Counts checked on the parsed JSON before validation (engines/limits.py `check_body`): prompts,
+"""Counts checked on the parsed JSON before validation (wire/limits.py `check_body`): prompts,
 messages and the messages' characters, against a real engine with small limits (issue 23, item 4).
 A body over a count is refused with the limit's 400 even when its items are invalid too: it was
 never validated."""
@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from harness.engine_process import EngineProcess
-from engines.limits import LimitError, RequestLimits, check_body
+from wire.limits import LimitError, RequestLimits, check_body
 
 LIMITS = RequestLimits(max_prompts=8, max_messages=50, max_message_chars=200)
 

@@ -14,18 +14,18 @@ import openai
 import psutil
 import pytest
 
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from harness.engine_process import wait_for_ready_line
-from engines.spawn_client import SpawnClient, SpawnError
+from engines.process.spawn_client import SpawnClient, SpawnError
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_spawn_server(tmp: Path, *args: str) -> subprocess.Popen:
-    """`python -m engines.spawn_server --socket tmp/spawn.sock ARGS`, once its socket exists."""
+    """`python -m engines.process.spawn_server --socket tmp/spawn.sock ARGS`, once its socket exists."""
     path = tmp / "spawn.sock"
     with open(tmp / "spawn-server.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engines.spawn_server", "--socket", str(path), *args],
+        proc = subprocess.Popen([sys.executable, "-m", "engines.process.spawn_server", "--socket", str(path), *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     deadline = time.monotonic() + 60
     while not path.exists():
@@ -72,7 +72,7 @@ def test_spawned_engine_serves_skips_imports_and_drains_to_0(server, tiny_model)
         # a fork of the warm server, never an exec: the imports were the server's (how much faster
         # that starts is `understudy bench restart`'s figure)
         engine, parent = psutil.Process(pid), psutil.Process(pid).parent()
-        assert parent.cmdline()[1:3] == ["-m", "engines.spawn_server"] and engine.cmdline() == parent.cmdline()
+        assert parent.cmdline()[1:3] == ["-m", "engines.process.spawn_server"] and engine.cmdline() == parent.cmdline()
         assert engine.exe() == parent.exe()
         assert "pre_init" in httpx.get(f"http://127.0.0.1:{ready['port']}/startup").json()["phases"]
         os.killpg(pid, signal.SIGTERM)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from daemon.loader import load_checkpoint_into
-from engines.engine import LLMEngine
+from engines.core.engine import LLMEngine
 from engines.models import build_model, read_model_args
-from engines.runner import KVBudgetError, ModelRunner
-from engines.sampling import Sampler, SamplingParams, ensure_seed
-from engines.sequence import Sequence
-from engines.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from engines.core.runner import KVBudgetError, ModelRunner
+from engines.core.sampling import Sampler, SamplingParams, ensure_seed
+from engines.core.sequence import Sequence
+from engines.core.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 PROMPTS = ["The quick brown fox", "Hello", "In a hole in the ground there lived", "a b c d e f g", "Once upon"]
 
@@ -139,9 +139,9 @@ def test_stop_string_cut_and_held_back(tok: Tokenizer) -> None:
 
 
 def test_stop_string_found_after_released_text_is_dropped(tok: Tokenizer) -> None:
-    """A sequence keeps only TEXT_KEPT chars of released text (engines/sequence.py): a stop string
+    """A sequence keeps only TEXT_KEPT chars of released text (engines/core/sequence.py): a stop string
     thousands of chars in, split across tokens, is still cut exactly and nothing is lost or repeated."""
-    from engines.sequence import TEXT_KEPT
+    from engines.core.sequence import TEXT_KEPT
     text = " ".join(f"word{i}" for i in range(800)) + " the quick brown fox jumps"
     assert len(text) > 3 * TEXT_KEPT
     outs = []
@@ -223,8 +223,8 @@ def test_kv_budget_too_small_is_a_clear_error(tiny_model) -> None:
 
 def test_greedy_picks_flag_non_finite_rows_and_guarded_sample_fails_only_them() -> None:
     """A NaN or inf row reads back -1 and feeds token 0 to the next step; the other rows, greedy or
-    sampled, keep their draw (engines/sample_guard.py)."""
-    from engines.sample_guard import greedy_picks, guarded_sample
+    sampled, keep their draw (engines/core/sample_guard.py)."""
+    from engines.core.sample_guard import greedy_picks, guarded_sample
     logits = torch.randn(4, 50)
     logits[1, 7] = float("nan")
     logits[3, 2] = float("inf")
@@ -242,14 +242,14 @@ def test_greedy_picks_flag_non_finite_rows_and_guarded_sample_fails_only_them() 
 def test_output_rows_rebuild_the_output() -> None:
     """The core link sends `Output.to_row()`; the front end rebuilds with `Output(*row)`."""
     import dataclasses
-    from engines.sequence import Output
+    from engines.core.sequence import Output
     out = Output(7, "héllo", "stop", 12, 3, [4, 5, 6], "why", (0.25, 0.5))
     assert Output(*out.to_row()) == out and len(out.to_row()) == len(dataclasses.fields(Output))
 
 
 @pytest.mark.parametrize("stop", [[], ["ing"], ["\n\n", "the end of the story"]])
 def test_a_continued_sequence_emits_what_the_uninterrupted_one_would_at_every_cut(tok: Tokenizer, stop) -> None:
-    """A continuation replays only the tail of the tokens it was given (engines/sequence.py
+    """A continuation replays only the tail of the tokens it was given (engines/core/sequence.py
     `_replay`): at every cut point its text and finish are the uninterrupted sequence's, also with
     stop strings and characters split across byte-level tokens."""
     import random
@@ -301,8 +301,8 @@ def test_the_preflights_shape_arithmetic_agrees_with_building_the_model(tiny_mod
 def test_coalescing_for_a_slow_reader_keeps_the_scheduled_marker_first():
     """Outputs queued behind a busy client are merged per choice, but the scheduled marker (the
     router's proof that the request ran here) is never merged away."""
-    from engines.sequence import Output
-    from engines.streams import _coalesce
+    from engines.core.sequence import Output
+    from engines.frontend.streams import _coalesce
     marker = Output(7, "", None, 4, 0)
     a, b = Output(7, "he", None, 4, 1, [1]), Output(7, "llo", None, 4, 2, [2])
     got = _coalesce([(0, marker), (0, a), (0, b)])
@@ -313,7 +313,7 @@ def test_coalescing_for_a_slow_reader_keeps_the_scheduled_marker_first():
 def test_a_continued_sequence_waits_behind_preempted_ones_only(tok: Tokenizer) -> None:
     """A stream another engine began never queues behind a request that arrived during the
     failover: the waiting order is preempted, continued (in arrival order), then the fair queue."""
-    from engines.scheduler import FairQueue
+    from engines.core.scheduler import FairQueue
     q = FairQueue()
     new = [Sequence([1, 2], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None) for _ in range(2)]
     cont = [Sequence([1, 2, 3], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None, replayed=1)
@@ -328,7 +328,7 @@ def test_a_continued_sequence_waits_behind_preempted_ones_only(tok: Tokenizer) -
 
 
 def test_sequences_put_later_start_in_one_step_and_an_abort_among_them_holds(tiny_model) -> None:
-    """`put_later` (a failover's batch, engines/core_link.py `together`): every add is taken
+    """`put_later` (a failover's batch, engines/core/core_link.py `together`): every add is taken
     before the next step, in order, so an abort after its add stops it."""
     engine = make_engine(tiny_model)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -342,7 +342,7 @@ def test_sequences_put_later_start_in_one_step_and_an_abort_among_them_holds(tin
 
 def test_requests_arriving_during_a_step_are_built_in_it_and_taken_first_in_order(tiny_model) -> None:
     """The scheduler thread makes the Sequences of what arrived while the step it launched runs
-    (engines/engine.py `_arrivals`, called in `step`), and takes them before the step after it, in
+    (engines/core/engine.py `_arrivals`, called in `step`), and takes them before the step after it, in
     arrival order with the items queued after them; a build that raises is logged and left out,
     the loop goes on."""
     engine = make_engine(tiny_model)
@@ -371,13 +371,13 @@ def test_requests_arriving_during_a_step_are_built_in_it_and_taken_first_in_orde
 
 
 def test_an_add_the_core_cannot_build_is_answered_with_an_error_and_its_group_goes_on(tiny_model, tmp_path) -> None:
-    """engines/core_link.py: a malformed add in a `together` group (no prompt), over the real
+    """engines/core/core_link.py: a malformed add in a `together` group (no prompt), over the real
     sockets, is answered with an error output under its key, naming why, never left waiting; the
     group's other adds and aborts become inbox items, in order. An abort sent after an add, in its
     own message, stops it though its Sequence was made after the abort arrived."""
     import zmq
 
-    from engines.core_link import CoreLink, decode, encode
+    from engines.core.core_link import CoreLink, decode, encode
 
     engine = make_engine(tiny_model)
     to_core, to_frontend = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
@@ -415,16 +415,16 @@ def test_an_add_the_core_cannot_build_is_answered_with_an_error_and_its_group_go
 
 
 def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_is_left_out(tiny_model, tmp_path) -> None:
-    """engines/core_link.py: a continuation's ids and prompt block keys travel in the message's second
+    """engines/core/core_link.py: a continuation's ids and prompt block keys travel in the message's second
     frame, over the real sockets (EngineClient -> CoreLink); a fresh prompt beside them stays JSON. A
     member whose `raw` does not fit its frame, sent by another peer, is logged and left out; the
     rest of its group is kept (it is answered with an error: the previous test)."""
     import numpy as np
     import zmq
 
-    from engines.block_keys import prompt_keys
-    from engines.core_link import CoreLink, encode
-    from engines.engine_client import EngineClient
+    from wire.block_keys import prompt_keys
+    from engines.core.core_link import CoreLink, encode
+    from engines.frontend.engine_client import EngineClient
 
     engine = make_engine(tiny_model)
     to_core, to_frontend = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
@@ -462,16 +462,16 @@ def test_continuations_reach_the_core_as_raw_ids_with_their_keys_and_a_bad_raw_i
 @pytest.mark.parametrize("where", [[0, 5, 0], [8, 4, 0], [0, 3, 1], [0, -1, 0], [0, 1], "0 1 0", [0, 1.0, 0],
                                    [True, 1, 0]])
 def test_a_raw_that_does_not_fit_its_frame_is_refused_naming_it(where) -> None:
-    from engines.core_link import raw_ids
+    from engines.core.core_link import raw_ids
 
     with pytest.raises(ValueError, match="raw"):
         raw_ids(memoryview(bytes(32)), where)
 
 
 def test_first_use_warm_ups_leave_the_engine_as_it_was(tiny_model) -> None:
-    """The startup warm-ups (engines/first_use.py, and the runner's index kernels) run here too (on
+    """The startup warm-ups (engines/core/first_use.py, and the runner's index kernels) run here too (on
     CUDA they load kernels and fill the allocators' caches); the engine's tokens and blocks are untouched."""
-    from engines import first_use
+    from engines.core import first_use
     engine = make_engine(tiny_model, max_num_seqs=8)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
@@ -483,7 +483,7 @@ def test_first_use_warm_ups_leave_the_engine_as_it_was(tiny_model) -> None:
 
 
 def test_block_copies_give_each_destination_its_sources_keys_and_values(tiny_model) -> None:
-    """The runner's block copy (a continuation's tail, engines/kv_tails.py): every destination gets
+    """The runner's block copy (a continuation's tail, engines/core/tail_publisher.py): every destination gets
     its source's keys and values, every layer; the other blocks are untouched."""
     engine = make_engine(tiny_model, max_num_seqs=2)
     runner, kv = engine.runner, engine.runner.model.kv_cache

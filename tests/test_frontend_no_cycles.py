@@ -1,5 +1,5 @@
 """An engine's front end leaves no reference cycle behind a request: plain streams and a failover's
-batch of continuations (engines/streams.py, engines/continuation_batch.py), ended every way (finished,
+batch of continuations (engines/frontend/streams.py, engines/frontend/continuation_batch.py), ended every way (finished,
 a member aborted, the client gone), are freed by reference counting, not left for the garbage
 collector, whose pauses stall every stream. The front end's ASGI app in this process, its core link
 on real zmq sockets to a core that only takes the adds; the core's step outputs are handed to the
@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from engines.batch_wire import encode_member
-from engines.block_keys import key_root
-from engines.engine_client import EngineClient
-from engines.server import OpenAIServer, build_app
-from engines.tokenizer import Tokenizer
+from wire.batch_wire import encode_member
+from wire.block_keys import key_root
+from engines.frontend.engine_client import EngineClient
+from engines.frontend.server import OpenAIServer, build_app
+from engines.core.tokenizer import Tokenizer
 from tests.test_router_no_cycles import cycles_left_by
 
 

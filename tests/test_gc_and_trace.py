@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from engines import gc_pauses, promotion_trace
-from engines.promotion_trace import PromotionTrace
+from wire import gc_pauses
+from engines.core import promotion_trace
+from engines.core.promotion_trace import PromotionTrace
 
 
 def test_every_collection_is_counted_and_a_long_one_logged(monkeypatch, caplog):
@@ -81,7 +82,7 @@ def test_promotion_trace_logs_its_first_second_once(monkeypatch, caplog):
     assert t.steps == []
     t.arm(reserved=100 << 20)
     t.continued()
-    with caplog.at_level(logging.INFO, "engines.promotion_trace"):
+    with caplog.at_level(logging.INFO, "engines.core.promotion_trace"):
         now = time.monotonic()
         t.step([now] * 7, 5, 40, reserved=100 << 20)
         time.sleep(0.06)
@@ -113,7 +114,7 @@ def test_promotion_trace_summary_without_or_with_arrivals(arrivals):
 
 
 def test_first_use_warm_up_names_are_checked(monkeypatch):
-    from engines import first_use
+    from engines.core import first_use
     monkeypatch.setenv("UNDERSTUDY_WARM_FIRST_USE", " sampling, graphs ")
     assert first_use.asked() == ["sampling", "graphs"]
     monkeypatch.setenv("UNDERSTUDY_WARM_FIRST_USE", "sampling,kernels")

@@ -1,4 +1,4 @@
-"""The guarded HTTP listener (engines/guarded_http.py) against raw sockets: a request head over the
+"""The guarded HTTP listener (wire/guarded_http.py) against raw sockets: a request head over the
 cap is answered 431 and closed, whether it comes in one read or many; request bodies and pipelined
 requests are not mistaken for heads; the listener keeps serving."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engines.guarded_http import ListenerLimits
+from wire.guarded_http import ListenerLimits
 from guarded_listener_helpers import serve_guarded
 
 CAP = 4096

@@ -1,5 +1,5 @@
 """A request refused on its head (401 by the Gate, 431 over max_head_bytes) pipelined behind one still
-being answered (engines/guarded_http.py): the refusal waits for the answer in progress (and any
+being answered (wire/guarded_http.py): the refusal waits for the answer in progress (and any
 queued before it) to go out whole, then the connection closes; nothing is logged as an app error."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engines.guarded_http import Gate, ListenerLimits
+from wire.guarded_http import Gate, ListenerLimits
 from guarded_listener_helpers import serve_guarded
 
 TOKEN = b"Bearer sesame"

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engines.interrupt import Interrupt
+from wire.interrupt import Interrupt
 
 
 def test_a_fired_block_ends_quietly_and_the_task_goes_on() -> None:

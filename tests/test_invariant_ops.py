@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.models.invariant import TILE, chunked_attention, linear, per_row, per_tile, rms_norm, tiles_agree
-from engines.sampling import SamplingParams, filter_logits
+from engines.core.sampling import SamplingParams, filter_logits
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # as tests/test_kernels.py: set before triton runs a kernel

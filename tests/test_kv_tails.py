@@ -1,5 +1,5 @@
 """A sequence's tail (its positions past its last full block) named in the shared pool's index, and a
-new writer's continuation taking it (engines/kv_tails.py): what is named, when, and what is never
+new writer's continuation taking it (engines/core/tail_publisher.py): what is named, when, and what is never
 taken. The engine-level check (a SIGKILL mid-stream, the continuation exact and one token
 recomputed, on one rank and under TP) is in tests/test_shared_kv_engine.py."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 
 from daemon.kv_index import BlockIndex
 from daemon.kv_pool import KVPool
-from engines.block_keys import block_key
-from engines.block_manager import BlockManager, halves
-from engines.kv_tails import TailPublisher, name_tails
-from engines.scheduler import Scheduled
-from engines.sequence import Sequence
-from engines.tokenizer import Tokenizer
+from wire.block_keys import block_key
+from engines.core.block_manager import BlockManager, halves
+from engines.core.tail_publisher import TailPublisher, name_tails
+from engines.core.scheduler import Scheduled
+from engines.core.sequence import Sequence
+from engines.core.tokenizer import Tokenizer
 from test_shared_kv_units import FP, layout, open_index, seq_of, writer
 
 BS = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engines.lograte import RateLimitFilter
+from wire.lograte import RateLimitFilter
 
 
 def record(msg: str, *args) -> logging.LogRecord:

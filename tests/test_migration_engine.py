@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from harness.engine_process import EngineProcess
 
 MAX_LEN = 256
@@ -181,7 +181,7 @@ def raw_events(url: str, path: str, body: dict) -> list[str]:
 
 
 def test_a_stream_with_token_ids_marks_the_moment_its_request_first_runs(engine):
-    """Issue 23: the `: scheduled` comment (engines/sse.py SCHEDULED) tells the router the engine
+    """Issue 23: the `: scheduled` comment (wire/sse.py SCHEDULED) tells the router the engine
     began running the request, not only queued it: once per stream asking for token ids, before its
     first token (a completion) or after the role chunk (chat), also in a continuation; never in a
     stream that did not ask for ids (its bytes stay OpenAI's)."""

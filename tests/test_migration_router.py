@@ -30,7 +30,7 @@ ENGINE = textwrap.dedent('''
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
     import uvicorn
-    from engines.batch_wire import read_members
+    from wire.batch_wire import read_members
     app = FastAPI()
     seen, peers, tails, arrived_at, aborts = [], [], [], [], []
 
@@ -42,7 +42,7 @@ ENGINE = textwrap.dedent('''
         peers.append(request.client.port)
         return StreamingResponse(answer(body, request), media_type="text/event-stream")
 
-    @app.post("/v1/continuations")  # the router's batch: the members' streams, framed (engines/continuation_batch.py)
+    @app.post("/v1/continuations")  # the router's batch: the members' streams, framed (engines/frontend/continuation_batch.py)
     async def continuations(request: Request):
         arrived_at.append(time.monotonic())
         members = [{"body": json.loads(m.json), "ids": m} for m in read_members(await request.body())]
@@ -398,7 +398,7 @@ def test_a_failovers_batch_is_split_to_fit_the_engines_body_limit():
 def test_a_members_scheduled_marker_says_it_ran_as_it_arrives():
     """The batch's reader tells the continuation that its engine began running it the moment the
     marker comes, not when the continuation's task reads it: a loss in between still counts."""
-    from engines import sse
+    from wire import sse
     from supervisor.router.batching import Member
 
     async def go():
@@ -472,7 +472,7 @@ def test_a_fenced_batchs_members_send_its_engine_no_aborts(engines, fenced):
     connection every member): a member's task may run before the batch's, as at a real fence."""
     from array import array
 
-    from engines.batch_wire import encode_member
+    from wire.batch_wire import encode_member
     from supervisor.router.batching import Batcher
     from supervisor.router.upstream import Client
 

@@ -2,7 +2,7 @@
 streams in flight than it runs at once (max_num_seqs), then the promoted engine too, once every
 stream has reached it: the requests it only queued did not run on it and must be continued on the
 third engine (the first one's replacement), not quarantined as engine killers. Only a request that
-ran on both dead engines (the engine's scheduled marker, engines/sse.py) with no token in between
+ran on both dead engines (the engine's scheduled marker, wire/sse.py) with no token in between
 may be quarantined, and the node serves on. Real supervisor, engines, sockets and signals (CPU, tiny
 model, fp32)."""
 from __future__ import annotations

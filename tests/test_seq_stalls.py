@@ -1,4 +1,4 @@
-"""The core's stall line (engines/seq_stalls.py), on an in-process engine of the tiny checkpoint: a
+"""The core's stall line (engines/core/seq_stalls.py), on an in-process engine of the tiny checkpoint: a
 continued stream that waits for a slot of max_num_seqs while the engine steps others is logged, with
 its queue and the room the scheduler had; sequences that step, and a new request queued for its first
 token, are not."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
-from engines.sampling import SamplingParams
-from engines.seq_stalls import SequenceStalls
+from engines.core.sampling import SamplingParams
+from engines.core.seq_stalls import SequenceStalls
 from test_engine_units import make_engine
 
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
@@ -37,7 +37,7 @@ def test_a_continuation_waiting_for_a_slot_is_logged_and_running_ones_are_not(ti
     run_for(engine, 0.05)  # (both running)
     continued = engine.submit([5, 6, 7, 11, 12, 13], LONG, lambda out: None, replayed=3)
     queued = engine.submit([14, 15], LONG, lambda out: None)  # a new request: its wait is for a first token
-    with caplog.at_level(logging.WARNING, logger="engines.engine"):
+    with caplog.at_level(logging.WARNING, logger="engines.core.engine"):
         run_for(engine, 3.5 * EVERY_S)
     lines = stall_lines(caplog)
     assert lines, "no stall line while a continued stream waited for a slot"
@@ -49,7 +49,7 @@ def test_a_continuation_waiting_for_a_slot_is_logged_and_running_ones_are_not(ti
 def test_an_idle_engine_logs_no_stall(tiny_model, caplog) -> None:
     engine = make_engine(tiny_model, max_num_seqs=2, max_len=1024, budget=512)
     engine.stalls = SequenceStalls(engine.scheduler, engine.blocks, EVERY_S)
-    with caplog.at_level(logging.WARNING, logger="engines.engine"):
+    with caplog.at_level(logging.WARNING, logger="engines.core.engine"):
         for _ in range(3):
             engine.stalls.look(time.monotonic(), engine.steps)
             time.sleep(EVERY_S)

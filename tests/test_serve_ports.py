@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from engines.loopback import free_port
+from wire.loopback import free_port
 from harness import ROOT
 from harness.handover import listening
 

@@ -15,14 +15,14 @@ from daemon.kv_index import (FREE, OWNED, SEALED, BlockIndex, FencedError, Previ
                              checksum, index_bytes)
 from daemon.kv_layout import KVLayout, plan_layout
 from daemon.kv_pool import KVPool
-from engines.block_keys import DETERMINISTIC_ROOT, block_key, chain_keys, prompt_keys
-from engines.block_manager import BlockManager, halves, halves_of
-from engines.kv_adopted import AdoptedCache
-from engines.kv_publish import Publisher
-from engines.sampling import SamplingParams
-from engines.scheduler import Scheduler
-from engines.sequence import Sequence
-from engines.tokenizer import Tokenizer
+from wire.block_keys import DETERMINISTIC_ROOT, block_key, chain_keys, prompt_keys
+from engines.core.block_manager import BlockManager, halves, halves_of
+from engines.kv.adopted import AdoptedCache
+from engines.kv.publish import Publisher
+from engines.core.sampling import SamplingParams
+from engines.core.scheduler import Scheduler
+from engines.core.sequence import Sequence
+from engines.core.tokenizer import Tokenizer
 
 FP = b"f" * 32
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
@@ -140,7 +140,7 @@ def test_adoption_sorts_keys_for_lookup_and_stamps_for_eviction(pool: KVPool) ->
 def test_adopted_blocks_are_evicted_oldest_first_a_chunk_at_a_time(pool: KVPool, monkeypatch) -> None:
     """Eviction order is found a few blocks at a time (kv_adopted.AGE_CHUNK), never all at the
     promotion: across chunks it is still oldest stamp first, and blocks taken meanwhile are skipped."""
-    import engines.kv_adopted as kv_adopted
+    import engines.kv.adopted as kv_adopted
     monkeypatch.setattr(kv_adopted, "AGE_CHUNK", 3)
     a = open_index(pool)
     a.claim(pool.layout, FP)
@@ -210,7 +210,7 @@ def test_one_writer_across_processes(pool: KVPool) -> None:
 def test_block_keys_are_stable_across_processes() -> None:
     tokens = list(range(100, 116))
     here = block_key(block_key(None, tokens), tokens)
-    there = subprocess.run([sys.executable, "-c", "from engines.block_keys import block_key; t = list(range(100, 116)); "
+    there = subprocess.run([sys.executable, "-c", "from wire.block_keys import block_key; t = list(range(100, 116)); "
                             "print(block_key(block_key(None, t), t).hex())"], capture_output=True, text=True, timeout=60)
     assert bytes.fromhex(there.stdout.strip()) == here and len(here) == 16
 
@@ -270,7 +270,7 @@ def test_writer_mirrors_every_block_in_the_index(pool: KVPool, tok: Tokenizer) -
 
 
 class StepEvent:
-    """Stands in for the CUDA event a launched step names (engines/kv_publish.py): whether the step
+    """Stands in for the CUDA event a launched step names (engines/kv/publish.py): whether the step
     has completed, and how often the publisher asked."""
 
     def __init__(self) -> None:
@@ -330,7 +330,7 @@ def test_continuations_find_their_blocks_even_without_prefix_caching(pool: KVPoo
 
 
 def test_adopted_blocks_are_used_by_key_and_evicted_oldest_first(pool: KVPool, tok: Tokenizer) -> None:
-    """A promotion keeps what it found as arrays (engines/kv_adopted.py): a continuation takes its
+    """A promotion keeps what it found as arrays (engines/kv/adopted.py): a continuation takes its
     blocks by key; allocations take free blocks, then adopted ones (oldest first), then its own."""
     old, _ = writer(pool)
     seqs = [seq_of(tok, [i] * 4 + list(range(100, 109))) for i in range(3)]  # 3 full blocks each
@@ -421,7 +421,7 @@ def test_a_continuation_matches_the_same_blocks_with_its_keys_hashed_by_the_fron
 
 
 def test_with_the_heap_keeping_freed_memory_a_rehearsed_claim_takes_no_page_fault() -> None:
-    """engines/heap.py: after one read of the index (a parked standby's rehearsal), a claim of a
+    """engines/core/heap.py: after one read of the index (a parked standby's rehearsal), a claim of a
     pool of 65k keyed blocks touches almost no new page (its own process: the
     allocator policy is global)."""
     child = textwrap.dedent("""
@@ -429,7 +429,7 @@ def test_with_the_heap_keeping_freed_memory_a_rehearsed_claim_takes_no_page_faul
         from daemon.kv_index import BlockIndex, _faults
         from daemon.kv_layout import KVLayout
         from daemon.kv_pool import KVPool
-        from engines.heap import keep_freed_memory
+        from engines.core.heap import keep_freed_memory
         assert keep_freed_memory()
         lay = KVLayout(num_blocks=65536, block_size=16, layers=1, kv_heads=1, head_dim=2, dtype="float32",
                        scratch_slots=2, scratch_blocks=32)

@@ -1,4 +1,4 @@
-"""The streaming events the front end writes (engines/stream_chunks.py) are byte for byte what the
+"""The streaming events the front end writes (wire/stream_chunks.py) are byte for byte what the
 protocol's pydantic models dump, for every combination of the client's options."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from engines.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, Delta,
+from wire.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, Delta,
                               Usage)
-from engines.stream_chunks import ChunkWriter
+from wire.stream_chunks import ChunkWriter
 
 TEXTS = ["", " plain", 'quote " back \\ slash', "tab\tnl\ncr\r ctrl\x01\x1f del\x7f", "héllo wörld ✓ 😀 \u2028",
          None]

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engines.link_sockets import socket_paths
+from wire.link_sockets import socket_paths
 from harness.node import Harness
 
 CONFIG = """

@@ -151,7 +151,7 @@ def test_a_crash_during_a_switchover_stays_one_even_when_its_promotion_fails() -
 
 
 def test_a_steps_continuations_are_one_event_and_a_malformed_report_none() -> None:
-    """The new primary reports the continued requests of a step in one message (engines/engine.py
+    """The new primary reports the continued requests of a step in one message (engines/core/engine.py
     `_report_continued`): one event for the status page and the bench, one item per request; a
     report that is not [[reused, recomputed], ...] of counts is dropped, not published."""
     p = serving(**KV)

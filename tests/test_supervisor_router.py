@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from engines.loopback import free_port
+from wire.loopback import free_port
 from supervisor.config import MigrationSection
 from supervisor.metrics import Metrics
 from supervisor.router import build_router
@@ -434,9 +434,9 @@ def test_failover_clock_stops_when_a_stream_first_reaches_the_client_not_when_it
 
 def test_message_lists_over_the_limits_are_refused_by_the_router_before_any_engine(upstreams):
     """Issue 23: the router bounds a chat body's messages and their characters on the parsed JSON
-    (engines/limits.py check_body), as the engines do, so a huge list costs one parse and no engine
+    (wire/limits.py check_body), as the engines do, so a huge list costs one parse and no engine
     (external ones included) sees it; this upstream has no chat route: a forwarded body would get 404."""
-    from engines.limits import RequestLimits
+    from wire.limits import RequestLimits
     table, metrics = RoutingTable(), Metrics()
     table.set_primary(Upstream(upstreams[0], "a", 1))
     app = build_router(table, metrics, hold_timeout_s=2, retry_after_s=7, upstream_timeout_s=10,

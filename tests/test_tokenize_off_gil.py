@@ -7,9 +7,9 @@ import asyncio
 import threading
 import time
 
-from engines.limits import RequestLimits
-from engines.prompts import completion_prompt_ids
-from engines.tokenizer import Tokenizer
+from wire.limits import RequestLimits
+from engines.frontend.prompts import completion_prompt_ids
+from engines.core.tokenizer import Tokenizer
 
 TEXT = "hello world " * 200_000  # 2.4 MB (issue 12: 8x this stalled heartbeats 4.5 s)
 
@@ -52,8 +52,8 @@ def test_engine_prompt_path_does_not_hold_the_gil(tiny_model):
 def test_a_request_over_the_context_is_refused_after_its_first_chunk(tiny_model):
     """An 8 MB request of prompts each over the context: tokenized chunk by chunk (about 1 MB each)
     off the GIL, the first chunk's context check ends it: counted on the tokenizer's own calls."""
-    from engines.prompts import CHUNK_CHARS
-    from engines.limits import LimitError
+    from engines.frontend.prompts import CHUNK_CHARS
+    from wire.limits import LimitError
     calls = []
 
     class Counting(Tokenizer):

@@ -5,7 +5,7 @@ import os
 import shutil
 from pathlib import Path
 
-from engines import tokenizer
+from engines.core import tokenizer
 
 
 def test_a_preloaded_tokenizer_is_taken_until_a_file_of_it_changes(tiny_model: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from importlib import import_module
 from .args import SUPPORTED_ARCHS, ModelArgs, read_model_args
 from .errors import CheckpointError, UnknownArchError
 
-_WITH_TORCH = {"CausalLM": ".llama", "ShardSpec": ".llama", "AttnMeta": ".paged", "build_model": ".registry",
+_WITH_TORCH = {"CausalLM": ".causal_lm", "ShardSpec": ".decoder", "AttnMeta": ".paged", "build_model": ".registry",
                "torch_dtype": ".registry"}
 
 __all__ = ["SUPPORTED_ARCHS", "ModelArgs", "read_model_args", "CheckpointError", "UnknownArchError",

@@ -198,7 +198,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def tp_problem(args: ModelArgs, tp_size: int) -> str | None:
     """Why this model has no rank shapes at `tp_size` ranks (what building it would raise:
-    llama.py's KV heads, parallel.py's sharded dimensions), or None; no torch needed (the
+    decoder.py's KV heads, parallel.py's sharded dimensions), or None; no torch needed (the
     supervisor's preflight)."""
     for name in ("num_key_value_heads", "intermediate_size", "vocab_size"):  # (the heads follow the KV heads)
         if getattr(args, name) % tp_size:

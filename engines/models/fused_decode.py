@@ -2,7 +2,7 @@
 
 Per layer: RMSNorm+qkv, rotary+KV write+attention, o_proj+residual, RMSNorm+gate_up,
 silu*up+down+residual (under tensor parallelism the row-parallel sums come between the product
-and the residual). The torch path in llama.py stays the reference and serves CPU, prefill and
+and the residual). The torch path in decoder.py stays the reference and serves CPU, prefill and
 larger batches, where cuBLAS is the better matrix product.
 """
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 from .parallel import ShardedLinear, all_gather_last_dim, all_reduce
 
 if TYPE_CHECKING:
-    from .llama import CausalLM
+    from .decoder import Decoder
     from .paged import AttnMeta
 
 FUSED_MAX_BATCH = 1  # above it a linear is no longer a matrix-vector product
 
 
-def fused_decode_unavailable(model: CausalLM) -> str | None:
+def fused_decode_unavailable(model: Decoder) -> str | None:
     """Why `model` cannot decode through the fused kernels, or None when it can."""
     if model.kv_cache is None:
         return "no KV cache allocated"
@@ -44,8 +44,8 @@ def fused_decode_unavailable(model: CausalLM) -> str | None:
     return None
 
 
-def fused_decode(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """Logits `[1, vocab]` for one decode token; same contract as `CausalLM.forward` for a decode-only step."""
+def fused_decode(model: Decoder, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """Logits `[1, vocab]` for one decode token; same contract as `Decoder.forward` for a decode-only step."""
     from engines.kernels.attention import decode_attention
     from engines.kernels.gemv import fused_gemv
 

@@ -1,6 +1,6 @@
 """The forward pass of a `deterministic` engine: every op batch-invariant (engines/models/invariant.py).
 
-Same contract as `CausalLM.forward`, for any step (decode rows, prefill chunks, both): a row's
+Same contract as `Decoder.forward`, for any step (decode rows, prefill chunks, both): a row's
 logits, and the keys and values it writes, depend only on its sequence's tokens up to it, never
 on the other rows of the step, the step's size, the chunking of the prompt, a prefix-cache hit or
 a CUDA graph's padding. Per layer: RMSNorm+qkv, rotary+KV write, attention, o_proj+residual,
@@ -19,11 +19,11 @@ from .parallel import ShardedLinear, all_gather_last_dim
 from .rope import rope_factors
 
 if TYPE_CHECKING:
-    from .llama import CausalLM
+    from .decoder import Decoder
     from .paged import AttnMeta
 
 
-def invariant_forward(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+def invariant_forward(model: Decoder, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttnMeta) -> torch.Tensor:
     stack, tp = model.model, model.tp_size
     eps = model.args.rms_norm_eps
@@ -50,7 +50,7 @@ def invariant_forward(model: CausalLM, input_ids: torch.Tensor, positions: torch
     return all_gather_last_dim(logits, tp)
 
 
-def check_product_tiles(model: CausalLM) -> bool:
+def check_product_tiles(model: Decoder) -> bool:
     """Whether this GPU gives the product's small-batch and large-batch tiles the same bits on the
     model's weights (layer 0's products and the head: every shape the forward multiplies by);
     where not, every product from here on takes one tile (engines/kernels/invariant_matmul.py)."""

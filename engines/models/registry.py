@@ -5,7 +5,7 @@ import torch
 
 from .args import SUPPORTED_ARCHS, ModelArgs
 from .errors import UnknownArchError
-from .llama import CausalLM
+from .causal_lm import CausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

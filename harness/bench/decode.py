@@ -8,15 +8,15 @@ import time
 
 import torch
 
-from engines.config import EngineConfig, step_token_budget
-from engines.engine import LLMEngine
+from engines.process.config import EngineConfig, step_token_budget
+from engines.core.engine import LLMEngine
 from engines.models import read_model_args
 from engines.models.paged import sequence_meta
-from engines.runner import ModelRunner
-from engines.sampling import SamplingParams
-from engines.sequence import Sequence
-from engines.tokenizer import Tokenizer
-from engines.weights import RankWeights, load_rank_weights
+from engines.core.runner import ModelRunner
+from engines.core.sampling import SamplingParams
+from engines.core.sequence import Sequence
+from engines.core.tokenizer import Tokenizer
+from engines.process.weights import RankWeights, load_rank_weights
 
 
 # ---- in-process engine ------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 router (nano-like lengths, from enough client processes that the client is never the bottleneck: each
 reports its own CPU), SIGKILL of the primary `--runs` times; per kill, the gap every stream in flight
 saw across it, the supervisor's failover_seconds, tokens recomputed per continued stream, the standby
-back; `--compare` runs the same with `engines.shared_kv: false` beside it (a node of its own)."""
+back; `--compare` runs the same with `engines.core.shared_pool: false` beside it (a node of its own)."""
 from __future__ import annotations
 
 import argparse
@@ -267,7 +267,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap-window", type=float, default=GAP_WINDOW_S,
                    help="seconds after a kill (or a quiet moment) whose longest wait for tokens is a stream's gap "
                         "(each kill waits at least this long after the node is whole)")
-    p.add_argument("--compare", action="store_true", help="also run with engines.shared_kv: false, beside it")
+    p.add_argument("--compare", action="store_true", help="also run with engines.core.shared_pool: false, beside it")
     p.add_argument("--out", help="keep each node's supervisor and engine logs here (a .tgz per node)")
 
 

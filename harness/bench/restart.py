@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from engines.models import read_model_args
-from engines.spawn_client import SpawnClient
-from engines.startup import PHASES
+from engines.process.spawn_client import SpawnClient
+from engines.process.startup import PHASES
 from harness import ROOT
 from harness.engine_process import EngineProcess, first_completion, wait_for_ready_line
 
@@ -101,7 +101,7 @@ def bench_restart(model_dir: str, device: str, dtype: str | None, runs: int, kv_
     try:
         start(["-m", "daemon", "--model", model_dir, "--rank", "0", "--device", device, "--dtype", dtype,
                "--runtime-dir", str(rt)], "daemon.log")
-        start(["-m", "engines.spawn_server", "--socket", str(work / "spawn.sock")], "spawn-server.log")
+        start(["-m", "engines.process.spawn_server", "--socket", str(work / "spawn.sock")], "spawn-server.log")
         _wait_for_path(daemon_socket_path(rt, 0), work / "daemon.log")
         _wait_for_path(work / "spawn.sock", work / "spawn-server.log")
         # The first engine waits for the daemon's cold load; it is not timed.

@@ -101,7 +101,7 @@ def call(config_path: str | None, method: str, path: str, timeout_s: float = 30.
                 raise
             # Closed before any answer: a listener at its connection cap closes an idle connection to
             # make room, and one accepted before its request's bytes came counts as idle (a local hog
-            # reconnecting whenever closed: engines/connection_share.py). Asking again is harmless.
+            # reconnecting whenever closed: wire/connection_share.py). Asking again is harmless.
             r = ask()
     except httpx.ConnectError as e:
         raise ClientError(f"cannot reach the admin API at {url}: {e} (is the supervisor running, with this "

@@ -1,5 +1,5 @@
 """The admin API's bearer token, checked on each request's head by the listener
-(engines/guarded_http.py Gate) before any of its body is read: a request without the token gets
+(wire/guarded_http.py Gate) before any of its body is read: a request without the token gets
 its 401 at once and its connection is closed (a 500 MB body is never read); a connection that sent
 the token is never closed to make room for others. ``/ui`` (the static status page) is open.
 The app checks the token again (supervisor/admin/api.py), with the same function."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from engines.guarded_http import Gate
+from wire.guarded_http import Gate
 
 UNAUTHORIZED = "missing or wrong bearer token (see admin.token_file, or `understudy token`)"
 OPEN_PATHS = frozenset({b"/ui"})  # GET /ui holds no data (supervisor/admin/status_page.py)

@@ -1,5 +1,5 @@
 """The shared KV pool's writer role as the supervisor moves it (DESIGN.md §2 "The KV pool"; the
-engine's side: engines/shared_kv.py). Only on a node whose engines run on the daemons' pools.
+engine's side: engines/core/shared_pool.py). Only on a node whose engines run on the daemons' pools.
 
 - A promotion is a round trip (failover.ask_to_promote sends `promote`): the standby takes the pool
   and says `promoted`, and only then does the router send to it (requests are held meanwhile). An

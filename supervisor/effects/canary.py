@@ -115,7 +115,7 @@ class GoldenStore:
 def weights_provenance(facts: dict[str, Any], source: str | None) -> dict[str, Any]:
     """Whether the engine's weights were checked finite, and their content digest: a cache hit maps
     the daemons' arenas (each checked when loaded); a disk load is checked by the engine itself
-    (engines/weights.py: it exits 3 otherwise); external engines are not checked. ``facts``:
+    (engines/process/weights.py: it exits 3 otherwise); external engines are not checked. ``facts``:
     supervisor/core/engine_health.py weights_facts."""
     src, digest = source or "", None
     daemons = facts.get("daemons") or []

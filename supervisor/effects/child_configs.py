@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.cli import daemon_argv
-from engines.config import EngineConfig
-from engines.guarded_http import ListenerLimits
-from engines.loopback import free_port
+from engines.process.config import EngineConfig
+from wire.guarded_http import ListenerLimits
+from wire.loopback import free_port
 from supervisor.config import UnderstudyConfig, template_fields
 from supervisor.core.adoption_plan import Wanted
 from supervisor.core.records import config_key
@@ -69,7 +69,7 @@ class ChildConfigs:
                            e.kv_block_size, e.count)
 
     def spawn_server(self) -> list[str]:
-        return python_argv("engines.spawn_server", "--socket", str(self.rd / "spawn.sock"),
+        return python_argv("engines.process.spawn_server", "--socket", str(self.rd / "spawn.sock"),
                            "--tokenizer", str(self.model_path))
 
     def wanted(self, engines: list[str], ranks: int, spawn_server: bool, fingerprint: str) -> Wanted:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from daemon.framing import FrameError
-from engines.loopback import free_port
+from wire.loopback import free_port
 from supervisor.core.actions import Attach, Start
 from supervisor.core.events import Event, Exited, Launched, LaunchFailed
 from supervisor.effects.child_configs import ChildConfigs

@@ -10,7 +10,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from engines.link_sockets import LINK_SOCKET, remove_sockets
+from wire.link_sockets import LINK_SOCKET, remove_sockets
 from supervisor.core.actions import Reap, SweepLinks
 from supervisor.core.events import ExitRead
 from supervisor.effects.launcher import Launcher, log_path

@@ -1,6 +1,6 @@
 """uvicorn servers inside our loop: sockets bound by us first (clear 'port in use' before any child
 starts; port 0 works), no uvicorn signal handling (the supervisor owns signals), and the guarded
-protocol of engines/guarded_http.py with a connection cap that fits the open-files limit (raised to
+protocol of wire/guarded_http.py with a connection cap that fits the open-files limit (raised to
 the hard limit at boot)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 import resource
 import socket
 
-from engines.guarded_http import Gate, ListenerLimits, SpareFdListener, guarded_config
-from engines.loopback import QuietServer
+from wire.guarded_http import Gate, ListenerLimits, SpareFdListener, guarded_config
+from wire.loopback import QuietServer
 from supervisor.config import UnderstudyConfig
 
 log = logging.getLogger("understudy")

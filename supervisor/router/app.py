@@ -3,7 +3,7 @@
 first importing a web framework (fastapi alone takes 0.3 s to import on the GPU host)."""
 from __future__ import annotations
 
-from engines.limits import RequestLimits
+from wire.limits import RequestLimits
 from supervisor.config import MigrationSection
 from supervisor.metrics import Metrics
 from supervisor.router.attempts import Upstreams

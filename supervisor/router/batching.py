@@ -1,4 +1,4 @@
-"""The continuations of one failover, sent to the new primary as one request (engines/continuation_batch.py
+"""The continuations of one failover, sent to the new primary as one request (engines/frontend/continuation_batch.py
 says why and gives the frames), up to the engines' body limit a request; each gets a Response-like view
 of its own part of the answer, so that the continuation loop (supervisor/router/migrating.py) reads it
 as it reads a response of its own.
@@ -20,8 +20,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from engines import sse
-from engines.batch_wire import BATCH_HEADER, END, FRAMES_TYPE
+from wire import sse
+from wire.batch_wire import BATCH_HEADER, END, FRAMES_TYPE
 from supervisor.router.http_wire import Headers, RemoteProtocolError, UpstreamError, UpstreamTimeout
 from supervisor.router.idle_guard import IdleGuard
 from supervisor.router.routing import PrimaryLost, RoutingTable, Upstream
@@ -43,7 +43,7 @@ class Member:
     `status`, `headers`, `read()` (a refusal's body), `stream()` (its event stream), `finish()`, `close()`."""
 
     def __init__(self, frame: bytes, timeout_s: float, ran: Callable[[], None] | None = None) -> None:
-        self.frame, self.timeout_s = frame, timeout_s  # (its part of the batch's body: engines/batch_wire.py)
+        self.frame, self.timeout_s = frame, timeout_s  # (its part of the batch's body: wire/batch_wire.py)
         self._ran = ran  # called when the engine's scheduled marker arrives (it began running this one)
         self.status, self.headers = 0, SSE
         self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -6,10 +6,10 @@ The router always asks the engine for a stream with token ids (`stream: true`,
 asked for (a stream without the extension fields it did not ask for, or one whole response). When
 the primary is lost, `upstream_body()` is the continuation for the new one: the original request,
 its prompt (or messages) replaced by `continuation: {prompt_token_ids, output_token_ids}`
-(engines/protocol.py `ContinuedCompletion`, `ContinuedChat`), whose stream is spliced in (same id
+(wire/protocol.py `ContinuedCompletion`, `ContinuedChat`), whose stream is spliced in (same id
 and `created`, its chat role chunk dropped).
 
-Every engine chunk is a consistent snapshot (engines/sequence.py Output): its ids are all the
+Every engine chunk is a consistent snapshot (engines/core/sequence.py Output): its ids are all the
 tokens generated up to it, its text all the text released up to it; ids are recorded only from
 chunks handled whole, so a replay always matches the text the client has.
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import orjson
 
-from engines import request_body, sse
-from engines.batch_wire import encode_member
-from engines.block_keys import KeyChain
+from wire import request_body, sse
+from wire.batch_wire import encode_member
+from wire.block_keys import KeyChain
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
@@ -74,7 +74,7 @@ def _as_json(value: Any) -> Any:
 
 def parse_request(path: str, body: bytes) -> Any:
     """The JSON body of a generation request, parsed once for the router's limits and tracking,
-    with the cyclic GC paused as the engine does (engines/request_body.py: a body of a million
+    with the cyclic GC paused as the engine does (wire/request_body.py: a body of a million
     small lists otherwise sets off hundreds of collections); None for other paths and for a body
     that is not JSON (nesting too deep included): such a body passes through, and the engine names
     what is wrong with it."""
@@ -92,7 +92,7 @@ class Tracked:
     def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62, arrived: float | None = None,
                  key_chain: tuple[bytes, int] | None = None) -> None:
         """``key_chain``: the engines' block keys' (key root, block size): the stream's block keys are
-        then hashed as its ids come, for a failover's batch (engines/block_keys.py KeyChain)."""
+        then hashed as its ids come, for a failover's batch (wire/block_keys.py KeyChain)."""
         self.kind, self.req, self.max_ids = kind, req, max_ids
         self._key_chain, self.keys = key_chain, None
         self.arrived = time.monotonic() if arrived is None else arrived  # when the router received it
@@ -156,7 +156,7 @@ class Tracked:
         return _dump(body)
 
     def batch_member(self, path: bytes) -> bytes:
-        """``upstream_body()`` as a member of a failover's batch (engines/batch_wire.py): the same
+        """``upstream_body()`` as a member of a failover's batch (wire/batch_wire.py): the same
         request, its continuation's ids framed raw after its JSON."""
         keys = self.keys.prompt(len(self.prompt_ids) + len(self.output_ids)) if self.keys is not None else b""
         return encode_member(path, _dump(self._upstream_fields()), self.prompt_ids, self.output_ids, keys)
@@ -174,7 +174,7 @@ class Tracked:
     def in_client_terms(self, error: bytes) -> bytes:
         """An engine's refusal (its JSON error body) of ``upstream_body()``, in terms of the body the
         client sent: where the message shows the whole body (a missing field's error,
-        engines/request_body.py `preview`), it shows the client's fields, not the seed, `stream`,
+        wire/request_body.py `preview`), it shows the client's fields, not the seed, `stream`,
         `return_token_ids` and `continuation` the router set. Anything else is returned as it came."""
         try:
             err = orjson.loads(error)

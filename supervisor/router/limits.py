@@ -1,7 +1,7 @@
 """The router's request limits: the body is read within ``limits.body_timeout_s`` (408) and
 ``limits.max_body_bytes`` (413, from Content-Length before a byte is read); a generation request's
 prompts and n, a chat request's messages and their characters are checked on the parsed JSON (400,
-engines/limits.py ``check_body``, ``check_shape``) before it goes anywhere, so external engines are
+wire/limits.py ``check_body``, ``check_shape``) before it goes anywhere, so external engines are
 bounded too and a huge message list costs the router one parse, no validation. Bodies that are not
 JSON objects pass untouched: the engine names what is wrong with them. (Listener limits:
 supervisor/effects/servers.py; engines get theirs in their EngineConfig.)"""
@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engines.limits import LimitError, RequestLimits, body_too_large, check_body, check_shape, drain
+from wire.limits import LimitError, RequestLimits, body_too_large, check_body, check_shape, drain
 
 Receive = Callable[[], Awaitable[dict]]
 

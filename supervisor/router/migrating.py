@@ -8,7 +8,7 @@ Rules (DESIGN.md §4, issues 11 and 12):
 - a request running on two primaries (epochs) when they failed, with no new token in between, is
   quarantined: failed with a clear error, never sent to a third engine (a poison request). Running
   means the engine had begun computing it: its stream carried the engine's scheduled marker
-  (engines/sse.py SCHEDULED, sent before the step that first runs it) or a token. A request that an
+  (wire/sse.py SCHEDULED, sent before the step that first runs it) or a token. A request that an
   engine only answered and queued (behind max_num_seqs others), or never answered, did not kill it;
 - a request that cannot be continued ends explicitly: an SSE error event and an aborted connection
   once bytes went to the client, an HTTP error before. Never a silent truncation.
@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from engines import sse
-from engines.stalls import STALL_LOG_S
+from wire import sse
+from wire.stalls import STALL_LOG_S
 from supervisor.config import MigrationSection
 from supervisor.router.attempts import SAME_PRIMARY_RETRY_S, Attempts, Upstreams
 from supervisor.router.batching import Batcher, Member
@@ -246,7 +246,7 @@ class _Call:
                 raise _Refused(resp.status, resp.headers, await resp.read())
             engine_headers = [(b"x-understudy-engine", up.name.encode()),
                               (b"x-understudy-epoch", str(up.epoch).encode())]
-            waited_from = 0.0  # (from the first token on: a long wait is logged, engines/stalls.py)
+            waited_from = 0.0  # (from the first token on: a long wait is logged, wire/stalls.py)
             async for chunk in resp.stream():
                 if waited_from and (waited := time.monotonic() - waited_from) >= STALL_LOG_S:
                     log.warning("request %s stalled on %s: no bytes from the engine for %.0f ms after %d chunks",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-from engines.interrupt import unless_client_leaves
-from engines.limits import RequestLimits
+from wire.interrupt import unless_client_leaves
+from wire.limits import RequestLimits
 from supervisor.config import MigrationSection
 from supervisor.router.attempts import Upstreams
 from supervisor.router.continuation import PATHS, Tracked, error_event, parse_request
@@ -26,7 +26,7 @@ from supervisor.router.upstream import Response as UpstreamResponse
 log = logging.getLogger("understudy.router")
 
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})  # no HEAD: the FastAPI route had none
-# The engines' endpoints for the router itself (engines/continuation_batch.py): a batch would let one
+# The engines' endpoints for the router itself (engines/frontend/continuation_batch.py): a batch would let one
 # client request carry thousands of streams past the router's limits; no client reaches them.
 ROUTER_ONLY = frozenset({"/v1/continuations", "/v1/continuations/abort"})
 DEFAULT_LIMITS = RequestLimits()

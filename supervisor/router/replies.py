@@ -6,7 +6,7 @@ import json
 from collections.abc import Awaitable, Callable
 from urllib.parse import quote
 
-from engines.guarded_http import CUT
+from wire.guarded_http import CUT
 from supervisor.router.upstream import HOP_BY_HOP, Headers
 from supervisor.router.upstream import Response as UpstreamResponse
 
@@ -53,7 +53,7 @@ def target_of(scope: dict) -> tuple[bytes, Headers]:
 
 def cut(scope: dict) -> bool:
     """End the response in progress without its end (the client sees the body cut short, after
-    what was sent: an error event), through our listener's extension (engines/guarded_http.py
+    what was sent: an error event), through our listener's extension (wire/guarded_http.py
     CUT); False where the server has none (a test transport): the caller raises instead."""
     close = scope.get("extensions", {}).get(CUT)
     if close is None:

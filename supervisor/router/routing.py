@@ -9,7 +9,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engines.interrupt import Interrupt
+from wire.interrupt import Interrupt
 from supervisor.router.collector_hold import CollectorHold
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
                 ignore_eos: bool, timeout_s: float) -> tuple[list[RequestResult], float, dict]:
     """(results, seconds from the first submit to the last finish, engine facts)."""
     from harness.bench.decode import local_engine
-    from engines.sampling import SamplingParams
+    from engines.core.sampling import SamplingParams
 
     print(f"bench serve: offline engine {model_dir} on {device}, max_model_len {max_model_len}, "
           f"max_num_seqs {max_num_seqs}", file=sys.stderr, flush=True)
@@ -30,7 +30,7 @@ def run_offline(model_dir: str, specs: list[RequestSpec], device: str, dtype: st
     lock = threading.Lock()
 
     def emitter(r: RequestResult):
-        def emit(out) -> None:  # noqa: ANN001  (engines.sequence.Output, on the loop thread)
+        def emit(out) -> None:  # noqa: ANN001  (engines.core.sequence.Output, on the loop thread)
             now = time.perf_counter()
             if out.delta or out.finish_reason is not None:
                 r.content_times.append(now)

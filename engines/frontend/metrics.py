@@ -1,0 +1,30 @@
+"""The engine's own `GET /metrics`: its serving figures in Prometheus text format."""
+from __future__ import annotations
+
+# Histogram buckets (seconds) of the time-to-first-output parts: the engine's (engines/frontend/first_output.py)
+# and the router's (supervisor/metrics.py), so that bench/probes/ttft_split.py compares like with like
+FIRST_OUTPUT_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                        5.0, 10.0)
+
+# stats() key -> (metric name, type, help)
+FIGURES = {
+    "running": ("understudy_engine_running_seqs", "gauge", "Sequences running"),
+    "waiting": ("understudy_engine_waiting_seqs", "gauge", "Sequences waiting"),
+    "kv_blocks_used": ("understudy_engine_kv_blocks_used", "gauge", "KV cache blocks in use"),
+    "kv_blocks_total": ("understudy_engine_kv_blocks_total", "gauge", "KV cache blocks"),
+    "preemptions": ("understudy_engine_preemptions_total", "counter", "Sequences preempted (recomputed later)"),
+    "served": ("understudy_engine_served_total", "counter", "Sequences finished"),
+    "steps": ("understudy_engine_steps_total", "counter", "Scheduler steps"),
+    "prefix_queried_tokens": ("understudy_prefix_cache_queried_tokens_total", "counter",
+                              "Prompt tokens looked up in the prefix cache"),
+    "prefix_hit_tokens": ("understudy_prefix_cache_hit_tokens_total", "counter",
+                          "Prompt tokens found in the prefix cache"),
+}
+
+
+def render(stats: dict) -> str:
+    lines = []
+    for key, (name, kind, help_) in FIGURES.items():
+        if key in stats:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,239 @@
+"""One compact decoder for Llama, Qwen2 and Mistral checkpoints, tensor parallel, KV-cache aware:
+its modules, weights, KV cache and eager forward (engines/models/causal_lm.py picks the forward).
+
+Module and parameter names match the HF checkpoints, so a checkpoint key *is* a parameter name.
+
+Forward API (`CausalLM.forward(input_ids, positions, meta)`): one flat batch of `T` rows from any
+number of sequences (decode rows and prefill chunks alike), `positions[t]` the row's position in
+its sequence, `meta` an `AttnMeta` (engines/models/paged.py) saying where each row's keys and
+values go in the paged KV cache and which positions each sequence has. Returns the logits of the
+rows `meta.logit_rows` (every row when None) `[S, vocab]`. A decode-only step is shape-static
+given its batch size, so it can be captured in a CUDA graph.
+The KV cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads_local, head_dim]` set by
+`allocate_kv_cache`; it is not part of the state dict (it never goes to the weight arena).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .paged import AttnMeta, paged_attention, write_kv
+from .parallel import ShardedLinear, VocabShardedEmbedding, all_gather_last_dim
+from .rope import apply_rope, cos_sin_table, rope_factors
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a checkpoint tensor goes.
+
+    Rank r takes the r-th of tp_size equal slices of the checkpoint tensor along `shard_dim`
+    (None: the whole tensor) and writes it into parameter `param` at rows
+    `dst_offset .. dst_offset + slice.shape[0]` of dim 0. Offsets are non-zero for fused
+    parameters: q/k/v go into one `qkv_proj`, gate/up into one `gate_up_proj`.
+    """
+
+    param: str
+    shard_dim: int | None
+    full_shape: tuple[int, ...]
+    dst_offset: int = 0
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        """Shape of this rank's slice of the checkpoint tensor."""
+        shape = list(self.full_shape)
+        if self.shard_dim is not None:
+            shape[self.shard_dim] //= tp_size
+        return tuple(shape)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One fused kernel; it accumulates in float32 as HF does (HF also rounds before scaling).
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        if args.num_key_value_heads % tp:
+            raise ValueError(f"num_key_value_heads {args.num_key_value_heads} is not divisible by tp_size {tp}")
+        self.heads, self.kv_heads, self.head_dim = (args.num_attention_heads // tp,
+                                                    args.num_key_value_heads // tp, args.head_dim)
+        h, d = args.hidden_size, args.head_dim
+        qkv_out = (args.num_attention_heads + 2 * args.num_key_value_heads) * d
+        self.qkv_proj = ShardedLinear(h, qkv_out, args.qkv_bias, 0, tp, dtype, device)
+        self.o_proj = ShardedLinear(args.num_attention_heads * d, h, False, 1, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
+                kv: torch.Tensor) -> torch.Tensor:
+        out = self.attend(self.qkv_proj(x), cos, sin, meta, kv)
+        return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta, kv: torch.Tensor,
+               deterministic: bool = False) -> torch.Tensor:
+        """Rotary on q and k, k and v into the cache, attention: `qkv [T, (heads + 2 kv) d]` -> `[T, heads, d]`."""
+        qkv = qkv.view(qkv.shape[0], self.heads + 2 * self.kv_heads, self.head_dim)
+        if qkv.is_cuda:
+            from engines.kernels.rope_cache import rope_and_cache
+            q = rope_and_cache(qkv, cos, sin, kv, meta.slot_mapping, self.heads, self.kv_heads)
+        else:
+            q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)
+            write_kv(kv, meta.slot_mapping, k, qkv[:, self.heads + self.kv_heads:])
+        return paged_attention(q, kv, meta, deterministic)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_up_proj = ShardedLinear(h, 2 * i, b, 0, tp, dtype, device)
+        self.down_proj = ShardedLinear(i, h, b, 1, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, tp, dtype, device)
+        self.mlp = MLP(args, tp, dtype, device)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+
+    def forward(self, x, cos, sin, meta, kv):  # noqa: ANN001, ANN201 (hot path)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in HF naming: embeddings, layers, final norm, and the rotary tables (buffers)."""
+
+    def __init__(self, args: ModelArgs, tp_rank: int, tp: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabShardedEmbedding(args.vocab_size, args.hidden_size, tp_rank, tp, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(args, tp, dtype, device) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        half = args.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half, device=device),
+                             persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_position_embeddings, half, device=device),
+                             persistent=False)
+
+
+class Decoder(nn.Module):
+    """A Llama-family causal LM holding rank `tp_rank` of `tp_size` shards; `forward` is the eager path."""
+
+    def __init__(self, args: ModelArgs, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "meta") -> None:
+        super().__init__()
+        self.args, self.tp_rank, self.tp_size, self.dtype = args, tp_rank, tp_size, dtype
+        self.model = DecoderStack(args, tp_rank, tp_size, dtype, device)
+        self.lm_head = ShardedLinear(args.hidden_size, args.vocab_size, False, 0, tp_size, dtype, device)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kv_cache: torch.Tensor | None = None
+        self.use_fused_decode = False  # decode batches up to FUSED_MAX_BATCH through engines/kernels (CUDA)
+        self.deterministic = False  # batch-invariant ops (engines/models/invariant_forward.py)
+
+    # ---- weights -------------------------------------------------------------------------
+    def checkpoint_targets(self) -> dict[str, ShardSpec]:
+        """Checkpoint key -> ShardSpec for every tensor this rank loads (tied ones once)."""
+        targets: dict[str, ShardSpec] = {}
+        for module_name, module in self.named_modules():
+            parent, _, leaf = module_name.rpartition(".")
+            parts = self._fused_parts(leaf)
+            for pname, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{pname}" if module_name else pname
+                if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                    continue
+                dim = _shard_dim(module, pname)
+                if parts is None:
+                    targets[name] = ShardSpec(name, dim, _full_shape(param.shape, dim, self.tp_size))
+                    continue
+                unit, offset = param.shape[0] // sum(parts.values()), 0
+                for part, units in parts.items():
+                    local = (units * unit, *param.shape[1:])
+                    targets[f"{parent}.{part}.{pname}"] = ShardSpec(
+                        name, dim, _full_shape(local, dim, self.tp_size), offset)
+                    offset += local[0]
+        return targets
+
+    def _fused_parts(self, leaf: str) -> dict[str, int] | None:
+        """For a fused module, its checkpoint modules in row order with their relative sizes."""
+        if leaf == "qkv_proj":
+            kv = self.args.num_key_value_heads
+            return {"q_proj": self.args.num_attention_heads, "k_proj": kv, "v_proj": kv}
+        if leaf == "gate_up_proj":
+            return {"gate_proj": 1, "up_proj": 1}
+        return None
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Fill the non-persistent buffers (rotary tables) in place, wherever they live."""
+        cos, sin = cos_sin_table(self.args)
+        self.model.rope_cos.copy_(cos)
+        self.model.rope_sin.copy_(sin)
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters one forward pass reads on this rank (tied weights once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    # ---- KV cache ------------------------------------------------------------------------
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one KV block on this rank (every layer's keys and values for block_size positions)."""
+        attn = self.model.layers[0].self_attn
+        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return len(self.model.layers) * 2 * attn.kv_heads * block_size * attn.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device | str,
+                          dtype: torch.dtype | None = None) -> None:
+        attn = self.model.layers[0].self_attn
+        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_blocks, block_size, attn.kv_heads,
+                                    attn.head_dim, dtype=dtype or self.dtype, device=device)
+
+    def use_kv_cache(self, kv: torch.Tensor, block_size: int) -> None:
+        """Run on `kv` (a shared pool's view) instead of a cache of our own; its shape must be ours."""
+        attn = self.model.layers[0].self_attn
+        want = (len(self.model.layers), 2, kv.shape[2], block_size, attn.kv_heads, attn.head_dim)
+        if tuple(kv.shape) != want or kv.dtype != self.dtype:
+            raise ValueError(f"a KV cache of shape {tuple(kv.shape)} {kv.dtype} does not fit this model "
+                             f"({want} {self.dtype})")
+        self.kv_cache = kv
+
+    # ---- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        stack = self.model
+        x = stack.embed_tokens(input_ids)
+        cos, sin = rope_factors(stack.rope_cos[positions], stack.rope_sin[positions], x.dtype)
+        for i, layer in enumerate(stack.layers):
+            x = layer(x, cos, sin, meta, self.kv_cache[i])
+        if meta.logit_rows is not None:
+            x = x[meta.logit_rows]
+        return all_gather_last_dim(self.lm_head(stack.norm(x)), self.tp_size)
+
+
+def _full_shape(local: tuple[int, ...] | torch.Size, dim: int | None, tp_size: int) -> tuple[int, ...]:
+    full = list(local)
+    if dim is not None:
+        full[dim] *= tp_size
+    return tuple(full)
+
+
+def _shard_dim(module: nn.Module, pname: str) -> int | None:
+    if isinstance(module, ShardedLinear):
+        return module.shard_dim if pname == "weight" or module.shard_dim == 0 else None
+    if isinstance(module, VocabShardedEmbedding):
+        return 0
+    return None
