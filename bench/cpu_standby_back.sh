@@ -6,7 +6,7 @@
 #   bash bench/cpu_standby_back.sh .ab/base > OUT.txt
 set -u
 BASE=$1; ROUNDS=${ROUNDS:-4}; RUNS=${RUNS:-5}; PY=$PWD/.venv/bin/python
-MODEL=${MODEL:-/tmp/tiny}; [ -f $MODEL/config.json ] || $PY -m engines.make_model $MODEL --preset tiny >/dev/null
+MODEL=${MODEL:-/tmp/tiny}; [ -f $MODEL/config.json ] || $PY -m supervisor.cli make-model $MODEL --preset tiny >/dev/null
 printf 'model:\n  path: %s\nrouter:\n  port: 18100\nadmin:\n  port: 18101\n' $MODEL \
   > /tmp/standby-back.yaml
 rm -f /tmp/standby-back-phases.txt

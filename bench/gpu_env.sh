@@ -6,7 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=/tmp/m1b
-[ -f $M/config.json ] || python3 -m engines.make_model $M --preset 1b > "$OUT/make_model.log"
+[ -f $M/config.json ] || python3 -m supervisor.cli make-model $M --preset 1b > "$OUT/make_model.log"
 
 wait_ready() {  # wait_ready URL [TRIES]: until URL/readyz answers 200 (0.5 s apart)
   for _ in $(seq "${2:-240}"); do curl -sf "$1/readyz" >/dev/null && return 0; sleep 0.5; done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving engine on an H200 (device tool), one call per part. Usage:
-#   bash bench/gpu_serving.sh engine   # kernels natively, graphs == eager, static decode, offline nano
+#   bash bench/gpu_serving.sh engine   # kernels natively, graphs == eager, static decode
 #   bash bench/gpu_serving.sh probe    # the chat sweep through the router, shared-prefix, and 256 clients on the
 #                                      # primary engine directly (`understudy bench serve`, no static decode)
 #   bash bench/gpu_serving.sh serve    # a real `understudy serve` under `understudy bench serve`
@@ -34,7 +34,6 @@ engine)
   timeout 200 python3 -m harness.bench.engine validate --device cuda --runs 1 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -20
   timeout 150 python3 -m harness.bench.engine decode $M --device cuda --batches 1,8,32,64,128,256 --prompt-len 256 --tokens 128 --json \
     2>&1 | tee "$OUT/decode.log" | tail -12
-  timeout 150 python3 bench/probes/offline_nano.py $M 2>&1 | tee "$OUT/offline_nano.log" | tail -4
   ;;
 probe)
   serve_1b

@@ -18,15 +18,11 @@
 #                                         # bench serve on two nodes in turn, then failover on each
 #   bash bench/gpu_shared_kv.sh batch_ab  # failover with router.migration.batch false, then true (BATCH=
 #                                         # sets it for the other parts)
-#   bash bench/gpu_shared_kv.sh profile   # failover with py-spy sampling the node's processes (PROFILE_S)
-#   bash bench/gpu_shared_kv.sh serve_diag # bench serve nano:256 on shared_kv false / true / true without the
-#                                         # heap's thresholds and rehearsals, in turn; py-spy on two primaries
 #   BASE=DIR bash bench/gpu_shared_kv.sh tree_ab  # failover on an older tree (DIR) and on this one, in turn
 #                                         # (TREES="name=DIR ..." for other sides)
 #   bash bench/gpu_shared_kv.sh warm_ab   # first_kernel.py, then failover (shared KV only) without and with the
 #                                         # first-use warm-up (UNDERSTUDY_WARM_FIRST_USE: WARMS= names the sides'
-#                                         # values, "-" for none; default "- gather sampling,graphs,gather"); the new
-#                                         # primaries' stalled launches (trace_stalls.py) on each
+#                                         # values, "-" for none; default "- gather sampling,graphs,gather")
 #   bash bench/gpu_shared_kv.sh all       # ab, then failover
 # Logs go to $OUT; the last lines printed are the figures.
 source bench/gpu_env.sh
@@ -90,7 +86,7 @@ for r in json.load(open(sys.argv[1])):
               f"(n={t.get('n')})")
 PY
 }
-gc_pauses() {  # gc_pauses LOGS.tgz: the collections over 10 ms (engines/gc_pauses.py) per process and generation
+gc_pauses() {  # gc_pauses LOGS.tgz: the collections over 10 ms (the gc_pauses log lines) per process and generation
   python3 - "$1" <<'PY'
 import collections, re, sys, tarfile
 pauses = collections.defaultdict(list)
@@ -105,7 +101,7 @@ for (proc, gen), xs in sorted(pauses.items()):
 PY
 }
 failover_in() {  # failover_in DIR: failover with $OUT/DIR as its $OUT; the new primaries' first second
-  # (engines/promotion_trace.py) in DIR/promotion_trace.txt, its first lines printed; where each failover's
+  # (the promotion trace) in DIR/promotion_trace.txt, its first lines printed; where each failover's
   # time went between the engines and the supervisor (bench/probes/failover_hops.py) in DIR/failover_hops.txt
   local base=$OUT
   OUT=$base/$1; mkdir -p "$OUT"
@@ -136,7 +132,7 @@ batch_ab() {  # failover (shared KV only) with a failover's continuations one re
   done
 }
 warm_ab() {  # failover (shared KV only, RUNS kills) per UNDERSTUDY_WARM_FIRST_USE of $WARMS ("-": none), in
-  # one call; each side's logs in one .tgz; the launches over 8 ms in its new primaries' first steps.
+  # one call; each side's logs in one .tgz.
   # First, first_kernel.py: does a kernel's first call wait for the work on the GPU?
   python3 bench/probes/first_kernel.py | tee "$OUT/first_kernel.txt"
   local w
@@ -144,10 +140,8 @@ warm_ab() {  # failover (shared KV only, RUNS kills) per UNDERSTUDY_WARM_FIRST_U
     local side=warm_${w//,/_}
     echo "== UNDERSTUDY_WARM_FIRST_USE=${w#-}"
     UNDERSTUDY_WARM_FIRST_USE=${w#-} COMPARE= failover_in "$side"
-    python3 bench/probes/trace_stalls.py "$OUT/$side/promotion_trace.txt" > "$OUT/$side/trace_stalls.txt"
-    tail -1 "$OUT/$side/trace_stalls.txt"
     # what the warm-up took and left in torch's allocator (the standby's memory), per engine start
-    tar xzf "$OUT/$side/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "engines.first_use: warmed" \
+    tar xzf "$OUT/$side/streams/logs-shared_kv-true.tgz" -O --wildcards '[ab]-*.log' | grep "first_use: warmed" \
       | sed 's/.*warmed/warmed/' | head -3
     rm -f "$OUT/$side/failover_streams.log"
     tar czf "$OUT/$side.tgz" -C "$OUT" "$side" && rm -rf "${OUT:?}/$side"
@@ -174,60 +168,11 @@ gc_ab() {  # the collector with the objects of startup frozen out (the default) 
   done
   tail -5 "$OUT/serve_ab.txt"
 }
-profile() {  # failover (shared KV only, RUNS kills, default 5) with py-spy sampling every process of the
-  # node meanwhile (PROFILE_S seconds from PROFILE_AFTER_S after the node starts; --nonblocking: the
-  # processes are not paused); per process, the functions holding the most samples in profile_top.txt
-  RUNS=${RUNS:-5} COMPARE= failover_in profile &
-  local bench=$! sup="" _
-  for _ in $(seq 240); do sup=$(pgrep -f "supervisor serve -c" | head -1); [ -n "$sup" ] && break; sleep 0.5; done
-  sleep "${PROFILE_AFTER_S:-15}"
-  /tmp/site/bin/py-spy record --pid "$sup" --subprocesses --nonblocking -r 200 -f raw -d "${PROFILE_S:-20}" \
-    -o "$OUT/profile.raw" > "$OUT/py-spy.log" 2>&1 || tail -3 "$OUT/py-spy.log"
-  wait $bench
-  python3 bench/probes/spy_top.py "$OUT/profile.raw" --top 30 > "$OUT/profile_top.txt"
-  head -100 "$OUT/profile_top.txt"
-}
-serve_diag() {  # bench serve (nano:256, RUNS) on three nodes at once, in turn: shared_kv: false, shared_kv, and
-  # shared_kv on a copy of this tree without the heap's thresholds and the parked standby's rehearsals (the
-  # two things a shared-KV engine does since 2026-12-02 that no other does); then py-spy on the primary
-  # during one more run on the own and the shared node (spy_<node>_top.txt)
-  rm -rf /tmp/patched && mkdir /tmp/patched && tar cf - --exclude=.whl . | tar xf - -C /tmp/patched
-  sed -i 's/^\( *\)heap.keep_freed_memory().*/\1pass/' /tmp/patched/engines/main.py
-  sed -i 's/^REHEARSAL_S = .*/REHEARSAL_S = 1e9/' /tmp/patched/engines/engine.py
-  grep -c "keep_freed_memory()" /tmp/patched/engines/main.py; grep "^REHEARSAL_S" /tmp/patched/engines/engine.py
-  config own 8100 false 17179869184; config shared 8000 true 34359738368; config patched 8200 true 34359738368
-  python3 -m supervisor.cli serve -c /tmp/own.yaml > "$OUT/serve_own.log" 2>&1 & local p1=$!
-  python3 -m supervisor.cli serve -c /tmp/shared.yaml > "$OUT/serve_shared.log" 2>&1 & local p2=$!
-  (cd /tmp/patched && PYTHONPATH=/tmp/site:/tmp/patched exec python3 -m supervisor.cli serve -c /tmp/patched.yaml) \
-    > "$OUT/serve_patched.log" 2>&1 & local p3=$!
-  local n
-  for n in own:8100 shared:8000 patched:8200; do
-    wait_ready http://127.0.0.1:${n#*:} && all_ready /tmp/${n%:*}.yaml || { tail -20 "$OUT/serve_${n%:*}.log"; kill -9 $p1 $p2 $p3; exit 1; }
-  done
-  POINTS=${POINTS:-nano:256} RUNS=${RUNS:-4} load_in_turn own shared patched > "$OUT/serve_diag.txt"
-  for n in own shared; do
-    local pid
-    pid=$(python3 -m supervisor.cli status -c /tmp/$n.yaml --json | python3 -c "import json,sys
-print([e['pid'] for e in json.load(sys.stdin)['engines'] if e['role'] == 'primary'][0])")
-    python3 -m supervisor.cli bench serve --client-procs 8 --no-static --workload nano -c /tmp/$n.yaml \
-      --concurrency 256 > "$OUT/spy_${n}_serve.txt" 2>&1 & local b=$!
-    sleep 3
-    /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --nonblocking -r 200 -f raw -d 6 -o "$OUT/spy_$n.raw" \
-      > /dev/null 2>&1 || echo "py-spy failed on $n"
-    wait $b
-    python3 bench/probes/spy_top.py "$OUT/spy_$n.raw" --top 40 > "$OUT/spy_${n}_top.txt" && rm -f "$OUT/spy_$n.raw"
-    grep -E "^ +256 " "$OUT/spy_${n}_serve.txt"
-  done
-  kill -TERM $p1 $p2 $p3; wait $p1 $p2 $p3
-  cat "$OUT/serve_diag.txt"
-}
 tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in $BASE (git archive of a commit,
   # untracked in this checkout so that it travels), then on this tree, in one call: the before/after of
   # the code between them; each side's files in one .tgz ($side/promotion_trace.txt, its failover JSON,
   # the nodes' logs) and its first admission steps' schedule printed (bench/probes/first_admission_steps.py);
-  # promote_cost.py (the claim and admissions on this host's CPU) and this tree's core_admission.py (the
-  # core's share of 256 continuations) and member_frames.py (the router's batch members) on each; then
-  # router_losses.py on this tree.
+  # then promote_cost.py (the claim and admissions on this host's CPU) on each.
   # TREES="name=DIR ..." names the sides and their trees instead (default "base=$BASE this=."); PROBES=0: no probes
   local side dir entry
   for entry in ${TREES:-base=$BASE this=.}; do
@@ -242,26 +187,16 @@ tree_ab() {  # failover (shared KV only, RUNS kills) on an older tree's files in
   for entry in ${TREES:-base=$BASE this=.}; do
     side=${entry%%=*}; dir=${entry#*=}
     echo "== promote_cost, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD python3 bench/probes/promote_cost.py --runs 7) 2>&1 | tail -1)"
-    echo "== core_admission, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD:$ROOT/bench/probes \
-      python3 "$ROOT/bench/probes/core_admission.py") 2>&1 | tail -1)"
-    echo "== member_frames, $side: $( (cd "$dir" && PYTHONPATH=/tmp/site:$PWD \
-      python3 "$ROOT/bench/probes/member_frames.py") 2>&1 | tail -1)"
   done
-  # the router's handling of 256 losses on this host's CPU (this tree's router only: it times the
-  # continuations built and waiting for the next primary, batching.Batcher.at_next_primary)
-  echo "== router_losses, this tree: $( (PYTHONPATH=/tmp/site:$ROOT:$ROOT/bench/probes timeout 180 \
-    python3 "$ROOT/bench/probes/router_losses.py" --rounds 7) 2>&1 | tail -1)"
 }
 case "${1:-}" in
 tree_ab) tree_ab ;;
 warm_ab) warm_ab ;;
-profile) profile ;;
 ab) ab ;;
-serve_diag) serve_diag ;;
 gc_ab) gc_ab ;;
 batch_ab) batch_ab ;;
 failover) failover ;;
 delays) delays ;;
 all) ab > "$OUT/ab.txt" 2>&1; failover; tail -8 "$OUT/ab.txt" ;;
-*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|profile|tree_ab|warm_ab|all" >&2; exit 2 ;;
+*) echo "usage: $0 ab|failover|delays|gc_ab|batch_ab|tree_ab|warm_ab|all" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
 """The schedule phase of each new primary's first admission steps, from promotion traces (the lines
-`engines/promotion_trace.py` logs after a promotion, one per failover): per file, the schedule of the
+`engines/core/promotion_trace.py` logs after a promotion, one per failover): per file, the schedule of the
 first step with more than 16 rows, and of the steps of at most 16 rows before it (a failover's first
 step often holds only the continuations that had arrived); and of the traced steps after the first,
 how many had a run phase (the inputs' copy, the pending tokens' gather, the forward's launch) over

@@ -2,11 +2,11 @@
 kernel on its first call under lazy loading, torch's default, and loading may synchronize the
 context.) The promotion traces of bench/RESULTS.md (nineteenth session) show one launch of 14-26 ms
 in most new primaries' first steps, at the first step after their batch changed, when the previous
-step's tokens are gathered into new rows (engines/runner.py `_gather_pending`: index kernels that
+step's tokens are gathered into new rows (engines/core/runner.py `_gather_pending`: index kernels that
 no unchanging batch runs).
 
 Also (twenty-first session): a pageable host list's copy to the device against a pinned one
-(engines/device_upload.py `to_device`), and index_select over a KV layer with 1 index, then 17
+(engines/core/device_upload.py `to_device`), and index_select over a KV layer with 1 index, then 17
 (torch has a kernel for up to 16 indices and another for more: on an H100 the schedule phase of a
 new primary's first step of more than 16 rows, copying their tails, took a median 25.9 ms against
 8.6 ms without tails, bench/RESULTS.md, twenty-first session).
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from engines.device_upload import to_device
+from engines.core.device_upload import to_device
 
 
 def main() -> None:

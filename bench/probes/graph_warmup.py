@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from engines import runner as runner_mod
+from engines.core import runner as runner_mod
 from engines.models.fused_decode import FUSED_MAX_BATCH
-from engines.runner import DECODE, MIXED, ModelRunner
+from engines.core.runner import DECODE, MIXED, ModelRunner
 
 TIMES: list[tuple[tuple[int, int], float, float]] = []  # key, warm-up s, capture s
 

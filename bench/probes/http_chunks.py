@@ -48,7 +48,7 @@ async def main():
     app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=30)
     sock = bind_tcp("127.0.0.1", port, "router")
     await make_server(app, sock, "warning", name="router").serve(sockets=[sock])
-from engines import event_loop; event_loop.run(main())
+from wire import event_loop; event_loop.run(main())
 '''
 
 
@@ -117,7 +117,7 @@ async def engine_target(args, stack: contextlib.ExitStack) -> tuple[int, int]:
     """A real CPU engine: (its port, its HTTP front end's pid)."""
     import psutil
 
-    from engines.config import EngineConfig
+    from engines.process.config import EngineConfig
     from harness.engine_process import EngineProcess
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     cfg = EngineConfig(name="probe", model_path=args.model, port=0, runtime_dir=f"{tmp}/rt", weight_cache_mode="off",

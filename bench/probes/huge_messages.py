@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from engines.config import EngineConfig
+from engines.process.config import EngineConfig
 from harness.engine_process import EngineProcess
-from engines.make_model import make_model
+from engines.models.make_model import make_model
 
 
 def frontend_pid(engine_pid: int, name: str) -> int:

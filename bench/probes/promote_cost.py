@@ -9,7 +9,7 @@ The pool holds `--streams` sequences' blocks keyed as an engine keys them (blake
 order, as a real pool's are), the rest filled with other random keys.
 
 With `--tails`, each stream's last partial block is left OWNED and named as the dead writer names a
-tail (engines/kv_tails.py): a continuation then copies it and recomputes one token.
+tail (engines/kv/tails.py): a continuation then copies it and recomputes one token.
 
     python bench/probes/promote_cost.py [--blocks 65536] [--streams 256] [--runs 5] [--twice 20] [--tails]
 """
@@ -28,13 +28,13 @@ import torch
 from daemon.kv_index import BlockIndex
 from daemon.kv_layout import KVLayout
 from daemon.kv_pool import KVPool
-from engines.block_keys import ROOT, block_key, prompt_keys
-from engines.block_manager import BlockManager, halves
-from engines.kv_publish import Publisher
-from engines.make_model import make_model
-from engines.sampling import SamplingParams
-from engines.sequence import Sequence
-from engines.tokenizer import Tokenizer
+from wire.block_keys import ROOT, block_key, prompt_keys
+from engines.core.block_manager import BlockManager, halves
+from engines.kv.publish import Publisher
+from engines.models.make_model import make_model
+from engines.core.sampling import SamplingParams
+from engines.core.sequence import Sequence
+from engines.core.tokenizer import Tokenizer
 
 FP = b"f" * 32
 

@@ -15,9 +15,9 @@ import time
 import torch
 
 from harness.bench.decode import local_engine
-from engines.inflight import InFlight
-from engines.sampling import SamplingParams
-from engines.sequence import Sequence
+from engines.core.inflight import InFlight
+from engines.core.sampling import SamplingParams
+from engines.core.sequence import Sequence
 
 PHASES: dict[str, list[float]] = collections.defaultdict(list)
 

@@ -1,5 +1,5 @@
 """What naming every sequence's tail costs a writer's scheduler thread per decode step, on this host's
-CPU (no model, no GPU): `TailPublisher.record` and `.publish` (engines/kv_tails.py) beside the seal
+CPU (no model, no GPU): `TailPublisher.record` and `.publish` (engines/core/tail_publisher.py) beside the seal
 loop that the same step already runs (`BlockManager.seal` for each row), for steps of N decode rows
 over a writer's shared pool (memfd).
 
@@ -20,14 +20,14 @@ import torch
 from daemon.kv_index import BlockIndex
 from daemon.kv_layout import KVLayout
 from daemon.kv_pool import KVPool
-from engines.block_manager import BlockManager
-from engines.kv_publish import Publisher
-from engines.kv_tails import TailPublisher
-from engines.make_model import make_model
-from engines.sampling import SamplingParams
-from engines.scheduler import Scheduled
-from engines.sequence import Sequence
-from engines.tokenizer import Tokenizer
+from engines.core.block_manager import BlockManager
+from engines.kv.publish import Publisher
+from engines.core.tail_publisher import TailPublisher
+from engines.models.make_model import make_model
+from engines.core.sampling import SamplingParams
+from engines.core.scheduler import Scheduled
+from engines.core.sequence import Sequence
+from engines.core.tokenizer import Tokenizer
 
 from promote_cost import FP  # (bench/probes: run from the repository root)
 

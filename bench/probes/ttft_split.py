@@ -6,7 +6,7 @@ Scrapes the engine's /metrics (and, with -c, the supervisor's through its admin 
 after COMMAND and prints, for each first-output histogram, the requests counted, the mean and the
 p50 (bucket upper bound) over the run: the router's request -> first token back
 (supervisor/metrics.py), the engine front end's ingress (HTTP call -> handed to the core), and the
-engine's own parts (engines/first_output.py). The client's TTFT minus the router's figure is the
+engine's own parts (engines/frontend/first_output.py). The client's TTFT minus the router's figure is the
 client <-> router hop; the router's minus the engine's ingress and front-end figures is the
 router <-> engine hop and both HTTP loops."""
 from __future__ import annotations
