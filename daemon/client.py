@@ -6,7 +6,7 @@
 | `daemon` | starts its own daemon, attaches    | raises WeightCacheError (a 2nd copy would OOM)   |
 | `off`    | loads from disk                    | -                                                |
 
-Miss reasons: no_daemon, refused, mismatch, unsupported_quant, loading_timeout, daemon_error,
+Miss reasons: no_daemon, refused, mismatch, loading_timeout, daemon_error,
 protocol_error, attach_failed.
 """
 from __future__ import annotations
@@ -28,7 +28,6 @@ from .cli import daemon_argv
 from .fingerprint import CacheConfig
 from .framing import FrameError, close_fds, peer_uid, recv_frame, send_frame
 from .protocol import PROTOCOL_VERSION, REPLY, ArenaHandle, Attach, Error, Hello, KVAttach, Loading, Mismatch, Ok
-from .quant import UnsupportedQuantForIPCError, check_quant_allowed
 from .runtime_dir import daemon_socket_path
 
 log = logging.getLogger("understudy.client")
@@ -87,7 +86,6 @@ def attach_or_load(model_on_meta: nn.Module, cache_config: CacheConfig, mode: st
             return _from_disk(model_on_meta, cache_config, device, f"disk:{miss.reason}", str(miss))
     if mode == "daemon":
         try:
-            check_quant_allowed(cache_config.quant_method, f"{cache_config.model_path}/config.json")
             started = ensure_daemon(cache_config, runtime_dir, rank, device)
             try:
                 return attach(model_on_meta, cache_config, runtime_dir, rank, device, wait_s=DAEMON_START_TIMEOUT_S)
@@ -95,7 +93,7 @@ def attach_or_load(model_on_meta: nn.Module, cache_config: CacheConfig, mode: st
                 if started is None or miss.reason not in ("no_daemon", "daemon_error", "protocol_error"):
                     raise
                 raise _exit_reason(started, rank, runtime_dir, wait_s=5.0) or miss from None
-        except (CacheMiss, UnsupportedQuantForIPCError) as e:
+        except CacheMiss as e:
             raise WeightCacheError(f"weight_cache_mode=daemon, rank {rank}: {e}") from None
     raise ValueError(f"weight_cache_mode {mode!r} is not one of client, daemon, off")
 
@@ -104,10 +102,6 @@ def attach(model_on_meta: nn.Module, cache_config: CacheConfig, runtime_dir: str
            device: torch.device, *, wait_s: float = DEFAULT_WAIT_S) -> WeightsResult:
     """Map the daemon's arena into `model_on_meta`; raises CacheMiss on any kind of miss."""
     t0 = time.perf_counter()
-    try:
-        check_quant_allowed(cache_config.quant_method, f"{cache_config.model_path}/config.json")
-    except UnsupportedQuantForIPCError as e:
-        raise CacheMiss("unsupported_quant", str(e)) from None
     path = daemon_socket_path(runtime_dir, rank)
     timings: dict[str, float] = {}
     with open_session(path) as sock:

@@ -37,6 +37,7 @@ class CacheConfig(BaseModel):
     ep_size: int = 1
     quant_method: str | None
     quant_config_hash: str
+    quant_processing: str = ""  # the version of the daemon's post-load processing (FP8's scales)
     dtype: str
     device_capability: str  # "cpu" or "sm_90"
     device_uuid: str  # "cpu" or the GPU's UUID: an arena lives on one physical GPU
@@ -137,13 +138,13 @@ def make_cache_config(model_path: str | os.PathLike, *, tp_rank: int = 0, tp_siz
         raise CheckpointError(f"{config_file} is not valid JSON: {e}") from None
     archs = config.get("architectures") or [None]
     try:
-        quant_method, quant_hash = quant_of(config)
+        quant_method, quant_hash, processing = quant_of(config)
     except ValueError as e:
         raise CheckpointError(f"{config_file}: {e}") from None
     capability, uuid = device_identity(device)
     return CacheConfig(
         model_path=str(model_dir), arch=str(archs[0]), content_digest=content_digest(model_dir, cache_dir),
         tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank, dp_size=dp_size,
-        ep_size=ep_size, quant_method=quant_method, quant_config_hash=quant_hash, dtype=dtype,
+        ep_size=ep_size, quant_method=quant_method, quant_config_hash=quant_hash, quant_processing=processing, dtype=dtype,
         device_capability=capability, device_uuid=uuid, torch_version=torch.__version__,
         layout_version=LAYOUT_VERSION)

@@ -45,6 +45,7 @@ class _Job:
     shard_dim: int | None  # None when this rank takes the whole tensor
     rank: int
     size: int
+    broadcast: bool = False  # a scale read whole, spread over (or sliced to) dest's rows
 
 
 def default_threads() -> int:
@@ -55,7 +56,8 @@ def default_threads() -> int:
 def load_checkpoint_into(model: nn.Module, model_dir: str | os.PathLike, *,
                          progress: Callable[[Progress], None] | None = None,
                          threads: int | None = None, max_mbps: float | None = None) -> LoadStats:
-    """Fill every tensor named by `model.checkpoint_targets()`, then `model.init_buffers()`.
+    """Fill every tensor named by `model.checkpoint_targets()`, then `model.process_weights()` (the
+    rotary tables, FP8 processing), then check the FP8 scales.
 
     Raises CheckpointError naming the file and tensor on a missing folder, file or tensor, a wrong
     shape or dtype, or a truncated/corrupt file. `max_mbps` caps the read rate (slow-disk drills).
@@ -63,28 +65,80 @@ def load_checkpoint_into(model: nn.Module, model_dir: str | os.PathLike, *,
     model_dir = Path(model_dir)
     targets = model.checkpoint_targets()
     locations = locate(model_dir, list(targets))
+    check_no_stray_scales(model_dir, targets)
     tp_rank, tp_size = getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1)
     _check_covered(model, {spec.param for spec in targets.values()})
     jobs = []
     for key, spec in targets.items():
         loc, param = locations[key], model.get_parameter(spec.param)
-        if loc.shape != tuple(spec.full_shape):
+        if spec.broadcast:
+            if loc.shape not in ((), (1,), tuple(spec.full_shape), (*spec.full_shape, 1)):
+                raise CheckpointError(f"{loc.file}: tensor {key} has shape {loc.shape}, expected one value or "
+                                      f"{tuple(spec.full_shape)} (a scale per tensor or per row)")
+        elif loc.shape != tuple(spec.full_shape):
             raise CheckpointError(f"{loc.file}: tensor {key} has shape {loc.shape}, expected {tuple(spec.full_shape)}")
         if param.is_meta:
             raise CheckpointError(f"parameter {spec.param} is still on meta: materialise the model before loading")
         local = tuple(spec.local_shape(tp_size))
-        dest = param.narrow(0, spec.dst_offset, local[0]) if param.dim() else param
-        if tuple(dest.shape) != local:
+        base = param if spec.dst_index is None else param[spec.dst_index]
+        dest = base.narrow(0, spec.dst_offset, local[0] if local else 1) if base.dim() else base
+        if tuple(dest.shape) != (local or (1,)) and not (spec.broadcast and dest.numel() == _numel(local)):
             raise CheckpointError(f"{loc.file}: tensor {key}: rank {tp_rank}'s slice {local} does not fit "
                                   f"parameter {spec.param} {tuple(param.shape)} at row {spec.dst_offset}")
-        if loc.dtype != dest.dtype and not (loc.dtype.is_floating_point and dest.dtype.is_floating_point):
-            raise CheckpointError(f"{loc.file}: tensor {key} is {loc.dtype}, cannot load into {dest.dtype}")
+        _check_dtype(loc, key, dest.dtype)
         shard_dim = spec.shard_dim if tp_size > 1 else None
         size = (loc.end - loc.start) // (tp_size if shard_dim is not None else 1)
-        jobs.append(_Job(loc, dest, shard_dim, tp_rank, size))
+        jobs.append(_Job(loc, dest, shard_dim, tp_rank, size, spec.broadcast))
     stats = _Reader(jobs, progress, threads or default_threads(), max_mbps).run()
-    model.init_buffers()
+    model.process_weights()
+    check_scales(model, model_dir)
     return stats
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_dtype(loc: TensorLocation, key: str, want: torch.dtype) -> None:
+    """A float tensor may be converted to the parameter's float dtype, except to or from FP8: an FP8
+    weight read as if unquantized (or the reverse) computes garbage."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if (loc.dtype in fp8) != (want in fp8):
+        what = ("config.json's quantization_config does not make it FP8" if loc.dtype in fp8
+                else f"the engine expects {want} (quantization_config makes it FP8)")
+        raise CheckpointError(f"{loc.file}: tensor {key} is {loc.dtype}, but {what}")
+    if loc.dtype != want and not (loc.dtype.is_floating_point and want.is_floating_point):
+        raise CheckpointError(f"{loc.file}: tensor {key} is {loc.dtype}, cannot load into {want}")
+    if want == torch.float8_e4m3fn and loc.dtype != want:
+        raise CheckpointError(f"{loc.file}: tensor {key} is {loc.dtype}, expected float8_e4m3fn")
+
+
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+
+
+def check_no_stray_scales(model_dir: Path, targets: dict) -> None:
+    """A scale in the checkpoint that no loaded tensor takes (its weight is absent, or not FP8 here)
+    is a CheckpointError naming it: its weight would be read without it."""
+    from .safetensors_index import all_keys
+    for key, file in all_keys(model_dir).items():
+        if key.endswith(SCALE_SUFFIXES) and key not in targets:
+            raise CheckpointError(f"{file}: tensor {key} is a quantization scale of no FP8 weight this engine loads "
+                                  "(its weight is missing, or config.json's quantization_config does not cover it)")
+
+
+def check_scales(model: nn.Module, model_dir: Path) -> None:
+    """Every FP8 scale finite and > 0 (a zero or NaN scale zeroes or poisons its whole block)."""
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float32 and name.rpartition(".")[2] in ("weight_scale_inv", "weight_scale", "input_scale",
+                                                                     "gate_up_scale", "down_scale"):
+            bad = ~(torch.isfinite(p) & (p > 0))
+            if bool(bad.any()):
+                at = [int(i) for i in bad.nonzero()[0].tolist()]
+                raise CheckpointError(f"{model_dir}: scale {name} holds {p[tuple(at)].item()} at {at}: every FP8 scale "
+                                      "must be finite and > 0")
 
 
 def _check_covered(model: nn.Module, loaded: set[str]) -> None:
@@ -141,7 +195,7 @@ class _Reader:
     @staticmethod
     def _direct(job: _Job) -> bool:
         """Bytes can go straight from the file: same dtype, contiguous, shard is one byte range."""
-        if job.loc.dtype != job.dest.dtype or not job.dest.is_contiguous():
+        if job.broadcast or job.loc.dtype != job.dest.dtype or not job.dest.is_contiguous():
             return False
         return job.shard_dim is None or all(d == 1 for d in job.loc.shape[:job.shard_dim])
 
@@ -159,6 +213,13 @@ class _Reader:
     def _copy_converted(self, job: _Job, fd: int) -> None:
         full = torch.empty(job.loc.shape, dtype=job.loc.dtype)
         _pread_into(fd, memoryview(full.view(-1).view(torch.uint8).numpy()), job.loc.start, job.loc)
+        if job.broadcast:  # one value for every row, or one per row ([rows] or [rows, 1])
+            full = full.reshape(-1)
+            if full.numel() > 1 and job.shard_dim is not None:
+                full = full.narrow(0, job.rank * job.dest.numel(), job.dest.numel())
+            job.dest.copy_(full.expand(job.dest.numel()).view(job.dest.shape) if full.numel() == 1
+                           else full.view(job.dest.shape))
+            return
         if job.shard_dim is not None:
             width = job.dest.shape[job.shard_dim]
             full = full.narrow(job.shard_dim, job.rank * width, width)

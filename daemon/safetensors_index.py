@@ -7,20 +7,19 @@ format's header is 8 bytes of length plus JSON, parsed and checked here.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engines.models import CheckpointError
+from engines.models.safetensors_header import raw_header, tensor_entries
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
-_MAX_HEADER = 100 << 20
 
 
 @dataclass(frozen=True)
@@ -37,29 +36,9 @@ class TensorLocation:
 
 def read_header(path: Path) -> dict[str, TensorLocation]:
     """Parse and check one safetensors header; errors name the file and tensor."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            n = int.from_bytes(head, "little")
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt safetensors header length {n} (file is {size} bytes)")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: checkpoint file does not exist") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({str(e)[:60]})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    base = 8 + n
+    header, base, size = raw_header(path)
     out: dict[str, TensorLocation] = {}
     for key, info in header.items():
-        if key == "__metadata__":
-            continue
         try:
             dtype = DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
@@ -105,3 +84,14 @@ def locate(model_dir: Path, keys: list[str]) -> dict[str, TensorLocation]:
         raise CheckpointError(f"{where}: tensor {missing[0]} is missing"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return {k: found[k] for k in keys}
+
+
+def all_keys(model_dir: Path) -> dict[str, Path]:
+    """Every tensor name of the checkpoint -> its file (the index's weight_map, else the headers)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            return {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: not a safetensors index (no weight_map object)") from None
+    return {key: file for key, (_, _, file) in tensor_entries(model_dir).items()}

@@ -26,7 +26,6 @@ from .fingerprint import CacheConfig, make_cache_config
 from .framing import FrameError, PeerClosed, close_fds, peer_uid, recv_frame, send_frame
 from .protocol import (REQUEST, ArenaHandle, Attach, DaemonInfo, Error, Hello, KVAttach, KVPoolHandle, Loading,
                        Mismatch, Ok, Ping, Progress, Status)
-from .quant import check_quant_allowed
 from .runtime_dir import daemon_socket_path, ensure_private_dir
 
 log = logging.getLogger("understudy.daemon")
@@ -274,7 +273,6 @@ class WeightDaemon:
             torch.cuda.set_device(device)
         self.fingerprint = make_cache_config(cfg.model_path, tp_rank=cfg.rank, tp_size=cfg.tp_size,
                                              dtype=cfg.dtype, device=str(device))
-        check_quant_allowed(self.fingerprint.quant_method, f"{cfg.model_path}/config.json")
         self.state = "loading"
         t0 = time.perf_counter()
         model = build_model(read_model_args(cfg.model_path), tp_rank=cfg.rank, tp_size=cfg.tp_size,

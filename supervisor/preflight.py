@@ -101,13 +101,27 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
     sequence of max_model_len (the engine's and the daemon's own checks, made before anything
     starts, without torch: a restarted supervisor serves again the sooner)."""
     from engines.models import CheckpointError, UnknownArchError, read_model_args
-    from engines.models.args import kv_bytes_per_block, tp_problem
+    from engines.models.args import block_problem, deterministic_refusal, kv_bytes_per_block, tp_problem
+    from engines.models.checkpoint_check import quant_problem
     try:
         args = read_model_args(model_path)
     except (CheckpointError, UnknownArchError, ValueError) as e:
         problems.append(f"model.path: {e}")
         return
     m, e = cfg.model, cfg.engines
+    if args.quant and args.quant.block and (why := block_problem(args, m.tp_size)) is not None:
+        problems.append(f"model.path: {model_path}/config.json: quantization_config.weight_block_size "
+                        f"{list(args.quant.block)}: {why}")
+        return
+    try:
+        if (why := quant_problem(model_path, args)) is not None:
+            problems.append(f"model.path: {why}")
+            return
+    except CheckpointError as err:
+        problems.append(f"model.path: {err}")
+        return
+    if e.deterministic and (beyond := args.beyond_plain()) is not None:
+        problems.append(deterministic_refusal(beyond))
     if (why := tp_problem(args, m.tp_size)) is not None:
         problems.append(f"model.tp_size: {m.tp_size} does not fit {model_path.name}: {why}")
         return

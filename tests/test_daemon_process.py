@@ -21,7 +21,7 @@ from daemon.client import CacheMiss, WeightCacheError, attach, attach_or_load, l
 from daemon.fingerprint import make_cache_config
 from daemon.framing import recv_frame, send_frame
 from daemon.runtime_dir import daemon_socket_path
-from engines.models import build_model, read_model_args
+from engines.models import CheckpointError, build_model, read_model_args
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -30,7 +30,7 @@ CLIENT = r"""
 import hashlib, json, sys, torch
 from daemon.client import attach_or_load
 from daemon.fingerprint import make_cache_config
-from engines.models import build_model, read_model_args
+from engines.models import CheckpointError, build_model, read_model_args
 model_dir, runtime_dir = sys.argv[1], sys.argv[2]
 model = build_model(read_model_args(model_dir), device="meta")
 res = attach_or_load(model, make_cache_config(model_dir), "client", runtime_dir, 0, "cpu")
@@ -223,7 +223,7 @@ def test_a_client_cannot_write_the_shared_weights(tiny_model, shared_daemon):
 
 FLIPS = {"model_path": "/elsewhere", "arch": "OtherForCausalLM", "content_digest": "0" * 64, "tp_size": 2,
          "tp_rank": 1, "pp_size": 2, "pp_rank": 1, "dp_size": 2, "ep_size": 2, "quant_method": "fp8",
-         "quant_config_hash": "abc", "dtype": "bfloat16", "device_capability": "sm_90",
+         "quant_config_hash": "abc", "quant_processing": "fp8-rows-v0", "dtype": "bfloat16", "device_capability": "sm_90",
          "device_uuid": "GPU-other", "torch_version": "0.0", "layout_version": 99}
 
 
@@ -274,12 +274,13 @@ def test_client_mode_falls_back_to_disk_on_every_miss(make_tiny, tiny_model, tmp
 
     assert load(tiny_model, tmp_path / "nothing-here") == ("disk:no_daemon", expected)
 
-    quant = tmp_path / "gptq"
+    quant = tmp_path / "gptq"  # never loaded as if unquantized, in any mode: config.json is refused
     shutil.copytree(tiny_model, quant)
     cfg = json.loads((quant / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (quant / "config.json").write_text(json.dumps(cfg))
-    assert load(quant, tmp_path / "nothing-here") == ("disk:unsupported_quant", expected)
+    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported"):
+        load(quant, tmp_path / "nothing-here")
 
     rt = tmp_path / "slow"
     slow = Daemon(tiny_model, rt, "--max-load-mbps", "0.02")  # ~30 s to fill: still loading

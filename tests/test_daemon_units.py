@@ -17,7 +17,8 @@ from daemon.arena import ALIGN, ArenaError, bind, build_views, check_materialise
 from daemon.fingerprint import content_digest, make_cache_config
 from daemon.framing import MAX_FRAME_BYTES, FrameError, PeerClosed, recv_frame, send_frame
 from daemon.loader import load_checkpoint_into
-from daemon.quant import UnsupportedQuantForIPCError, check_quant_allowed, quant_of
+from daemon.quant import quant_of
+from engines.models.quant import PROCESSING_VERSION
 from daemon.runtime_dir import RuntimeDirError, ensure_private_dir
 from engines.models import CheckpointError, build_model, read_model_args, torch_dtype
 
@@ -112,14 +113,11 @@ def test_cache_config_names_differing_fields(tiny_model):
     assert a.differing_fields(b) == ["tp_rank", "dtype"]
 
 
-def test_quant_whitelist():
-    check_quant_allowed(None)
-    check_quant_allowed("fp8")
-    with pytest.raises(UnsupportedQuantForIPCError, match=r"quant_method 'awq'.*'off'"):
-        check_quant_allowed("awq")
-    assert quant_of({}) == (None, "")
-    method, digest = quant_of({"quantization_config": {"quant_method": "gptq", "bits": 4}})
-    assert method == "gptq" and digest != quant_of({"quantization_config": {"quant_method": "gptq", "bits": 8}})[1]
+def test_the_fingerprint_names_the_quantization_and_its_processing():
+    assert quant_of({}) == (None, "", "")
+    method, digest, processing = quant_of({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert method == "fp8" and processing == PROCESSING_VERSION
+    assert digest != quant_of({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}})[1]
     with pytest.raises(ValueError, match="no quant_method"):
         quant_of({"quantization_config": {"bits": 4}})
 

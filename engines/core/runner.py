@@ -32,6 +32,7 @@ from .device_upload import to_device
 from engines.models import AttnMeta, CausalLM
 from engines.models.paged import query_blocks
 from engines.models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
+from engines.models.args import deterministic_refusal
 from .sample_guard import greedy_picks
 from .scheduler import Scheduled
 
@@ -129,6 +130,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, rank: int = 0, tp_size: int = 1,
                  ctrl_group: dist.ProcessGroup | None = None, fused_kernels: bool = True,
                  deterministic: bool = False):
+        if deterministic and (beyond := model.args.beyond_plain()) is not None:
+            raise ValueError(deterministic_refusal(beyond))
         self.model, self.device, self.rank, self.tp_size = model, device, rank, tp_size
         self.ctrl_group = ctrl_group
         self.fused_kernels = fused_kernels and not deterministic  # batch-1 kernels sum in another order

@@ -12,8 +12,11 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import CheckpointError, UnknownArchError
+from .quant import Fp8Scheme, parse_quant
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
+                   "MixtralForCausalLM")
+MOE_ARCHS = {"Qwen3MoeForCausalLM": "mlp", "MixtralForCausalLM": "block_sparse_moe"}  # -> the layer's MoE module
 
 PositiveInt = Annotated[int, Field(ge=1, strict=True)]
 """A size, count or length: a JSON integer >= 1 (strict: not "64", 64.5 or true)."""
@@ -32,7 +35,8 @@ class RopeScaling(BaseModel):
 
 
 class ModelArgs(BaseModel):
-    """One Llama-family decoder; Qwen2 and Mistral differ only by these switches."""
+    """One Llama-family decoder; Qwen2, Mistral and the Mixture-of-Experts decoders (Qwen3-MoE,
+    Mixtral) differ only by these switches."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -56,6 +60,37 @@ class ModelArgs(BaseModel):
     eos_token_ids: tuple[int, ...] = ()
     quant_method: str | None = None
     quant_config: dict[str, Any] | None = None
+    quant: Fp8Scheme | None = None  # what quant_config says, if the engine computes it (else a CheckpointError)
+    qk_norm: bool = False  # Qwen3: RMSNorm of each head's query and key before the rotary
+    num_experts: int = Field(default=0, ge=0, strict=True)  # 0: dense
+    num_experts_per_tok: int = Field(default=0, ge=0, strict=True)
+    moe_intermediate_size: PositiveInt | None = None  # an expert's FFN width (Mixtral: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights (Mixtral always does)
+    decoder_sparse_step: PositiveInt = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def beyond_plain(self) -> str | None:
+        """What this model has that the plain-layer paths (the fused batch-1 kernels, deterministic
+        mode's batch-invariant forward) do not compute, or None."""
+        if self.quant is not None:
+            return "FP8 weights"
+        if self.is_moe:
+            return "Mixture-of-Experts layers"
+        if self.qk_norm:
+            return "query and key norms"
+        return None
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i holds experts (else a dense MLP of intermediate_size)."""
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelArgs":
@@ -69,12 +104,23 @@ class ModelArgs(BaseModel):
                 and self.rope_scaling.high_freq_factor <= self.rope_scaling.low_freq_factor):
             raise ValueError(f"rope_scaling.high_freq_factor: expected a number > low_freq_factor "
                              f"({self.rope_scaling.low_freq_factor}), got {self.rope_scaling.high_freq_factor}")
+        if self.arch in MOE_ARCHS:
+            if self.num_experts < 1:
+                raise ValueError(f"{_EXPERTS_KEY[self.arch]}: expected an integer >= 1 for {self.arch}, "
+                                 f"got {self.num_experts}")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok: expected 1..{self.num_experts} (the experts), "
+                                 f"got {self.num_experts_per_tok}")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ValueError(f"mlp_only_layers: layer {bad[0]} is outside 0..{self.num_hidden_layers - 1}")
         return self
 
 
 # The config.json key a ModelArgs field was read from, where the names differ.
 _SOURCE_KEY = {"arch": "architectures", "eos_token_ids": "eos_token_id", "qkv_bias": "attention_bias",
                "quant_method": "quantization_config.quant_method", "quant_config": "quantization_config"}
+_EXPERTS_KEY = {"Qwen3MoeForCausalLM": "num_experts", "MixtralForCausalLM": "num_local_experts"}
 
 
 def _is_int(v: Any) -> bool:
@@ -134,6 +180,20 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if quant:
         out["quant_method"] = quant.get("quant_method", "unknown")
         out["quant_config"] = quant
+        if isinstance(out["quant_method"], str):  # (else ModelArgs names the bad value)
+            out["quant"] = parse_quant(quant)
+    out.pop("num_experts", None)
+    if arch in MOE_ARCHS:
+        out["num_experts"] = raw.get(_EXPERTS_KEY[arch])
+        out["qk_norm"] = arch == "Qwen3MoeForCausalLM"
+        if arch == "MixtralForCausalLM":
+            out["norm_topk_prob"], out["moe_intermediate_size"] = True, None
+        for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
+            if raw.get(key) is None:
+                out.pop(key, None)
+    else:
+        for key in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
+            out.pop(key, None)
     return out
 
 
@@ -196,13 +256,43 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def deterministic_refusal(beyond: str) -> str:
+    """The one line a deterministic engine is refused with, for a model with `beyond` (ModelArgs.beyond_plain)."""
+    return (f"engines.deterministic: not available for this checkpoint's {beyond}: the batch-invariant kernels "
+            "cover plain bf16/fp32 Llama-family layers; set engines.deterministic: false")
+
+
 def tp_problem(args: ModelArgs, tp_size: int) -> str | None:
     """Why this model has no rank shapes at `tp_size` ranks (what building it would raise:
     decoder.py's KV heads, parallel.py's sharded dimensions), or None; no torch needed (the
     supervisor's preflight)."""
-    for name in ("num_key_value_heads", "intermediate_size", "vocab_size"):  # (the heads follow the KV heads)
+    names = ["num_key_value_heads", "intermediate_size", "vocab_size"]  # (the heads follow the KV heads)
+    if args.is_moe and args.moe_intermediate_size:
+        names.append("moe_intermediate_size")
+    for name in names:
         if getattr(args, name) % tp_size:
             return f"{name} {getattr(args, name)} is not divisible by tp_size {tp_size}"
+    return None
+
+
+def block_problem(args: ModelArgs, tp_size: int) -> str | None:
+    """Why a block-wise FP8 checkpoint's blocks do not tile this rank's shards, or None: every
+    sharded or fused dimension of a quantized weight a whole number of blocks."""
+    bn, bk = args.quant.block
+    d, h = args.head_dim, args.hidden_size
+    rows = {"q_proj rows": args.num_attention_heads * d, "k_proj/v_proj rows": args.num_key_value_heads * d,
+            "intermediate_size": args.intermediate_size}
+    cols = {"o_proj columns": args.num_attention_heads * d, "down_proj columns": args.intermediate_size}
+    if args.is_moe:
+        rows["expert rows"] = cols["expert columns"] = args.expert_size
+    if h % bk or h % bn:
+        return f"hidden_size {h} is not a whole number of {bn}x{bk} blocks"
+    for what, n in rows.items():
+        if n % (bn * tp_size):
+            return f"{what} {n} at tp_size {tp_size} are not whole blocks of {bn} rows on each rank"
+    for what, n in cols.items():
+        if n % (bk * tp_size):
+            return f"{what} {n} at tp_size {tp_size} are not whole blocks of {bk} columns on each rank"
     return None
 
 

@@ -1,5 +1,6 @@
-"""One compact decoder for Llama, Qwen2 and Mistral checkpoints, tensor parallel, KV-cache aware:
-its modules, weights, KV cache and eager forward (engines/models/causal_lm.py picks the forward).
+"""One compact decoder for Llama, Qwen2, Mistral, Qwen3-MoE and Mixtral checkpoints (bf16, fp32 or FP8),
+tensor parallel, KV-cache aware: its modules, weights, KV cache and eager forward
+(engines/models/causal_lm.py picks the forward).
 
 Module and parameter names match the HF checkpoints, so a checkpoint key *is* a parameter name.
 
@@ -14,105 +15,39 @@ The KV cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads_local, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .args import ModelArgs
-from .paged import AttnMeta, paged_attention, write_kv
-from .parallel import ShardedLinear, VocabShardedEmbedding, all_gather_last_dim
-from .rope import apply_rope, cos_sin_table, rope_factors
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where a checkpoint tensor goes.
-
-    Rank r takes the r-th of tp_size equal slices of the checkpoint tensor along `shard_dim`
-    (None: the whole tensor) and writes it into parameter `param` at rows
-    `dst_offset .. dst_offset + slice.shape[0]` of dim 0. Offsets are non-zero for fused
-    parameters: q/k/v go into one `qkv_proj`, gate/up into one `gate_up_proj`.
-    """
-
-    param: str
-    shard_dim: int | None
-    full_shape: tuple[int, ...]
-    dst_offset: int = 0
-
-    def local_shape(self, tp_size: int) -> tuple[int, ...]:
-        """Shape of this rank's slice of the checkpoint tensor."""
-        shape = list(self.full_shape)
-        if self.shard_dim is not None:
-            shape[self.shard_dim] //= tp_size
-        return tuple(shape)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel; it accumulates in float32 as HF does (HF also rounds before scaling).
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        if args.num_key_value_heads % tp:
-            raise ValueError(f"num_key_value_heads {args.num_key_value_heads} is not divisible by tp_size {tp}")
-        self.heads, self.kv_heads, self.head_dim = (args.num_attention_heads // tp,
-                                                    args.num_key_value_heads // tp, args.head_dim)
-        h, d = args.hidden_size, args.head_dim
-        qkv_out = (args.num_attention_heads + 2 * args.num_key_value_heads) * d
-        self.qkv_proj = ShardedLinear(h, qkv_out, args.qkv_bias, 0, tp, dtype, device)
-        self.o_proj = ShardedLinear(args.num_attention_heads * d, h, False, 1, tp, dtype, device)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
-                kv: torch.Tensor) -> torch.Tensor:
-        out = self.attend(self.qkv_proj(x), cos, sin, meta, kv)
-        return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
-
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta, kv: torch.Tensor,
-               deterministic: bool = False) -> torch.Tensor:
-        """Rotary on q and k, k and v into the cache, attention: `qkv [T, (heads + 2 kv) d]` -> `[T, heads, d]`."""
-        qkv = qkv.view(qkv.shape[0], self.heads + 2 * self.kv_heads, self.head_dim)
-        if qkv.is_cuda:
-            from engines.kernels.rope_cache import rope_and_cache
-            q = rope_and_cache(qkv, cos, sin, kv, meta.slot_mapping, self.heads, self.kv_heads)
-        else:
-            q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)
-            write_kv(kv, meta.slot_mapping, k, qkv[:, self.heads + self.kv_heads:])
-        return paged_attention(q, kv, meta, deterministic)
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_up_proj = ShardedLinear(h, 2 * i, b, 0, tp, dtype, device)
-        self.down_proj = ShardedLinear(i, h, b, 1, tp, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+from .args import MOE_ARCHS, ModelArgs
+from .fp8 import Fp8Linear
+from .layers import MLP, Attention, RMSNorm
+from .moe import Experts, SparseMoE
+from .paged import AttnMeta
+from .parallel import ShardedLinear, ShardSpec, VocabShardedEmbedding, all_gather_last_dim
+from .rope import cos_sin_table, rope_factors
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Attention and a feed-forward block: the dense `mlp`, or experts (`mlp` in Qwen3-MoE,
+    `block_sparse_moe` in Mixtral: the checkpoint's name, reached as `ffn`)."""
+
+    def __init__(self, args: ModelArgs, tp: int, dtype: torch.dtype, device: torch.device | str, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(args, tp, dtype, device)
-        self.mlp = MLP(args, tp, dtype, device)
+        prefix = f"model.layers.{index}"
+        self.self_attn = Attention(args, tp, dtype, device, f"{prefix}.self_attn")
+        self.ffn_name = MOE_ARCHS[args.arch] if args.moe_layer(index) else "mlp"
+        ffn = SparseMoE if args.moe_layer(index) else MLP
+        setattr(self, self.ffn_name, ffn(args, tp, dtype, device, f"{prefix}.{self.ffn_name}"))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
 
+    @property
+    def ffn(self) -> MLP | SparseMoE:
+        return getattr(self, self.ffn_name)
+
     def forward(self, x, cos, sin, meta, kv):  # noqa: ANN001, ANN201 (hot path)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class DecoderStack(nn.Module):
@@ -122,7 +57,7 @@ class DecoderStack(nn.Module):
                  device: torch.device | str) -> None:
         super().__init__()
         self.embed_tokens = VocabShardedEmbedding(args.vocab_size, args.hidden_size, tp_rank, tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(args, tp, dtype, device) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, tp, dtype, device, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         half = args.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_position_embeddings, half, device=device),
@@ -151,6 +86,9 @@ class Decoder(nn.Module):
         """Checkpoint key -> ShardSpec for every tensor this rank loads (tied ones once)."""
         targets: dict[str, ShardSpec] = {}
         for module_name, module in self.named_modules():
+            if isinstance(module, Experts):
+                targets.update(module.checkpoint_targets(module_name))
+                continue
             parent, _, leaf = module_name.rpartition(".")
             parts = self._fused_parts(leaf)
             for pname, param in module.named_parameters(recurse=False):
@@ -158,14 +96,21 @@ class Decoder(nn.Module):
                 if name == "lm_head.weight" and self.args.tie_word_embeddings:
                     continue
                 dim = _shard_dim(module, pname)
+                scale = isinstance(module, Fp8Linear) and (pname == "input_scale" or pname == "weight_scale"
+                                                           and module.scheme.kind == "rows")  # (one value, or per row)
                 if parts is None:
-                    targets[name] = ShardSpec(name, dim, _full_shape(param.shape, dim, self.tp_size))
+                    targets[name] = ShardSpec(name, dim, _full_shape(param.shape, dim, self.tp_size), broadcast=scale)
                     continue
-                unit, offset = param.shape[0] // sum(parts.values()), 0
-                for part, units in parts.items():
-                    local = (units * unit, *param.shape[1:])
-                    targets[f"{parent}.{part}.{pname}"] = ShardSpec(
-                        name, dim, _full_shape(local, dim, self.tp_size), offset)
+                # rows per unit of `parts`, in the weight's rows (a block scale has one row per bn of them)
+                unit, offset = module.weight.shape[0] // sum(parts.values()), 0
+                per_row = module.scale_rows if param.shape[0] != module.weight.shape[0] else 1
+                for i, (part, units) in enumerate(parts.items()):
+                    key = f"{parent}.{part}.{pname}"
+                    if pname == "input_scale":  # one per part, made one by process_weights
+                        targets[key] = ShardSpec(name, None, (), i, broadcast=True)
+                        continue
+                    local = (units * unit // per_row, *param.shape[1:])
+                    targets[key] = ShardSpec(name, dim, _full_shape(local, dim, self.tp_size), offset, broadcast=scale)
                     offset += local[0]
         return targets
 
@@ -184,6 +129,14 @@ class Decoder(nn.Module):
         cos, sin = cos_sin_table(self.args)
         self.model.rope_cos.copy_(cos)
         self.model.rope_sin.copy_(sin)
+
+    def process_weights(self) -> None:
+        """What a load does once its tensors are in (the daemon's, or an engine's own from disk; an
+        attach maps the result): the rotary tables, and each FP8 linear's processing."""
+        self.init_buffers()
+        for module in self.modules():
+            if isinstance(module, Fp8Linear):
+                module.process_weights()
 
     def weight_bytes(self) -> int:
         """Bytes of parameters one forward pass reads on this rank (tied weights once)."""
@@ -234,6 +187,11 @@ def _full_shape(local: tuple[int, ...] | torch.Size, dim: int | None, tp_size: i
 def _shard_dim(module: nn.Module, pname: str) -> int | None:
     if isinstance(module, ShardedLinear):
         return module.shard_dim if pname == "weight" or module.shard_dim == 0 else None
+    if isinstance(module, Fp8Linear):
+        if pname == "input_scale":
+            return None
+        block_scale = pname == module.scheme.scale_name and module.scheme.kind == "block"
+        return module.shard_dim if pname == "weight" or block_scale or module.shard_dim == 0 else None
     if isinstance(module, VocabShardedEmbedding):
         return 0
     return None

@@ -25,6 +25,8 @@ def fused_decode_unavailable(model: Decoder) -> str | None:
     """Why `model` cannot decode through the fused kernels, or None when it can."""
     if model.kv_cache is None:
         return "no KV cache allocated"
+    if (beyond := model.args.beyond_plain()) is not None:
+        return f"{beyond} (the kernels take plain Llama-family layers)"
     if model.kv_cache.device.type != "cuda":
         return f"device is {model.kv_cache.device.type}, the kernels need CUDA"
     if importlib.util.find_spec("triton") is None:

@@ -1,10 +1,40 @@
-"""Tensor-parallel building blocks: sharded linears and embedding, and their collectives."""
+"""Tensor-parallel building blocks: where a checkpoint tensor goes on a rank, sharded linears and
+embedding, and their collectives."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a checkpoint tensor goes.
+
+    Rank r takes the r-th of tp_size equal slices of the checkpoint tensor along `shard_dim`
+    (None: the whole tensor) and writes it into parameter `param` (its slice `dst_index` of dim 0
+    when set: one expert of stacked experts) at rows `dst_offset .. dst_offset + slice.shape[0]` of
+    dim 0. Offsets are non-zero for fused parameters: q/k/v go into one `qkv_proj`, gate/up into one
+    `gate_up_proj`. `broadcast`: a scale that may come as one value (per tensor: spread over the
+    rows) or as one per row (`[rows]` or `[rows, 1]`).
+    """
+
+    param: str
+    shard_dim: int | None
+    full_shape: tuple[int, ...]
+    dst_offset: int = 0
+    dst_index: int | None = None
+    broadcast: bool = False
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        """Shape of this rank's slice of the checkpoint tensor."""
+        shape = list(self.full_shape)
+        if self.shard_dim is not None:
+            shape[self.shard_dim] //= tp_size
+        return tuple(shape)
 
 
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from engines.core import first_use, heap
 from wire import gc_pauses
 from wire.loopback import free_port
 from engines.models import CheckpointError, read_model_args
+from engines.models.numerics import check_numerics
 from engines.core.runner import KVBudgetError, ModelRunner, init_distributed
 from engines.core.core_link import CoreLink, endpoints
 from wire.link_sockets import remove_sockets
@@ -139,6 +140,7 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     gather_sources(weights.source, group, cfg.tp_size)  # rank 0 reports every rank's source
     runner = ModelRunner(weights.model, device, rank, cfg.tp_size, group, cfg.fused_kernels, cfg.deterministic)
     allocate_kv_cache(runner, cfg, max_model_len(cfg, args.max_position_embeddings), weights, rank, group)
+    check_numerics(weights.model, device).raise_if_failed()  # (with rank 0: the products sum across ranks)
     if cfg.cuda_graphs and device.type == "cuda":
         runner.capture_graphs()
     gc_pauses.freeze_startup()
@@ -218,6 +220,10 @@ def run_engine(cfg: EngineConfig) -> int:
         use_graphs = cfg.cuda_graphs and device.type == "cuda"
         with timer.phase("kv_cache"):
             pool, timer.kv_source = allocate_kv_cache(runner, cfg, mml, weights, 0, group)
+        with timer.phase("numerics"):
+            numerics = check_numerics(weights.model, device)
+            log.info("numerics against float32 PyTorch: %s", numerics.summary())
+            numerics.raise_if_failed()
         with timer.phase("graph_capture"):
             if use_graphs:
                 runner.capture_graphs()

@@ -6,7 +6,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-PHASES = ("pre_init", "tokenizer", "dist_init", "weights", "kv_cache", "graph_capture", "server_ready")
+PHASES = ("pre_init", "tokenizer", "dist_init", "weights", "kv_cache", "numerics", "graph_capture", "server_ready")
 
 
 def process_age_s() -> float:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# FP8 and Mixture-of-Experts on a GPU (device tool), one call per part; logs go to $OUT. Usage:
+#   bash bench/gpu_fp8_moe.sh tests  # every GPU-marked test file, and the FP8 products' speed (bench/probes/fp8_gemm.py)
+#   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart
+#   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: load vs attach, restart, nano; moe-a1b bf16/FP8 nano
+# Expects wheels of the packages the GPU image lacks in .whl/ (see README).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+U="python3 -m supervisor.cli"
+made() { [ -f "$1/config.json" ] || $U make-model "$1" --device cuda "${@:2}" >> "$OUT/make_model.log" 2>&1; }
+nano() {  # nano MODEL_DIR LABEL: bench serve's nano workload, offline (the engine in this process)
+  timeout 240 $U bench serve --offline "$1" --workload nano --device cuda 2>&1 | tee "$OUT/nano_$2.txt" | tail -4
+}
+
+case "${1:-tests}" in
+tests)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  timeout 420 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8_moe_gpu.py tests/test_fp8.py \
+    tests/test_moe.py tests/test_invariant_ops.py tests/test_kernels.py tests/test_daemon_gpu.py \
+    tests/test_deterministic_model.py tests/test_engine_gpu.py tests/test_shared_kv_engine.py \
+    tests/test_supervisor_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+  timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/test_fp8_moe_gpu.py -k numerics 2>&1 \
+    | grep -E "^(fp8|moe)" | tee "$OUT/numerics_tiny.txt"
+  timeout 120 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
+  ;;
+fp8)
+  made /tmp/m8b --preset 8b; made /tmp/m8b-fp8 --preset 8b --quant fp8-block
+  du -sh /tmp/m8b /tmp/m8b-fp8 | tee "$OUT/sizes.txt"
+  timeout 200 python3 bench/probes/fp8_error.py /tmp/m8b-fp8 2>&1 | tee "$OUT/fp8_error.txt" | tail -6
+  for m in m8b m8b-fp8; do nano /tmp/$m $m; done
+  timeout 240 $U bench restart /tmp/m8b-fp8 --runs 3 --device cuda 2>&1 | tee "$OUT/restart_8b_fp8.txt" | tail -5
+  ;;
+moe)
+  made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
+  du -sh /tmp/moe30 | tee "$OUT/sizes.txt"
+  timeout 200 $U bench load /tmp/moe30 --device cuda --repeat 1 2>&1 | tee "$OUT/load_moe30.txt" | tail -6
+  timeout 240 $U bench restart /tmp/moe30 --runs 3 --device cuda 2>&1 | tee "$OUT/restart_moe30.txt" | tail -5
+  nano /tmp/moe30 moe30-fp8
+  made /tmp/moea1b --preset moe-a1b; made /tmp/moea1b-fp8 --preset moe-a1b --quant fp8-block
+  for m in moea1b moea1b-fp8; do nano /tmp/$m $m; done
+  ;;
+esac

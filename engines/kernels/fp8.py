@@ -1,0 +1,132 @@
+"""FP8 linear layers on FP8 tensor cores (Hopper, sm_89+): activations quantized at run time, one
+product with float32 accumulation and the scales fused.
+
+`quantize_rows(x, group)`: each row's groups of `group` columns to float8_e4m3fn, one float32 scale
+per (row, group) (amax / 448); `quantize_static(x, scale)`: every row with one given scale.
+`fp8_matmul(xq, xs, w, ws, scale_rows, scale_cols)`: `(xq * xs) @ (w * ws)^T` where `xs[m, k //
+group]` scales the activations and `ws[n // scale_rows, k // scale_cols]` the weight: block-wise
+weights (DeepSeek-V3's `weight_scale_inv`, scales applied at every K block) or per-row ones (one
+scale per output row, applied once at the end).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0
+    tl.store(q_ptr + row * stride_q + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + g, scale)
+
+
+@triton.jit
+def _quantize_static(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    row, b = tl.program_id(0), tl.program_id(1)
+    cols = b * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(x / tl.load(s_ptr), -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` -> (float8 `[M, K]`, float32 scales `[M, ceil(K / group)]`)."""
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
+                                    BLOCK=triton.next_power_of_2(group))
+    return q, s
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` quantized with the one float32 `scale[0]` -> (float8 `[M, K]`, scales `[M, 1]`)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if m:
+        _quantize_static[(m, triton.cdiv(k, 1024))](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=1024)
+    return q, scale[:1].view(1, 1).expand(m, 1)
+
+
+@triton.jit
+def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                A_GROUP: tl.constexpr, W_ROWS: tl.constexpr, W_COLS: tl.constexpr, SCALE_EACH_K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    in_group = GROUP_M * grid_n  # programs of GROUP_M row tiles share their weight tiles in L2
+    first_m = (pid // in_group) * GROUP_M
+    rows_here = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % rows_here
+    pid_n = (pid % in_group) // rows_here
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BK, BN]: the weight's rows, transposed
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if SCALE_EACH_K:
+            a_s = tl.load(as_ptr + offs_m * stride_asm + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
+            b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn + (k0 // W_COLS) * stride_bsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    if not SCALE_EACH_K:
+        a_s = tl.load(as_ptr + offs_m * stride_asm, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn, mask=n_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tiles(m: int, n: int, bk: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) by the row count: decode-sized products take short, wide tiles."""
+    if m <= 16:
+        return 16, 64, bk, 4, 5
+    if m <= 64:
+        return 64, 64, bk, 4, 4
+    if m <= 128 or n <= 2048:
+        return 64, 128, bk, 4, 4
+    return 128, 128, bk, 8, 3
+
+
+def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, scale_rows: int,
+               scale_cols: int, group: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`xq [M, K]` (scales `xs [M, K / group]`) times `w [N, K]^T` (scales `ws [N / scale_rows, K /
+    scale_cols]`): `[M, N]` in `out_dtype`. Block-wise when `scale_cols` < K, else per row."""
+    m, k = xq.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    each_k = scale_cols < k
+    bk = min(128, scale_cols, group) if each_k else 128
+    bm, bn, bk, warps, stages = tiles(m, n, bk)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _fp8_matmul[grid](xq, xs, w, ws, bias if bias is not None else out, out, m, n, k,
+                      xq.stride(0), w.stride(0), out.stride(0), xs.stride(0), xs.stride(1), ws.stride(0),
+                      ws.stride(1), A_GROUP=group, W_ROWS=scale_rows, W_COLS=scale_cols, SCALE_EACH_K=each_k,
+                      HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,167 @@
+"""The Mixture-of-Experts step on the GPU: tokens grouped by expert, then two grouped products.
+
+1. `group_by_expert`: every (token, choice) row sorted by its expert, each expert's rows padded to
+   whole blocks of BM, with the expert of each block (-1: a block past the last). Torch ops of
+   fixed shapes (sort, scatter-add, cumsum, searchsorted), so a decode step is captured in a CUDA
+   graph like any other.
+2. `_gate_up`: per block, its rows' tokens times the block's expert's gate and up weights, with
+   silu(gate) * up fused: the intermediate `[T * k, I]`.
+3. `_down`: per block, the intermediate times the expert's down weight, times the row's routing
+   weight: `[T * k, H]` in float32; the k choices of a token are summed in order (no atomics: the
+   same bits on every run).
+bf16 experts, or FP8 block-wise ones (activations quantized per token and group of bk first, each
+product's scales applied at every K block, as engines/kernels/fp8.py does).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from engines.models.moe import Experts
+
+
+def block_rows(rows: int, experts: int) -> int:
+    """Rows per block: small while each expert gets few rows (decode), larger for prefill."""
+    per_expert = rows / experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def group_by_expert(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows `[P]` int32: the (token * k + choice) rows sorted by expert, each expert's padded to a
+    multiple of `bm` with T * k; block_expert `[P / bm]` int32, -1 past the last block)."""
+    flat = ids.flatten()
+    n = flat.numel()
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + bm - 1) // bm * bm
+    ends = padded.cumsum(0)
+    order = flat.sort(stable=True).indices
+    expert = flat[order]
+    rank = torch.arange(n, device=ids.device) - (counts.cumsum(0) - counts)[expert]
+    total = -(-(n + min(experts, n) * (bm - 1)) // bm) * bm  # every expert's padding at most bm - 1
+    rows = torch.full((total,), n, dtype=torch.int32, device=ids.device)
+    rows[(ends - padded)[expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, total, bm, device=ids.device)
+    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    return rows, torch.where(block_expert < experts, block_expert, -1).to(torch.int32)
+
+
+@triton.jit
+def _gate_up(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, block_expert_ptr, out_ptr, n_rows, K, I,
+             stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+             TOP_K: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    block, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + block)
+    if e < 0:
+        return
+    rows = tl.load(rows_ptr + block * BM + tl.arange(0, BM))
+    valid = rows < n_rows
+    tokens = rows // TOP_K
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BK)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        u = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8:
+            a_s = tl.load(xs_ptr + tokens * stride_xs + k0 // SBK, mask=valid, other=0.0)
+            s_base = ws_ptr + e * stride_wse + (k0 // SBK)
+            g_s = tl.load(s_base + (offs_n // SBN) * stride_wsn, mask=n_ok, other=0.0)
+            u_s = tl.load(s_base + ((offs_n + I) // SBN) * stride_wsn, mask=n_ok, other=0.0)
+            acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+            acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BK
+        g_ptrs += BK
+        u_ptrs += BK
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down(a_ptr, as_ptr, w_ptr, ws_ptr, route_ptr, rows_ptr, block_expert_ptr, out_ptr, n_rows, K, N,
+          stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+          FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    block, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + block)
+    if e < 0:
+        return
+    rows = tl.load(rows_ptr + block * BM + tl.arange(0, BM))
+    valid = rows < n_rows
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8:
+            a_s = tl.load(as_ptr + rows * stride_as + k0 // SBK, mask=valid, other=0.0)
+            w_s = tl.load(ws_ptr + e * stride_wse + (offs_n // SBN) * stride_wsn + k0 // SBK, mask=n_ok, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BK
+        w_ptrs += BK
+    acc = acc * tl.load(route_ptr + rows, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """`sum_k weights[t, k] * expert_{ids[t, k]}(x[t])` for this rank's slice of the experts: `[T, H]`."""
+    t, h = x.shape
+    top_k = ids.shape[1]
+    e, two_i, _ = experts.gate_up_proj.shape
+    i = two_i // 2
+    n_rows = t * top_k
+    bm = block_rows(n_rows, e)
+    rows, block_expert = group_by_expert(ids, e, bm)
+    blocks = block_expert.numel()
+    fp8 = experts.scheme is not None
+    sbn, sbk = experts.scheme.block if fp8 else (1, 1)
+    bk = min(128, sbk) if fp8 else 64
+    bn = 64
+    if fp8:
+        from .fp8 import quantize_rows
+        xa, xs = quantize_rows(x, sbk)
+        gu_s, d_s = experts.gate_up_scale, experts.down_scale
+    else:
+        xa, xs = x, x
+        gu_s = d_s = x.new_empty(1, 1, 1)
+    inter = torch.empty(n_rows, i, dtype=x.dtype, device=x.device)
+    if blocks:
+        _gate_up[(blocks, triton.cdiv(i, bn))](
+            xa, xs, experts.gate_up_proj, gu_s, rows, block_expert, inter, n_rows, h, i,
+            xa.stride(0), xs.stride(0), experts.gate_up_proj.stride(0), experts.gate_up_proj.stride(1),
+            gu_s.stride(0), gu_s.stride(1), inter.stride(0),
+            TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
+    if fp8:
+        ia, i_s = quantize_rows(inter, sbk)
+    else:
+        ia, i_s = inter, inter
+    out = torch.zeros(n_rows, h, dtype=torch.float32, device=x.device)
+    if blocks:
+        _down[(blocks, triton.cdiv(h, bn))](
+            ia, i_s, experts.down_proj, d_s, weights.reshape(-1).float(), rows, block_expert, out, n_rows, i, h,
+            ia.stride(0), i_s.stride(0), experts.down_proj.stride(0), experts.down_proj.stride(1),
+            d_s.stride(0), d_s.stride(1), out.stride(0),
+            FP8=fp8, SBN=sbn, SBK=sbk, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
+    return out.view(t, top_k, h).sum(1).to(x.dtype)
