@@ -19,7 +19,7 @@ import torch
 
 from daemon.client import CacheMiss, WeightCacheError, attach, attach_or_load, load_from_disk
 from daemon.fingerprint import make_cache_config
-from daemon.framing import recv_frame, send_frame
+from daemon.framing import FrameError, recv_frame, send_frame
 from daemon.runtime_dir import daemon_socket_path
 from engines.models import CheckpointError, build_model, read_model_args
 
@@ -425,10 +425,11 @@ def test_garbage_on_the_socket_leaves_the_daemon_serving(tiny_model, shared_daem
             s.shutdown(socket.SHUT_WR)
             try:
                 reply, _ = recv_frame(s)
-                assert reply["type"] == "error" and reply["message"], reply
-                answers["error"] += 1
-            except Exception:
+            except (FrameError, OSError):  # closed on us: allowed (a wrong reply is not)
                 answers["closed"] += 1
+                continue
+            assert reply["type"] == "error" and reply["message"], reply
+            answers["error"] += 1
     assert answers["error"] > 100, answers
     # well-formed frames with bad requests keep the connection open
     with socket.socket(socket.AF_UNIX) as s:

@@ -142,9 +142,8 @@ def test_an_oversized_head_in_the_same_read_as_the_request_before_it_gets_its_43
 
 
 def test_a_refusal_on_an_idle_connection_is_answered_at_once(port, capfd, caplog) -> None:  # noqa: ANN001
-    started = time.monotonic()
+    """(`exchange` fails unless the server itself ends the connection: the refusal, not a timeout.)"""
     assert responses(exchange(port, STATUS)) == [(401, REFUSAL_BODY)]
     # after a whole answered request (keep-alive), the next one refused: the connection ends after it
     assert responses(exchange(port, UI, STATUS, pause_s=0.5)) == [(200, b"ui"), (401, REFUSAL_BODY)]
-    assert time.monotonic() - started < 3
     assert clean(capfd, caplog)
