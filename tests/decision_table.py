@@ -8,7 +8,7 @@ Event tuples (``name`` is a child: "a", "b", "daemon-rank0", "spawn-server"):
     ("unanswered", name)         canary not answered yet              ("mismatch", name, reason)
     ("broken", name, why)        the engine says it cannot serve       ("health", name, problem | None)
     ("health not made", name, problem), ("ping not made", name): the supervisor was out of descriptors
-    ("heartbeat", name, served)  ("said", name, type, fields): e.g. a shared-KV answer "promoted"
+    ("heartbeat", name, served)  ("stepping", name, steps): heartbeats of full slots, nothing finished  ("said", name, type, fields): e.g. a shared-KV answer "promoted"
     ("daemon ready", name)       ("daemon loading", name)             ("ping", name, ok)
     ("ask", intent[, engine[, force]])                                ("stop", why)
     ("wait", seconds)            nothing but time passing
@@ -89,6 +89,7 @@ class Play:
             "health": lambda: ev.HealthChecked(name, inc, args[1]),
             "health not made": lambda: ev.HealthChecked(name, inc, args[1], local=True),
             "heartbeat": lambda: ev.Said(name, inc, "heartbeat", {"served": args[1], "steps": args[1]}),
+            "stepping": lambda: ev.Said(name, inc, "heartbeat", {"served": 0, "steps": args[1]}),
             "said": lambda: ev.Said(name, inc, args[1], args[2]),
             "daemon ready": lambda: ev.DaemonAnswered(name, inc, {"type": "ok", "daemon": {
                 "state": "ready", "resident_bytes": 1000, "weights_finite": True,

@@ -131,7 +131,7 @@ def ready(node: Node, e: Engine, canary_s: float) -> None:
     e.fatal_retries = 0
     e.ever_ready = True
     e.last_progress = e.last_check = node.now
-    e.probe_served = e.served()
+    e.probe_progress = e.progress()
     lifecycle.transition(node, e, State.READY, f"canary passed in {node.now - e.started_at:.2f}s after spawn"
                          f" (its answer took {canary_s * 1e3:.0f} ms)"
                          + (f", weights {e.weights_source}" if e.weights_source else ""))
@@ -144,10 +144,11 @@ def ready(node: Node, e: Engine, canary_s: float) -> None:
 
 # ---------------------------------------------------------------------------------- health
 def maybe_probe(node: Node, e: Engine) -> None:
-    """Probe the primary unless it served requests since the last probe (progress = healthy)."""
-    served = e.served()
-    progressed = served > e.probe_served >= 0
-    e.last_check, e.probe_served = node.now, served
+    """Probe the primary unless it made progress since the last probe (steps or requests served:
+    an engine producing tokens is alive, however full its slots; a hang stops its heartbeats)."""
+    progress = e.progress()
+    progressed = progress > e.probe_progress >= 0
+    e.last_check, e.probe_progress = node.now, progress
     if progressed:
         e.check_failures = 0
         return
@@ -165,6 +166,10 @@ def health_checked(node: Node, e: Engine, ev: HealthChecked) -> None:
     if ev.local:  # the supervisor could not make the probe (out of descriptors): never the engine's failure
         log.warning("%s: probe not made (%s): the supervisor is out of file descriptors; not counted", e.name,
                     ev.problem)
+        return
+    if e.progress() > e.probe_progress >= 0:  # queued behind full slots while it stepped: busy, not broken
+        log.info("%s: probe unanswered (%s) while the engine stepped; not counted", e.name, ev.problem)
+        e.probe_progress = e.progress()
         return
     e.check_failures += 1
     limit = node.settings.failover.probe_failures

@@ -58,7 +58,7 @@ def promote(node: Node, engine: Engine, reason: str, detected_at: float, old: st
             other.role = Role.STANDBY
     engine.role = Role.PRIMARY
     engine.last_check = node.now
-    engine.probe_served = engine.served()
+    engine.probe_progress = engine.progress()
     node.primary = engine.name
     node.dirty = True
     secs = node.now - detected_at

@@ -56,7 +56,7 @@ class Engine(Child):
     last_heartbeat: float | None = None
     heartbeat: dict[str, Any] = field(default_factory=dict)
     last_progress: float = 0.0
-    probe_served: int = -1             # heartbeat 'served' count at the last probe
+    probe_progress: int = -1           # heartbeat progress (steps + served) at the last probe
     weights_source: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     startup_counted: bool = False
@@ -69,10 +69,12 @@ class Engine(Child):
     retrying_fatal: bool = False       # this incarnation is such a retry: failing again is FATAL again
     drain_fenced: bool = False         # SIGKILLed after drain_timeout_s: a signal exit was ours
 
-    def served(self) -> int:
-        """Requests the engine reports as served (heartbeat), -1 when it reports none."""
-        v = self.heartbeat.get("served")
-        return int(v) if isinstance(v, int) else -1
+    def progress(self) -> int:
+        """The engine's progress as its heartbeat reports it: scheduler steps (tokens made, chunks
+        prefilled) plus requests served; -1 when it reports neither."""
+        steps, served = self.heartbeat.get("steps"), self.heartbeat.get("served")
+        counts = [v for v in (steps, served) if isinstance(v, int) and not isinstance(v, bool)]
+        return sum(counts) if counts else -1
 
 
 @dataclass
