@@ -88,7 +88,7 @@ ADMIN_COMMANDS = {  # name -> what it does: its line in `understudy -h` and its 
 DELEGATED_HELP = {
     "chaos": "fault injection under load with an SLO report (see `understudy chaos -h`)",
     "bench": "benchmarks: " + " | ".join(BENCH),
-    "make-model": "write a random HF checkpoint (DIR --preset tiny|small|1b)",
+    "make-model": "write a random HF checkpoint (DIR --preset NAME [--quant fp8-block|fp8-tensor])",
     "daemon": "run one rank's weight cache daemon in the foreground",
 }
 

@@ -1,6 +1,6 @@
-"""`understudy make-model DIR --preset NAME [--quant fp8-block|fp8-tensor]`: a random-weight HF
-checkpoint, byte-for-byte reproducible (for one seed and one `--device`).
+"""`understudy make-model DIR --preset NAME`: a random-weight HF checkpoint, byte-for-byte reproducible.
 
+For one seed and one `--device` the bytes are the same.
 Writes config.json, *.safetensors (sharded with model.safetensors.index.json above 2 GB), a real
 byte-level BPE tokenizer.json trained on text shipped in the package, and tokenizer_config.json
 with a chat template. Weights are scaled so that greedy decoding has clear winners (random
