@@ -23,7 +23,8 @@ from wire.block_keys import key_root
 from supervisor.admin.gate import bearer_gate
 from supervisor.admin.requests import AdminRequests
 from supervisor.admin.status_view import status_view
-from supervisor.admin.token import ensure_token
+from wire import node_secret
+from wire.secret_file import ensure_token
 from supervisor.config import UnderstudyConfig
 from supervisor.core.events import Event, StopAsked
 from supervisor.core.model import Node, Settings, new_node
@@ -100,7 +101,8 @@ class Supervisor:
         self.zctx = zmq.Context()
         self.bus = EventBus(self.zctx, str(self.rd / "events.sock"))
         self.control = ControlChannel(self.zctx, str(self.rd / "control.sock"))
-        self.http = Client(timeout_s=10.0, max_connections=64)  # health checks, canaries, /startup
+        self.node_secret = (node_secret.HEADER, node_secret.ensure(self.rd).encode())  # engines answer only it
+        self.http = Client(timeout_s=10.0, max_connections=64, local_headers=[self.node_secret])  # health, canaries
         cfg = self.cfg
         self.configs = ChildConfigs(cfg, self.model_path, self.device, self.rd, self.control.endpoint)
         spawn_server = not self.external and cfg.engines.spawn == "server"
@@ -235,7 +237,8 @@ class Supervisor:
                                   else r.migration.model_copy(update={"enabled": False}),
                                   publish=self.bus.publish, limits=self.cfg.limits,
                                   body_timeout_s=self.cfg.limits.body_timeout_s,
-                                  key_chain=(key_root(self.cfg.engines.deterministic), self.cfg.engines.kv_block_size))
+                                  key_chain=(key_root(self.cfg.engines.deterministic), self.cfg.engines.kv_block_size),
+                                  local_headers=[self.node_secret])
         router_limits, admin_limits = listener_limits(self.cfg, raise_open_files_limit())
         self._servers.append(make_server(router_app, self.router_sock, lvl, router_limits, "router"))
         self._essential_task(self._servers[0].serve(sockets=[self.router_sock]), "router")

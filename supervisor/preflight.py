@@ -171,7 +171,7 @@ def _runtime_dir(path: Path, problems: list[str]) -> None:
 
 def _token_file(cfg: UnderstudyConfig, problems: list[str]) -> None:
     """An existing token file must be readable, ours alone and non-empty; a missing one, makeable."""
-    from supervisor.admin.token import TokenError, read_token
+    from wire.secret_file import TokenError, read_token
     path = cfg.resolved_token_file()
     if not path.exists():
         if (why := uncreatable(path)) is not None:

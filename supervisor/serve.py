@@ -62,7 +62,7 @@ def serve(config_path: str | None, port: int | None = None, admin_port: int | No
     from supervisor.errors import BootError
     from supervisor.effects.servers import BindError
     from supervisor.model_prep import ModelError
-    from supervisor.admin.token import TokenError
+    from wire.secret_file import TokenError
     try:
         cfg = load_serve_config(config_path, port, admin_port)
     except ConfigError as e:

@@ -288,3 +288,18 @@ def test_a_refusal_shows_the_body_the_client_sent_not_what_the_router_added(sup)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert r.json()["error"]["code"] == "invalid_type" and f"(got '{value}')" in r.json()["error"]["message"]
     assert whole_stream(sup, "/v1/completions", {**GREEDY, "max_tokens": 3}).done
+
+
+def test_engines_answer_only_their_node(sup):
+    """Issue 52, item 3: an engine under a supervisor refuses (401, on the request's head) anyone
+    without the node secret, which only the node's user can read (0600 in the 0700 runtime dir)."""
+    import stat
+    from wire import node_secret
+    sup.wait_all_ready()
+    for e in sup.engines().values():
+        r = httpx.post(e["url"] + "/v1/completions", json=GREEDY, timeout=10)
+        assert r.status_code == 401 and "node secret" in r.json()["error"], r.text
+        assert httpx.get(e["url"] + "/health", timeout=10).status_code == 401
+        assert httpx.get(e["url"] + "/health", headers=node_secret.headers(sup.rd), timeout=10).status_code == 200
+    assert stat.S_IMODE((sup.rd / node_secret.FILE).stat().st_mode) == 0o600
+    assert whole_stream(sup, "/v1/completions", GREEDY).done  # (the router and probes carry it)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from harness.node import running
+from wire import node_secret
 from tests.test_migration_failover import Stream, check_same, migrations
 
 SEQS, STREAMS = 2, 6
@@ -38,12 +39,14 @@ def sup(tmp_path_factory, tiny_model):
         yield h
 
 
-def wait_health(url: str, pred: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = 60) -> dict:
-    """Poll an engine's /health (its core's figures as of its last step) until `pred` holds."""
+def wait_health(sup, url: str, pred: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = 60) -> dict:
+    """Poll an engine's /health (its core's figures as of its last step) until `pred` holds (with the
+    node secret: the engine answers nobody else)."""
     deadline, last = time.monotonic() + timeout_s, None
+    secret = node_secret.headers(sup.rd)
     while time.monotonic() < deadline:
         try:
-            last = httpx.get(url + "/health", timeout=5).json()
+            last = httpx.get(url + "/health", headers=secret, timeout=5).json()
         except httpx.HTTPError:
             last = None
         if last is not None and pred(last):
@@ -62,10 +65,10 @@ def test_requests_only_queued_on_the_second_dead_engine_are_continued_not_quaran
     # (Under load the first streams may end before the last arrive: the count is of those in flight.)
     queued = lambda h: (h["running"] == SEQS and h["waiting"] >= 1  # noqa: E731
                         and h["running"] + h["waiting"] == sum(s.in_flight for s in streams))
-    wait_health(first["url"], queued, f"{SEQS} running and the rest waiting on {first['name']}")
+    wait_health(sup, first["url"], queued, f"{SEQS} running and the rest waiting on {first['name']}")
     os.killpg(first["pid"], signal.SIGKILL)
     sup.wait_event(lambda e: e["type"] == "failover" and e["to"] == second["name"], since=mark)
-    wait_health(second["url"], queued, f"every stream in flight on {second['name']}, {SEQS} of them running")
+    wait_health(sup, second["url"], queued, f"every stream in flight on {second['name']}, {SEQS} of them running")
     os.killpg(second["pid"], signal.SIGKILL)
     for s in streams:
         s.result(120)

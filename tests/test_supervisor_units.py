@@ -275,7 +275,7 @@ def test_the_supervisor_core_imports_no_torch():
 
 
 def test_the_admin_token_is_made_private_once_and_a_path_that_cannot_hold_it_is_named(tmp_path):
-    from supervisor.admin.token import TokenError, ensure_token
+    from wire.secret_file import TokenError, ensure_token
     path = tmp_path / "new" / "token"
     token = ensure_token(path)
     assert ensure_token(path) == token and len(token) > 30

@@ -33,6 +33,8 @@ class EngineConfig(BaseModel):
     port: int = Field(ge=0, le=65535)
     weight_cache_mode: WeightCacheMode = "off"
     runtime_dir: str
+    node_secret_file: str | None = Field(default=None, description="serve only requests carrying this file's "
+                                         "secret (wire/node_secret.py; set by the supervisor), or anyone (null)")
     control_endpoint: str | None = None
     incarnation: int = 0
     kv_cache_bytes: int = Field(default=64 << 20, ge=1 << 16)

@@ -10,7 +10,7 @@ import os
 import signal
 
 from .config import EngineConfig
-from wire import event_loop, gc_pauses
+from wire import event_loop, gc_pauses, node_secret
 from wire.block_keys import key_root
 from engines.frontend.engine_client import EngineClient
 from engines.frontend.first_output import stamp_arrival
@@ -44,7 +44,8 @@ async def _serve(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str]
     srv = OpenAIServer(client, tokenizer, model_names, max_model_len, vocab_size, lambda: startup, cfg.limits,
                        cfg.deterministic)
     app = stamp_arrival(BodyLimit(build_app(srv), cfg.limits.max_body_bytes))
-    server = QuietServer(guarded_config(app, cfg.listener, f"engine {cfg.name}", host=cfg.host, port=cfg.port,
+    gate = node_secret.gate(node_secret.read(cfg.node_secret_file)) if cfg.node_secret_file else None
+    server = QuietServer(guarded_config(app, cfg.listener, f"engine {cfg.name}", gate, host=cfg.host, port=cfg.port,
                                         log_level="warning", lifespan="off", access_log=False))
     go = asyncio.Event()
 

@@ -81,14 +81,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def router_overhead(h, model: str, n: int, max_tokens: int) -> dict[str, float]:
     """Median latency through the router minus calling the primary directly (interleaved, no load)."""
     import httpx
-    direct_url = h.primary()["url"]
+    from wire import node_secret
+    direct_url, secret = h.primary()["url"], node_secret.headers(h.rd)  # (the engine answers its node only)
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0.0}
     times: dict[str, list[float]] = {"direct": [], "router": []}
     with httpx.Client(timeout=60) as c:
         for i in range(n + 10):
             for name, url in (("direct", direct_url), ("router", h.router_url)):
                 t = time.perf_counter()
-                c.post(url + "/v1/completions", json=body).raise_for_status()
+                c.post(url + "/v1/completions", json=body, headers=secret if name == "direct" else None
+                       ).raise_for_status()
                 if i >= 10:  # warm-up
                     times[name].append(time.perf_counter() - t)
     d, r = statistics.median(times["direct"]) * 1000, statistics.median(times["router"]) * 1000

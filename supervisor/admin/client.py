@@ -48,7 +48,7 @@ def find_state(cfg: UnderstudyConfig) -> tuple[Path, dict[str, Any] | None]:
 
 def admin_endpoint(config_path: str | None) -> tuple[str, str]:
     """(admin base URL, token): the config's, or the running supervisor's state.json (real port, token file)."""
-    from supervisor.admin.token import TokenError, read_token
+    from wire.secret_file import TokenError, read_token
     try:
         cfg = load_config(config_path_for_cli(config_path))
     except ConfigError as e:

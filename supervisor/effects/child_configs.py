@@ -9,6 +9,7 @@ from pathlib import Path
 
 from daemon.cli import daemon_argv
 from engines.process.config import EngineConfig
+from wire import node_secret
 from wire.guarded_http import ListenerLimits
 from wire.loopback import free_port
 from supervisor.config import UnderstudyConfig, template_fields
@@ -42,6 +43,7 @@ class ChildConfigs:
         e, m = self.cfg.engines, self.cfg.model
         return EngineConfig(
             name=name, model_path=str(self.model_path), tp_size=m.tp_size, dtype=m.dtype, device=self.device,
+            node_secret_file=str(self.rd / node_secret.FILE),
             gpu_ids=self.cfg.resolved_gpu_ids() if self.device == "cuda" else [], host="127.0.0.1", port=port,
             weight_cache_mode=e.weight_cache_mode, runtime_dir=str(self.rd), control_endpoint=self.control_endpoint,
             incarnation=incarnation, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,

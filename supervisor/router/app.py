@@ -11,17 +11,19 @@ from supervisor.router.migrating import Publish
 from supervisor.router.proxy import Proxy
 from supervisor.router.replies import ASGIApp, Receive, Reply, Send, error_body, json_reply, send_whole
 from supervisor.router.routing import RoutingTable
-from supervisor.router.upstream import Client
+from supervisor.router.upstream import Client, Headers
 
 
 def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float, retry_after_s: int,
                  upstream_timeout_s: float, max_connections: int = 1024, migration: MigrationSection | None = None,
                  publish: Publish | None = None, limits: RequestLimits | None = None,
-                 body_timeout_s: float = 30.0, key_chain: tuple[bytes, int] | None = None) -> ASGIApp:
+                 body_timeout_s: float = 30.0, key_chain: tuple[bytes, int] | None = None,
+                 local_headers: Headers = ()) -> ASGIApp:
     """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else to the probes (and lifespan).
     ``publish`` gets the migration events; ``limits`` bound prompts and n (None: body size only);
     ``key_chain``: the engines' block keys' (key root, block size), for a failover batch's block keys."""
-    client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections)
+    client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections,
+                    local_headers=local_headers)
     upstreams = Upstreams(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
                           upstream_timeout_s=upstream_timeout_s)
     proxy = Proxy(upstreams, migration or MigrationSection(), publish, limits, body_timeout_s, key_chain)

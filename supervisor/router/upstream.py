@@ -25,6 +25,7 @@ __all__ = ["HOP_BY_HOP", "NOT_RELAYED", "Client", "ConnectError", "Headers", "Re
 
 
 LARGE_BODY = 1 << 16
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 log = logging.getLogger("understudy.router")
 
 
@@ -32,7 +33,7 @@ class _Origin:
     """One upstream (http[s]://host[:port][/prefix]) and its idle connections, most recently used last."""
     __slots__ = ("url", "host", "port", "tls", "host_header", "prefix", "idle", "warming")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, local_headers: bytes = b"") -> None:
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ConnectError(f"upstream url: expected http://host:port, got {url!r}")
@@ -40,6 +41,8 @@ class _Origin:
         self.tls = ssl.create_default_context() if u.scheme == "https" else None
         self.host, self.port = u.hostname, u.port or (443 if self.tls else 80)
         self.host_header = u.netloc.rpartition("@")[2].encode("ascii")
+        if local_headers and u.hostname in LOOPBACK:  # (the node secret: for our engines, never another host)
+            self.host_header += b"\r\n" + local_headers
         self.prefix = u.path.rstrip("/").encode("ascii")  # engines are served at the root, usually
         self.idle: deque[Connection] = deque()
         self.warming = False  # a connection is being opened to be kept idle (Client.warm)
@@ -62,8 +65,10 @@ class Client:
     idle connections after 5 s)."""
 
     def __init__(self, *, timeout_s: float, connect_timeout_s: float = 5.0, max_connections: int = 1024,
-                 keepalive_s: float = 4.0) -> None:
+                 keepalive_s: float = 4.0, local_headers: Headers = ()) -> None:
+        """``local_headers``: sent to loopback upstreams only (the node secret)."""
         self.timeout_s, self.connect_timeout_s, self.keepalive_s = timeout_s, connect_timeout_s, keepalive_s
+        self._local = b"\r\n".join(name + b": " + value for name, value in local_headers)
         self._slots = Slots(max_connections)
         self._origins: dict[str, _Origin] = {}
         self._warming: set[asyncio.Task] = set()  # connections being opened by warm()
@@ -180,7 +185,7 @@ class Client:
                 o.idle.popleft().close()
             if not o.idle and not o.warming:
                 del self._origins[key]
-        origin = self._origins[url] = _Origin(url)
+        origin = self._origins[url] = _Origin(url, self._local)
         return origin
 
     def _take_idle(self, origin: _Origin) -> Connection | None:

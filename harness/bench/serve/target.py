@@ -75,7 +75,8 @@ def resolve(args: argparse.Namespace) -> Target:
             t.model_dir, t.device, t.model = st["model"]["path"], st["model"]["device"], st["model"]["name"]
             primary = next((e for e in st["engines"] if e["name"] == st["primary"] and e.get("url")), None)
             if primary:  # the engine's own counters are exact; the supervisor's lag by a heartbeat
-                t.metrics_sources.append((primary["url"] + "/metrics", {}))
+                from wire import node_secret  # (the engine answers its node only)
+                t.metrics_sources.append((primary["url"] + "/metrics", node_secret.headers(st["runtime_dir"])))
             t.metrics_sources.append((admin + "/metrics", auth))
             t.admin_metrics_lag_s = 2 * e.heartbeat_interval_s
         except (ClientError, httpx.HTTPError, KeyError, ValueError) as err:
