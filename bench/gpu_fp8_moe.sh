@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FP8 and Mixture-of-Experts on a GPU (device tool), one call per part; logs go to $OUT. Usage:
 #   bash bench/gpu_fp8_moe.sh tests  # every GPU-marked test file, and the FP8 products' speed (bench/probes/fp8_gemm.py)
+#   bash bench/gpu_fp8_moe.sh first  # tests, then 1b in bf16 and FP8 (nano offline, logits error, restart)
 #   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart
 #   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: load vs attach, restart, nano; moe-a1b bf16/FP8 nano
 # Expects wheels of the packages the GPU image lacks in .whl/ (see README).
@@ -12,16 +13,28 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 U="python3 -m supervisor.cli"
 made() { [ -f "$1/config.json" ] || $U make-model "$1" --device cuda "${@:2}" >> "$OUT/make_model.log" 2>&1; }
 nano() {  # nano MODEL_DIR LABEL: bench serve's nano workload, offline (the engine in this process)
-  timeout 240 $U bench serve --offline "$1" --workload nano --device cuda 2>&1 | tee "$OUT/nano_$2.txt" | tail -4
+  timeout "${NANO_S:-240}" $U bench serve --offline "$1" --workload nano --device cuda 2>&1 | tee "$OUT/nano_$2.txt" | tail -4
 }
 
-case "${1:-tests}" in
-tests)
+gpu_tests() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-  timeout 420 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8_moe_gpu.py tests/test_fp8.py \
+  timeout "${1:-420}" python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8_moe_gpu.py tests/test_fp8.py \
     tests/test_moe.py tests/test_invariant_ops.py tests/test_kernels.py tests/test_daemon_gpu.py \
     tests/test_deterministic_model.py tests/test_engine_gpu.py tests/test_shared_kv_engine.py \
     tests/test_supervisor_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+}
+
+case "${1:-tests}" in
+first)
+  gpu_tests 330
+  timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
+  made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
+  timeout 60 python3 bench/probes/fp8_error.py /tmp/m1b-fp8 2>&1 | tee "$OUT/fp8_error_1b.txt" | tail -3
+  for m in m1b m1b-fp8; do nano /tmp/$m $m; done
+  timeout 80 $U bench restart /tmp/m1b-fp8 --runs 2 --device cuda 2>&1 | tee "$OUT/restart_1b_fp8.txt" | tail -4
+  ;;
+tests)
+  gpu_tests 420
   timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/test_fp8_moe_gpu.py -k numerics 2>&1 \
     | grep -E "^(fp8|moe)" | tee "$OUT/numerics_tiny.txt"
   timeout 120 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"

@@ -24,7 +24,7 @@ def test_bad_input_exits_with_one_line_naming_it(tiny_model, tmp_path):
         "rank-outside": (["--model", str(tiny_model), "--rank", "3", "--tp-size", "2"], 2, "--rank 3 is outside 0..1"),
         "no-folder": (["--model", str(tmp_path / "nope")], 1, f"model folder {tmp_path / 'nope'} does not exist"),
         "unknown-arch": (["--model", str(arch)], 1, "'FooForCausalLM'"),
-        "awq": (["--model", str(quant)], 1, "quant_method 'awq' cannot use the weight cache"),
+        "awq": (["--model", str(quant)], 1, "quant_method 'awq' is not supported"),
         "bad-dtype": (["--model", str(tiny_model), "--dtype", "int4"], 2, "invalid choice: 'int4'"),
     }
     procs = {
