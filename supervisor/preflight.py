@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import tempfile
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ def check(cfg: UnderstudyConfig, source: str, make_model: bool) -> Plan:
         model_path = _model(cfg, make_model, problems)
         if model_path is not None and not problems:
             _model_fits(cfg, model_path, problems)
+        elif model_path is None and not problems:  # the built-in preset, made on first run: its shapes are known
+            from engines.models.presets import preset_args
+            _args_fit(cfg, preset_args(cfg.model.preset), f"the built-in {cfg.model.preset} model", problems)
     if problem := cfg.heartbeat_problem(device):  # (the schema checked it where the device was known without torch)
         problems.append(problem)
     _runtime_dir(cfg.resolved_runtime_dir(), problems)
@@ -101,7 +105,7 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
     sequence of max_model_len (the engine's and the daemon's own checks, made before anything
     starts, without torch: a restarted supervisor serves again the sooner)."""
     from engines.models import CheckpointError, UnknownArchError, read_model_args
-    from engines.models.args import block_problem, deterministic_refusal, kv_bytes_per_block, tp_problem
+    from engines.models.args import block_problem
     from engines.models.checkpoint_check import quant_problem
     try:
         args = read_model_args(model_path)
@@ -120,10 +124,17 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
     except CheckpointError as err:
         problems.append(f"model.path: {err}")
         return
+    _args_fit(cfg, args, model_path.name, problems)
+
+
+def _args_fit(cfg: UnderstudyConfig, args, name: str, problems: list[str]) -> None:  # noqa: ANN001 (ModelArgs)
+    """The model's shapes against the config: deterministic mode, tp_size, the KV budget."""
+    from engines.models.args import deterministic_refusal, kv_bytes_per_block, tp_problem
+    m, e = cfg.model, cfg.engines
     if e.deterministic and (beyond := args.beyond_plain()) is not None:
         problems.append(deterministic_refusal(beyond))
     if (why := tp_problem(args, m.tp_size)) is not None:
-        problems.append(f"model.tp_size: {m.tp_size} does not fit {model_path.name}: {why}")
+        problems.append(f"model.tp_size: {m.tp_size} does not fit {name}: {why}")
         return
     length = min(e.max_model_len, args.max_position_embeddings)
     need = -(-length // e.kv_block_size)
@@ -146,7 +157,7 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
         problems.append(f"engines.kv_cache_bytes: {e.kv_cache_bytes} bytes give {what} {max(usable, 0)} blocks of "
                         f"{e.kv_block_size} tokens; one sequence of {length} tokens (engines.max_model_len="
                         f"{e.max_model_len}{capped}) needs {need} ({need * per_block} "
-                        f"bytes per rank for {model_path.name}): raise kv_cache_bytes or lower max_model_len")
+                        f"bytes per rank for {name}): raise kv_cache_bytes or lower max_model_len")
 
 
 def _runtime_dir(path: Path, problems: list[str]) -> None:
@@ -154,9 +165,8 @@ def _runtime_dir(path: Path, problems: list[str]) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        parent = next((p for p in path.parents if p.exists()), Path("/"))
-        if not os.access(parent, os.W_OK | os.X_OK):
-            problems.append(f"runtime_dir: {path} does not exist and {parent} is not writable by this user")
+        if (why := uncreatable(path)) is not None:
+            problems.append(f"runtime_dir: {path} does not exist and cannot be made: {why}")
         return
     except OSError as e:
         problems.append(f"runtime_dir: {path}: {e.strerror}")
@@ -193,6 +203,11 @@ def uncreatable(path: Path) -> str | None:
         return f"{parent} is not a folder"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{parent} is not writable by this user"
+    if os.geteuid() == 0:  # access() says yes to root everywhere: /proc and /sys refuse all the same
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".understudy-check-", dir=parent))
+        except OSError as e:
+            return f"{parent} refuses new folders ({e.strerror})"
     return None
 
 

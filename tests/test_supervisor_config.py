@@ -341,3 +341,18 @@ def test_a_config_that_is_not_utf8_or_nests_too_deep_is_named_not_a_traceback(tm
         for args in (("serve", "--check", "-c", str(cfg)), ("status", "-c", str(cfg))):
             r = _cli(*args)
             assert r.returncode == 2 and f"{cfg}: {line}" in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_serve_check_refuses_what_serve_would_die_on_before_the_model_is_made(tmp_path):
+    """Issue 52, item 7: a runtime_dir nothing can make (as root too: /proc refuses folders), and a KV
+    budget too small for the built-in model not made yet (its shapes are known from the preset)."""
+    proc = tmp_path / "proc.yaml"
+    proc.write_text(f"runtime_dir: /proc/understudy-x\ncache_dir: {tmp_path / 'cache'}\n")
+    r = _cli("serve", "--check", "-c", str(proc))
+    assert r.returncode == 2 and "runtime_dir: /proc/understudy-x does not exist and cannot be made" in r.stderr
+    small = tmp_path / "small.yaml"
+    small.write_text(f"runtime_dir: {tmp_path / 'rt'}\ncache_dir: {tmp_path / 'cache'}\n"
+                     "engines: {kv_cache_bytes: 70000, shared_kv: false}\n")
+    r = _cli("serve", "--check", "-c", str(small))
+    assert r.returncode == 2 and "engines.kv_cache_bytes: 70000 bytes give each engine's cache" in r.stderr, r.stderr
+    assert "for the built-in tiny model" in r.stderr and not (tmp_path / "cache" / "models").exists()
