@@ -283,3 +283,20 @@ def test_the_admin_token_is_made_private_once_and_a_path_that_cannot_hold_it_is_
     (tmp_path / "file").write_text("x")
     with pytest.raises(TokenError, match="file/token: cannot create admin token: .*file is not a folder"):
         ensure_token(tmp_path / "file" / "token")
+
+
+def test_the_status_table_shows_weights_and_kv_sources_and_never_cuts_a_reason() -> None:
+    """Issue 52, item 8: `understudy status` has a KV column beside WEIGHTS, and a reason too long for
+    its column is printed whole under the table (for a READY engine too)."""
+    from supervisor.admin.client import format_status
+    long = "canary passed in 1.20s after spawn (its answer took 30 ms), weights disk:protocol_error (degraded)"
+    engine = dict(name="b", role="standby", state="READY", pid=42, incarnation=3, weights_source="disk:protocol_error",
+                  kv_mode=None, kv_source="own:no_daemon", reason=long)
+    st = dict(epoch=2, primary="a", drained=False, router_url="r", admin_url="a",
+              model=dict(name="m", device="cpu", dtype="float32", tp_size=1), engines=[engine], daemons=[],
+              recent_failovers=[])
+    text = format_status(st)
+    header, row = text.splitlines()[3:5]
+    assert "WEIGHTS" in header and " KV " in header
+    assert "disk:protocol_er" in row and "own:no_daemon" in row and row.endswith("...")
+    assert f"b: {long}" in text.splitlines()

@@ -129,10 +129,12 @@ def format_status(st: dict[str, Any]) -> str:
              f"router {st['router_url']}  admin {st['admin_url']}",
              f"model {st['model']['name']} ({st['model']['device']}, {st['model']['dtype']}, tp {st['model']['tp_size']}"
              f"{', deterministic' if st['model'].get('deterministic') else ''})",
-             "", f"{'ENGINE':8} {'ROLE':8} {'STATE':10} {'PID':>8} {'INC':>4}  {'WEIGHTS':18} REASON"]
-    for e in st["engines"]:
+             "", f"{'ENGINE':8} {'ROLE':8} {'STATE':10} {'PID':>8} {'INC':>4}  {'WEIGHTS':18} {'KV':14} REASON"]
+    for e in st["engines"]:  # (a reason too long for its column is printed whole below the table)
+        reason = e["reason"] if len(e["reason"]) <= 60 else e["reason"][:57] + "..."
+        kv = e.get("kv_mode") or e.get("kv_source") or "-"
         lines.append(f"{e['name']:8} {e['role']:8} {e['state']:10} {e['pid'] or '-':>8} {e['incarnation']:>4}  "
-                     f"{(e['weights_source'] or '-')[:18]:18} {e['reason'][:60]}")
+                     f"{(e['weights_source'] or '-')[:18]:18} {kv[:14]:14} {reason}")
     for d in st["daemons"]:
         mb = f"{d['resident_bytes'] / 1e6:.1f} MB" if d["resident_bytes"] else "-"
         lines.append(f"{d['name']:17} {d['state']:10} {d['pid'] or '-':>8}  {mb}")
@@ -144,7 +146,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"STUCK: no progress for {st['watchdog']['since_progress_s']:.0f}s: the systemd watchdog "
                      "is no longer fed")
     for e in st["engines"]:
-        if e["state"] != "READY" and len(e["reason"]) > 60:
+        if len(e["reason"]) > 60:
             lines.append(f"{e['name']}: {e['reason']}")
     return "\n".join(lines)
 
