@@ -221,6 +221,10 @@ def test_admin_command_without_a_running_supervisor_is_a_clear_error(tmp_path):
     (tmp_path / "tok").chmod(0o644)
     r = _cli("status", "-c", str(cfg))
     assert r.returncode == 2 and "must not be readable by group/others" in r.stderr
+    bare = tmp_path / "bare.yaml"  # nothing running, no token file: say so, not that the token is unreadable
+    bare.write_text(f"runtime_dir: {tmp_path}/rt2\n")
+    r = _cli("status", "-c", str(bare))
+    assert r.returncode == 2 and "no supervisor is running here" in r.stderr and "token" not in r.stderr, r.stderr
 
 
 def test_the_builtin_model_is_made_on_first_run_under_the_cache_dir(tmp_path):

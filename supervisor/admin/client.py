@@ -63,6 +63,9 @@ def admin_endpoint(config_path: str | None) -> tuple[str, str]:
     # a token file the config names wins (DESIGN §5: the same config); else the running supervisor's
     token_file = cfg.resolved_token_file() if cfg.admin.token_file else (
         Path(st["token_file"]) if st and st.get("token_file") else rd / "admin.token")
+    if st is None and not token_file.exists():
+        raise ClientError(f"no supervisor is running here (no live one wrote {rd / 'state.json'}): start one with "
+                          "`understudy serve`, or name its config with -c")
     try:
         token = read_token(token_file)
     except TokenError as e:
