@@ -6,7 +6,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .analysis import RunData
-from .plot import plot_latency
 from .report_md import render
 from .schema import ChaosReport
 
@@ -18,6 +17,7 @@ def write_report(out_dir: Path, report: ChaosReport, data: RunData) -> list[str]
     out_dir.mkdir(parents=True, exist_ok=True)
     png: str | None = PNG
     try:
+        from .plot import plot_latency  # (matplotlib: the `harness` extra; without it, no picture)
         plot_latency(out_dir / PNG, data.t0, data.requests, data.faults, data.events)
     except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
         report.notes.append(f"plot not written: {type(exc).__name__}: {exc}")

@@ -237,6 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     report.total_errors = sum(pt.errors for pt in report.points)
     if args.out:
         js, png = write(report, args.out)
-        note(f"wrote {js} and {png}")
+        note(f"wrote {js} and {png}" if png else f"wrote {js} (no picture: matplotlib is the harness extra)")
     print(report.model_dump_json(indent=2) if args.json else table(report), flush=True)
     return 1 if report.total_errors else 0

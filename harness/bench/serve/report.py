@@ -101,9 +101,13 @@ def write_png(r: Report, path: Path) -> None:
     plt.close(fig)
 
 
-def write(r: Report, out_dir: Path) -> tuple[Path, Path]:
+def write(r: Report, out_dir: Path) -> tuple[Path, Path | None]:
+    """The JSON, and the picture where matplotlib is installed (the `harness` extra), else None."""
     out_dir.mkdir(parents=True, exist_ok=True)
     js, png = out_dir / "bench-serve.json", out_dir / "bench-serve.png"
     js.write_text(r.model_dump_json(indent=2) + "\n")
-    write_png(r, png)
+    try:
+        write_png(r, png)
+    except ModuleNotFoundError:
+        return js, None
     return js, png
