@@ -58,7 +58,7 @@ def check_only(config_path: str | None, port: int | None, admin_port: int | None
 def serve(config_path: str | None, port: int | None = None, admin_port: int | None = None) -> int:
     """Run the supervisor in the foreground (``port``, ``admin_port``: over the config's); the exit code:
     2 for anything in the config or around it (the message names the key), which a restart will not fix."""
-    from supervisor.arbiter import Supervisor
+    from supervisor.node import Supervisor
     from supervisor.errors import BootError
     from supervisor.effects.servers import BindError
     from supervisor.model_prep import ModelError

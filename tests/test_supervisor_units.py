@@ -269,7 +269,7 @@ def test_the_supervisor_core_imports_no_torch():
     numpy neither (~60 ms on the dev VM): the router frames a failover's batch without it."""
     import subprocess
     import sys
-    code = ("import sys, supervisor.arbiter, supervisor.effects.reaper; "
+    code = ("import sys, supervisor.node, supervisor.effects.reaper; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
 
