@@ -1,10 +1,11 @@
 """A second engine death with requests queued (issue 23): the primary is SIGKILLed with more long
 streams in flight than it runs at once (max_num_seqs), then the promoted engine too, once every
 stream has reached it: the requests it only queued did not run on it and must be continued on the
-third engine (the first one's replacement), not quarantined as engine killers. Only a request that
-ran on both dead engines (the engine's scheduled marker, wire/sse.py) with no token in between
-may be quarantined, and the node serves on. Real supervisor, engines, sockets and signals (CPU, tiny
-model, fp32)."""
+third engine (the first one's replacement), not quarantined as engine killers. Those that ran on
+both (the engine's scheduled marker, wire/sse.py) with no token in between are continued too (issue
+52, item 4): both engines were SIGKILLed from outside, which their exit statuses say, and no request
+causes that; a request whose engines crash is still quarantined (tests/test_migration_router.py).
+The node serves on. Real supervisor, engines, sockets and signals (CPU, tiny model, fp32)."""
 from __future__ import annotations
 
 import os
@@ -73,14 +74,11 @@ def test_requests_only_queued_on_the_second_dead_engine_are_continued_not_quaran
     for s in streams:
         s.result(120)
     failed = [s for s in streams if not s.done]
-    assert len(failed) <= SEQS, [s.chunks[-1:] for s in failed]  # at most those that ran on both
-    for s in failed:
-        assert "quarantined" in s.chunks[-1]["error"]["message"] and s.error is not None, (s.error, s.chunks[-1:])
+    assert not failed, [s.chunks[-1:] for s in failed]  # (those that ran on both too: killed from outside)
     for s in streams:
-        if s.done:
-            check_same(s, ref)
+        check_same(s, ref)
     results = [e["result"] for e in migrations(sup, mark)]
-    assert results.count("quarantined") == len(failed) and "failed" not in results, results
+    assert "quarantined" not in results and "failed" not in results, results
     assert "Exception in ASGI application" not in sup.log.read_text()
     r = httpx.post(sup.router_url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text

@@ -100,6 +100,20 @@ class Promote:
 
 
 @dataclass(frozen=True)
+class LossCause:
+    """How the primary of ``epoch`` died, once its exit status is read: ``evidence`` unless it was
+    SIGKILLed from outside (not by us: an operator, a chaos script, the OOM killer), for the
+    router's quarantine (a request is a poison only where engines died of something it could cause)."""
+
+    epoch: int
+    evidence: bool
+    text: str
+
+    def brief(self) -> str:
+        return f"loss cause epoch {self.epoch} {'evidence' if self.evidence else 'killed from outside'}"
+
+
+@dataclass(frozen=True)
 class Hold:
     """No primary: requests wait (up to hold_timeout_s); ``reason`` is what /readyz says."""
 
@@ -271,5 +285,5 @@ class Finish:
         return f"finish {self.exit_code}"
 
 
-Action = Union[Start, Attach, Fence, Stop, Drain, Tell, Promote, Hold, RouterFlags, NextPrimary, Probe, Reap,
+Action = Union[Start, Attach, Fence, Stop, Drain, Tell, Promote, LossCause, Hold, RouterFlags, NextPrimary, Probe, Reap,
                SweepLinks, Publish, Measure, Notify, Answer, Survey, CheckAdoptable, AwaitGone, Finish]

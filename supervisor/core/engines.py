@@ -9,7 +9,7 @@ import signal
 from engines.process.config import BOOT_ERROR_EXIT
 from supervisor.core import lifecycle
 from supervisor.core.kv_writers import writer_down, writer_reaped
-from supervisor.core.actions import Drain, Fence, Publish, Stop
+from supervisor.core.actions import Drain, Fence, LossCause, Publish, Stop
 from supervisor.core.events import ExitRead, Exited, Launched, LaunchFailed
 from supervisor.core.failover import fail_over
 from supervisor.core.model import Engine, Node
@@ -98,6 +98,10 @@ def exit_read(node: Node, e: Engine, ev: ExitRead) -> None:
     served: that one is retried until the cause is fixed)."""
     writer_reaped(node, e.name, ev.incarnation)
     text, expected = lifecycle.exit_outcome(e, ev)
+    if e.lost_epoch is not None and ev.incarnation == e.incarnation:  # it died as primary: how, for the router
+        outside = ev.returncode == -signal.SIGKILL and e.state == State.EXITED  # (our fences leave it FAILED)
+        node.emit(LossCause(e.lost_epoch, not outside, text))
+        e.lost_epoch = None
     (log.info if expected else log.warning)("%s: pid %d (incarnation %d) %s%s", e.name, ev.pid, ev.incarnation,
                                             text, "" if expected else f"; log: {ev.log_path}")
     if not lifecycle.take_exit_status(node, e, ev, text):

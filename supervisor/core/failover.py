@@ -16,7 +16,7 @@ def fail_over(node: Node, dead: Engine, reason: str, detected_at: float) -> None
     """The primary is gone (already fenced): promote a READY standby now, else hold requests until
     one is READY (ensure_primary promotes it then, as this failover)."""
     if node.primary == dead.name:
-        node.lost_epoch = node.epoch  # the router retries what was in flight there at once
+        node.lost_epoch = dead.lost_epoch = node.epoch  # the router retries what was in flight there at once
     node.primary = None
     standby = node.ready_standby()
     if standby is not None:

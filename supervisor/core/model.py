@@ -68,6 +68,7 @@ class Engine(Child):
     fatal_retries: int = 0             # slow retries of this FATAL slot since it was last READY
     retrying_fatal: bool = False       # this incarnation is such a retry: failing again is FATAL again
     drain_fenced: bool = False         # SIGKILLed after drain_timeout_s: a signal exit was ours
+    lost_epoch: int | None = None      # the epoch it served as primary when lost, until its exit status is read
 
     def progress(self) -> int:
         """The engine's progress as its heartbeat reports it: scheduler steps (tokens made, chunks

@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from supervisor.core.actions import (Action, Answer, Attach, AwaitGone, CheckAdoptable, Drain, Fence, Finish, Hold,
+                                     LossCause,
                                      Measure, NextPrimary, Notify, Probe, Promote, Publish, Reap, RouterFlags, Start,
                                      Stop, Survey, SweepLinks, Tell)
 from supervisor.core.events import (AdoptionChecked, DaemonAnswered, Event, ExitRead, GroupsGone, HealthChecked,
@@ -48,7 +49,7 @@ class Effects:
         self._reap_errors = 0
         self._quick: dict[type, Callable[[Any], object]] = {  # done in place
             Fence: lambda a: kill_group(a.pid), Stop: lambda a: kill_group(a.pid, a.sig),
-            Promote: self._promote, Hold: self._hold, RouterFlags: self._flags, NextPrimary: self._next,
+            Promote: self._promote, LossCause: lambda a: self.table.note_loss(a.epoch, a.evidence), Hold: self._hold, RouterFlags: self._flags, NextPrimary: self._next,
             Tell: self._tell, Publish: self.publisher.publish, Measure: self.publisher.measure,
             Notify: self.publisher.notify, Answer: self.answer, Attach: self.launcher.attach,
             SweepLinks: self.reaper.sweep_links}

@@ -28,6 +28,8 @@ from wire.stalls import STALL_LOG_S
 from supervisor.config import MigrationSection
 from supervisor.router.attempts import SAME_PRIMARY_RETRY_S, Attempts, Upstreams
 from supervisor.router.batching import Batcher, Member
+
+EVIDENCE_WAIT_S = 1.0  # how long a twice-lost request waits for its engines' exit statuses (then: counted)
 from supervisor.router.continuation import Tracked, error_event
 from supervisor.router.replies import Send
 from supervisor.router.routing import PrimaryLost, Upstream
@@ -165,7 +167,7 @@ class _Call:
                 if self.req.client_stream:
                     await self._body(self.req.finish_locally())
                 return await self._finish()
-            if (why := self._why_not()) is not None:
+            if (why := await self._why_not()) is not None:
                 return await self._give_up(*why)
             self.migrations += 1
             self.migrating_since, self.replayed = self.last_sent, self.req.n_output
@@ -212,10 +214,16 @@ class _Call:
             self.failed_epochs.clear()
         self.failed_epochs.add(epoch)
 
-    def _why_not(self) -> tuple[str, int, str] | None:
-        """Why this request must not be sent again after losing its primary, if so."""
+    async def _why_not(self) -> tuple[str, int, str] | None:
+        """Why this request must not be sent again after losing its primary, if so. A quarantine needs
+        evidence: engines SIGKILLed from outside (the exit status says so) do not count against it."""
         req, cfg = self.req, self.m.cfg
         req.progress = False
+        if len(self.failed_epochs) >= 2:
+            table = self.m.u.table
+            for epoch in sorted(self.failed_epochs):
+                if not await table.loss_evidence(epoch, EVIDENCE_WAIT_S):
+                    self.failed_epochs.discard(epoch)
         if len(self.failed_epochs) >= 2:
             return ("quarantined", 502, f"request quarantined: it was running on each of the {len(self.failed_epochs)} "
                                         f"engines that failed, with no token generated in between (a request "

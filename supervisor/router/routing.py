@@ -44,6 +44,8 @@ class RoutingTable:
         self.on_next: list[Callable[[], None]] = []  # called when it changes (batching.Batcher keeps it warm)
         self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
+        self._evidence: dict[int, bool] = {}  # recent lost epochs: did the primary die of something a request can cause
+        self._evidence_waiters: dict[int, list[asyncio.Future[bool]]] = {}
         self._calls: dict[int, set[Interrupt]] = {}  # epoch -> calls in flight to that primary
         self.on_lost: list[Callable[[int, set[Interrupt]], None]] = []  # (epoch, the calls interrupted) at a fence
         self.collector = CollectorHold()
@@ -71,6 +73,26 @@ class RoutingTable:
         # first; one with an attempt still in flight there is warned of by migrating.Migrator)
         log.info("epoch %d fenced: %d calls to its primary interrupted (requests and batches)", epoch, len(calls))
         _tell(self.on_lost, epoch, set(calls))
+
+    def note_loss(self, epoch: int, evidence: bool) -> None:
+        """How the primary of `epoch` died (the supervisor read its exit status): `evidence` unless it
+        was SIGKILLed from outside, which no request causes."""
+        self._evidence = {e: v for e, v in self._evidence.items() if e >= epoch - 8} | {epoch: evidence}
+        for waiter in self._evidence_waiters.pop(epoch, ()):
+            if not waiter.done():
+                waiter.set_result(evidence)
+
+    async def loss_evidence(self, epoch: int, timeout_s: float) -> bool:
+        """Whether the loss of `epoch` may be the request's doing: its cause once known (waiting up to
+        `timeout_s` for the exit status), True when still unknown (the safe side of a quarantine)."""
+        if epoch in self._evidence:
+            return self._evidence[epoch]
+        waiter = asyncio.get_running_loop().create_future()
+        self._evidence_waiters.setdefault(epoch, []).append(waiter)
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            return True
 
     def is_lost(self, epoch: int) -> bool:
         """The primary of `epoch` was fenced (a recent epoch)."""
