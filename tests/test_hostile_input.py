@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from harness.chaos.hostile import post_early_answer
+from wire import node_secret
 from harness.load import Load
 from harness.node import Harness, closed_by_peer, running
 
@@ -63,8 +64,9 @@ def test_20mb_request_gets_413_while_load_goes_on(sup):
     assert len(big) > 8_000_000
     with Load(sup.router_url, sup.model, threads=2) as load:
         time.sleep(0.3)
-        for url in (sup.router_url, sup.primary()["url"]):  # the engine refuses it too (same limit)
-            status, content = asyncio.run(post_early_answer(url, "/v1/completions", big))
+        for url, secret in ((sup.router_url, None), (sup.primary()["url"], node_secret.headers(sup.rd))):
+            # the engine refuses it too (same limit), to the node's own clients (the secret)
+            status, content = asyncio.run(post_early_answer(url, "/v1/completions", big, headers=secret))
             assert_limit_error(httpx.Response(status, content=content), 413, "max_body_bytes")
         time.sleep(0.5)
     assert load.results and not load.failures, load.failures[:5]
@@ -147,8 +149,9 @@ def test_deeply_nested_body_gets_400_naming_the_json_problem(sup):
     that gives up on its depth must become a clear 400, never a 500 or a crash."""
     before = incarnations(sup)
     body = b'{"model": "%s", "prompt": %s%s}' % (sup.model.encode(), b"[" * 5000, b"]" * 5000)
-    for url in (sup.router_url, sup.primary()["url"]):
-        r = httpx.post(url + "/v1/completions", content=body, timeout=30, headers={"content-type": "application/json"})
+    for url, secret in ((sup.router_url, {}), (sup.primary()["url"], node_secret.headers(sup.rd))):
+        r = httpx.post(url + "/v1/completions", content=body, timeout=30,
+                       headers={"content-type": "application/json", **secret})
         assert r.status_code == 400, (url, r.text[:300])
         err = r.json()["error"]
         assert err["code"] == "invalid_json" and "not valid JSON" in err["message"], err

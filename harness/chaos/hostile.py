@@ -25,7 +25,8 @@ def big_body() -> bytes:
                        "max_tokens": 4}).encode()
 
 
-async def post_early_answer(data_url: str, path: str, body: bytes, timeout_s: float = 60.0) -> tuple[int, bytes]:
+async def post_early_answer(data_url: str, path: str, body: bytes, timeout_s: float = 60.0,
+                            headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """POST ``body`` the way a real client does, but stop sending once the server answers (a node
     that refuses a 20 MB body answers before reading it, then closes: httpx would report only the
     reset). Returns (status, response body)."""
@@ -33,7 +34,8 @@ async def post_early_answer(data_url: str, path: str, body: bytes, timeout_s: fl
     reader, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port), timeout_s)
     try:
         async with asyncio.timeout(timeout_s):
-            writer.write(f"POST {path} HTTP/1.1\r\nhost: {u.netloc}\r\ncontent-type: application/json\r\n"
+            extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+            writer.write(f"POST {path} HTTP/1.1\r\nhost: {u.netloc}\r\ncontent-type: application/json\r\n{extra}"
                          f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode())
             head = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
             try:
