@@ -8,8 +8,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from supervisor.core import (adoption, admin, boot, daemons, engine_health, engines, kv_handover, lifecycle, shutdown,
-                             spawn)
+from supervisor.core import (adoption, admin, boot, daemons, engine_health, engines, healing, kv_handover, lifecycle,
+                             shutdown, spawn)
 from supervisor.core.actions import Action, Publish
 from supervisor.core.events import (CHILD_EVENTS, AdoptionChecked, Asked, DaemonAnswered, Event, ExitRead, Exited,
                                     GroupsGone, HealthChecked, Launched, LaunchFailed, Pinged, ReadyChecked, Said,
@@ -89,6 +89,7 @@ def decide(node: Node) -> None:
             engine_health.check(node, e)
         kv_handover.check(node)
         ensure_primary(node)
+        healing.heal(node)
     admin.advance_rollout(node)
     judge(node)
     route(node)
