@@ -69,3 +69,25 @@ def test_quantized_weights_are_shared_and_checked_and_a_stream_survives_a_kill(n
     t.join(60)
     assert got == ref
     node.wait_event(lambda e: e["type"] == "migration" and e["result"] == "continued", timeout_s=30)
+
+
+def test_a_rollout_under_load_fails_nothing(node) -> None:
+    """Both engines restarted in turn (each back on the daemon's weights), streams going through."""
+    node.wait_all_ready()
+    results: list[list[str]] = []
+
+    def load() -> None:
+        for _ in range(6):
+            chunks: list[str] = []
+            stream(node.router_url, chunks)
+            results.append(chunks)
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    before = {e["name"]: e["incarnation"] for e in node.engines().values()}
+    r = node.admin("POST", "/admin/rollout", timeout=300)
+    assert r.status_code == 200, r.text
+    t.join(120)
+    assert results and all(c and c[-1] == "[DONE]" for c in results), results
+    after = node.wait_all_ready()
+    assert all(e["incarnation"] > before[e["name"]] and e["weights_source"] == "cache_hit"
+               for e in node.engines().values()), after
