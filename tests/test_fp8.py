@@ -20,6 +20,7 @@ from engines.models.fp8 import Fp8Linear
 from engines.models.make_model import make_model
 from engines.models.numerics import check_numerics
 from engines.models.paged import sequence_meta
+from tests.checkpoint_edits import edited_copy
 
 transformers = pytest.importorskip("transformers")
 if not torch.cuda.is_available():
@@ -92,20 +93,6 @@ def test_fp8_twin_stays_close_to_the_unquantized_model(fp8, tmp_path) -> None:
         assert [int(logits(q, p)[-1].argmax()) for p in PROMPTS] == [int(logits(plain, p)[-1].argmax()) for p in PROMPTS]
 
 
-def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:  # noqa: ANN001
-    """A copy of checkpoint `src` with config.json and the tensors passed through the given edits."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((src / "config.json").read_text())
-    if config:
-        config(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = load_file(str(src / "model.safetensors"))
-    if tensors:
-        tensors(state)
-    save_file(state, str(dst / "model.safetensors"))
-    return dst
-
-
 def test_per_channel_and_static_scales_load_and_compute(fp8, tmp_path) -> None:
     """Per-channel weight scales ([rows, 1], compressed-tensors' shape) and static input scales: the
     fused q/k/v take one input scale (the largest: the load's processing), each part its own rows."""
@@ -117,7 +104,7 @@ def test_per_channel_and_static_scales_load_and_compute(fp8, tmp_path) -> None:
 
     def static(cfg: dict) -> None:
         cfg["quantization_config"]["activation_scheme"] = "static"
-    model_dir = _rewrite(fp8["fp8-tensor"], tmp_path / "static", static, per_channel)
+    model_dir = edited_copy(fp8["fp8-tensor"], tmp_path / "static", static, per_channel)
     model = load(model_dir)
     attn = model.model.layers[0].self_attn.qkv_proj
     state = load_file(str(model_dir / "model.safetensors"))
@@ -150,7 +137,7 @@ def test_a_zero_or_nan_scale_is_refused_at_load_naming_it(fp8, tmp_path, bad) ->
     def poison(state: dict) -> None:
         state[key] = state[key].clone()
         state[key][0, 1] = 0.0 if bad == "zero" else float("nan")
-    model_dir = _rewrite(fp8["fp8-block"], tmp_path / bad, tensors=poison)
+    model_dir = edited_copy(fp8["fp8-block"], tmp_path / bad, tensors=poison)
     with pytest.raises(CheckpointError, match=r"scale model.layers.1.mlp.down_proj.weight_scale_inv holds .* at "
                                               r"\[0, 1\]: every FP8 scale must be finite and > 0"):
         load(model_dir)
@@ -201,7 +188,7 @@ def _check(cfg: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("case", REFUSED)
 def test_every_refusal_is_one_line_from_serve_check(fp8, tmp_path, case) -> None:
     config, tensors, line = REFUSED[case]
-    model_dir = _rewrite(fp8["fp8-block"], tmp_path / "ckpt", config, tensors)
+    model_dir = edited_copy(fp8["fp8-block"], tmp_path / "ckpt", config, tensors)
     cfg = tmp_path / "understudy.yaml"
     cfg.write_text(f"runtime_dir: {tmp_path / 'rt'}\nmodel: {{path: {model_dir}}}\n")
     r = _check(cfg)
@@ -216,7 +203,7 @@ def test_the_loader_refuses_what_serve_check_refuses(fp8, tmp_path) -> None:
     for case in ("no_scale", "undeclared_fp8", "stray_scale"):
         config, tensors, _ = REFUSED[case]
         with pytest.raises(CheckpointError, match=r"(weight_scale_inv|F8_E4M3|float8_e4m3fn|scale of no FP8)"):
-            load(_rewrite(fp8["fp8-block"], tmp_path / case, config, tensors))
+            load(edited_copy(fp8["fp8-block"], tmp_path / case, config, tensors))
 
 
 def test_deterministic_mode_is_refused_for_fp8(fp8, tmp_path) -> None:

@@ -14,16 +14,8 @@ import pytest
 
 from engines.models.make_model import make_model
 from harness.node import running
+from tests.test_migration_failover import CONFIG
 
-CONFIG = """
-runtime_dir: {rt}
-model: {{path: {model}, name: m}}
-engines: {{heartbeat_interval_s: 0.1, kv_cache_bytes: 4194304, max_num_seqs: 8, max_model_len: 256}}
-failover: {{heartbeat_timeout_s: 1.5, probe_interval_s: 0.5, probe_timeout_s: 5, hold_timeout_s: 20,
-           backoff_base_s: 0.1, backoff_max_s: 1, flap_max: 50, drain_timeout_s: 10, stop_timeout_s: 5}}
-router: {{port: 0}}
-admin: {{port: 0}}
-"""
 GREEDY = {"model": "m", "prompt": "Once upon a time", "max_tokens": 14, "temperature": 0, "ignore_eos": True,
           "stream": True}
 MODELS = {"fp8-block": dict(preset="tiny", quant="fp8-block"),

@@ -3,9 +3,7 @@ fused MoE kernels through Triton's interpreter against the plain path, and the r
 configs and checkpoints, one line each. On a GPU: tests/test_fp8_gpu.py."""
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the kernels on CPU: Triton's interpreter (set before triton runs)
-from safetensors.torch import load_file, save_file
 
 from daemon.arena import layout
 from daemon.loader import load_checkpoint_into
@@ -21,7 +18,8 @@ from engines.models import CheckpointError, build_model, read_model_args
 from engines.models.make_model import make_model
 from engines.models.moe import route
 from engines.models.numerics import check_numerics
-from engines.models.paged import sequence_meta  # noqa: E402
+from engines.models.paged import sequence_meta
+from tests.checkpoint_edits import edited_copy  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 300, 22, 47, 3, 3, 9, 120, 64], [200, 11]]
@@ -133,19 +131,6 @@ def test_fp8_experts_and_the_numerics_check(moe, arch) -> None:
         assert any("experts" in name for name, _, _ in check.parts)
 
 
-def _edit(src: Path, dst: Path, config=None, tensors=None) -> Path:  # noqa: ANN001
-    shutil.copytree(src, dst)
-    cfg = json.loads((src / "config.json").read_text())
-    if config:
-        config(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = load_file(str(src / "model.safetensors"))
-    if tensors:
-        tensors(state)
-    save_file(state, str(dst / "model.safetensors"))
-    return dst
-
-
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
 BAD = {  # config or checkpoint edit -> the error naming the key or tensor
     "top_k": (lambda c: c.__setitem__("num_experts_per_tok", 9), None,
@@ -163,7 +148,7 @@ BAD = {  # config or checkpoint edit -> the error naming the key or tensor
 def test_a_bad_moe_checkpoint_is_one_line_naming_the_key_or_tensor(moe, tmp_path, case) -> None:
     config, tensors, line = BAD[case]
     with pytest.raises(CheckpointError, match=line):
-        load(_edit(moe["qwen3_moe", "none"], tmp_path / case, config, tensors))
+        load(edited_copy(moe["qwen3_moe", "none"], tmp_path / case, config, tensors))
 
 
 def test_deterministic_mode_is_refused_for_moe(moe) -> None:

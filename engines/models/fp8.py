@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .parallel import all_reduce
+from .parallel import all_reduce, local_shape
 from .quant import Fp8Scheme
 
 
@@ -37,11 +37,7 @@ class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int, tp_size: int,
                  dtype: torch.dtype, device: torch.device | str, scheme: Fp8Scheme, parts: int = 1) -> None:
         super().__init__()
-        full = (out_features, in_features)
-        if full[shard_dim] % tp_size:
-            raise ValueError(f"dimension {full[shard_dim]} is not divisible by tp_size {tp_size}")
-        local = list(full)
-        local[shard_dim] //= tp_size
+        local = local_shape(in_features, out_features, shard_dim, tp_size)
         self.shard_dim, self.tp_size, self.scheme, self.out_dtype = shard_dim, tp_size, scheme, dtype
         self.weight = nn.Parameter(torch.empty(local, dtype=torch.float8_e4m3fn, device=device), requires_grad=False)
         if scheme.kind == "block":

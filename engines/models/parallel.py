@@ -53,6 +53,16 @@ def all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def local_shape(in_features: int, out_features: int, shard_dim: int, tp_size: int) -> list[int]:
+    """`[out, in]` of one rank's shard (`shard_dim` 0: output rows, 1: input columns)."""
+    full = (out_features, in_features)
+    if full[shard_dim] % tp_size:
+        raise ValueError(f"dimension {full[shard_dim]} is not divisible by tp_size {tp_size}")
+    local = list(full)
+    local[shard_dim] //= tp_size
+    return local
+
+
 class ShardedLinear(nn.Module):
     """A linear layer holding one rank's shard.
 
@@ -63,11 +73,7 @@ class ShardedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int,
                  tp_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        full = (out_features, in_features)
-        if full[shard_dim] % tp_size:
-            raise ValueError(f"dimension {full[shard_dim]} is not divisible by tp_size {tp_size}")
-        local = list(full)
-        local[shard_dim] //= tp_size
+        local = local_shape(in_features, out_features, shard_dim, tp_size)
         self.shard_dim, self.tp_size = shard_dim, tp_size
         self.weight = nn.Parameter(torch.empty(local, dtype=dtype, device=device), requires_grad=False)
         bias_len = local[0]  # row-parallel bias is replicated and added once, after the sum
