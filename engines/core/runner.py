@@ -224,7 +224,7 @@ class ModelRunner:
         before the first graph of each forward path only (mixed, decode, fused decode): the
         smaller graphs of a path run the same kernels, and the first calls a new shape still makes
         (~2 ms of host time per product) are taken in its capture. A warm-up before every graph
-        made a restart's capture ~25% longer (H200, bench/gpu_graph_warmup.sh)."""
+        made a restart's capture ~25% longer (H200: bench/HISTORY.md, the graph warm-up probe, removed since)."""
         if self.device.type != "cuda":
             return self.graph_sizes
         decode = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_seqs} | {self.max_seqs})
