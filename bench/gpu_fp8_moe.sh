@@ -30,7 +30,7 @@ first)
   timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
   made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
   timeout 60 python3 bench/probes/fp8_error.py /tmp/m1b-fp8 2>&1 | tee "$OUT/fp8_error_1b.txt" | tail -3
-  for m in m1b m1b-fp8; do NANO_S=60 nano /tmp/$m $m; done
+  for m in m1b m1b-fp8; do NANO_S=50 nano /tmp/$m $m; done
   timeout 60 $U bench restart /tmp/m1b-fp8 --runs 2 --device cuda 2>&1 | tee "$OUT/restart_1b_fp8.txt" | tail -4
   ;;
 tests)
