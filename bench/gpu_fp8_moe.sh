@@ -2,6 +2,7 @@
 # FP8 and Mixture-of-Experts on a GPU (device tool), one call per part; logs go to $OUT. Usage:
 #   bash bench/gpu_fp8_moe.sh tests  # every GPU-marked test file, and the FP8 products' speed (bench/probes/fp8_gemm.py)
 #   bash bench/gpu_fp8_moe.sh first  # tests, then 1b in bf16 and FP8 (nano offline, logits error, restart)
+#   bash bench/gpu_fp8_moe.sh min    # tests and the FP8 products' speed only
 #   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart
 #   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: load vs attach, restart, nano; moe-a1b bf16/FP8 nano
 # Expects wheels of the packages the GPU image lacks in .whl/ (see README).
@@ -25,6 +26,10 @@ gpu_tests() {
 }
 
 case "${1:-tests}" in
+min)  # the CUDA paths only: every GPU-marked test file, and the FP8 products' speed
+  gpu_tests 300
+  timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
+  ;;
 first)
   gpu_tests 300
   timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
