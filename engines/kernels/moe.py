@@ -50,16 +50,22 @@ def group_by_expert(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Ten
 
 
 @triton.jit
+def _block(rows_ptr, block_expert_ptr, n_rows, BM: tl.constexpr):
+    """This program's block: its expert (-1: past the last), its rows, which of them are real."""
+    block = tl.program_id(0)
+    rows = tl.load(rows_ptr + block * BM + tl.arange(0, BM))
+    return tl.load(block_expert_ptr + block), rows, rows < n_rows
+
+
+@triton.jit
 def _gate_up(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, block_expert_ptr, out_ptr, n_rows, K, I,
              stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
              TOP_K: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    block, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + block)
+    e, rows, valid = _block(rows_ptr, block_expert_ptr, n_rows, BM)
     if e < 0:
         return
-    rows = tl.load(rows_ptr + block * BM + tl.arange(0, BM))
-    valid = rows < n_rows
+    pid_n = tl.program_id(1)
     tokens = rows // TOP_K
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < I
@@ -97,12 +103,10 @@ def _down(a_ptr, as_ptr, w_ptr, ws_ptr, route_ptr, rows_ptr, block_expert_ptr, o
           stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
           FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    block, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + block)
+    e, rows, valid = _block(rows_ptr, block_expert_ptr, n_rows, BM)
     if e < 0:
         return
-    rows = tl.load(rows_ptr + block * BM + tl.arange(0, BM))
-    valid = rows < n_rows
+    pid_n = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BK)
