@@ -26,6 +26,12 @@ gpu_tests() {
 }
 
 case "${1:-tests}" in
+new)  # this tree's new CUDA paths only (FP8, MoE), and the FP8 products' speed
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  timeout 200 python3 -m pytest -q -rs -s -p no:cacheprovider -m gpu tests/test_fp8_moe_gpu.py tests/test_fp8.py \
+    tests/test_moe.py 2>&1 | tee "$OUT/gpu_tests_new.txt" | tail -30
+  timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
+  ;;
 min)  # the CUDA paths only: every GPU-marked test file, and the FP8 products' speed
   gpu_tests 300
   timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
