@@ -5,7 +5,10 @@
 #   bash bench/gpu_fp8_moe.sh min    # tests and the FP8 products' speed only
 #   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart
 #   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: load vs attach, restart, nano; moe-a1b bf16/FP8 nano
-# Expects wheels of the packages the GPU image lacks in .whl/ (see README).
+# Expects wheels of the packages the GPU image lacks in .whl/ (see README): fastapi, uvicorn, pyzmq, pydantic
+# (+ pydantic-core, annotated-types, typing-inspection), httptools, orjson, starlette, anyio, sniffio, h11, click,
+# annotated-doc, typing-extensions, pytest-timeout, and opentelemetry-api (fastapi 0.165 imports it), at the
+# versions of constraints.txt.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -248,6 +248,7 @@ def test_the_fp8_product_kernel_computes_the_product_of_what_it_quantized(kind, 
         got = fp8_matmul(xq, xs, wq, ws.view(96, 1), 1, 256, 256, torch.float32)
         w_deq, x_deq = wq.float() * ws[:, None], xq.float() * xs
     want = x_deq @ w_deq.T
-    assert ((got - want).norm() / want.norm()).item() <= 1e-5
+    # (FP8 tensor cores accumulate inside each product in less than float32: ~2e-4 seen on an H200)
+    assert ((got - want).norm() / want.norm()).item() <= (1e-5 if dev == "cpu" else 1e-3)
     # and near the unquantized product (FP8's rounding; the interpreter's float8 cast truncates)
     assert ((got - x @ w.T).norm() / (x @ w.T).norm()).item() <= 0.2

@@ -83,12 +83,15 @@ def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        # each K block's product added in float32 here (FP8 tensor cores accumulate inside one product
+        # in less precision, and how depends on the tile: a chained accumulator would make a row's bits
+        # depend on the row count, and a CUDA graph's padded rows on its tokens)
         if SCALE_EACH_K:
             a_s = tl.load(as_ptr + offs_m * stride_asm + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
             b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn + (k0 // W_COLS) * stride_bsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc += tl.dot(a, b)
         a_ptrs += BK
         b_ptrs += BK
     if not SCALE_EACH_K:
