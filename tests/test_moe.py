@@ -91,7 +91,9 @@ def test_fused_experts_match_the_plain_path(moe, quant, rows) -> None:
     block = model.model.layers[1].ffn
     x = torch.randn(rows, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(dev)
     weights, ids = route(block.gate(x), block.top_k, block.renormalize)
-    got = fused_experts(x, weights, ids, block.experts)
+    ex = block.experts
+    got = fused_experts(x, weights, ids, ex.gate_up_proj, ex.down_proj,
+                        (ex.gate_up_scale, ex.down_scale) if ex.scheme else None, ex.scheme.block if ex.scheme else None)
     if quant == "none":
         want = block.experts(x, weights, ids)
     else:

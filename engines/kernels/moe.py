@@ -14,14 +14,9 @@ product's scales applied at every K block, as engines/kernels/fp8.py does).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from engines.models.moe import Experts
 
 
 def block_rows(rows: int, experts: int) -> int:
@@ -129,32 +124,35 @@ def _down(a_ptr, as_ptr, w_ptr, ws_ptr, route_ptr, rows_ptr, block_expert_ptr, o
     tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
 
 
-def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """`sum_k weights[t, k] * expert_{ids[t, k]}(x[t])` for this rank's slice of the experts: `[T, H]`."""
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor:
+    """`sum_k weights[t, k] * expert_{ids[t, k]}(x[t])` for this rank's slice of the experts: `[T, H]`.
+    `gate_up [E, 2I, H]`, `down [E, H, I]`; FP8 experts with their block `scales` (gate_up's, down's)."""
     t, h = x.shape
     top_k = ids.shape[1]
-    e, two_i, _ = experts.gate_up_proj.shape
+    e, two_i, _ = gate_up.shape
     i = two_i // 2
     n_rows = t * top_k
     bm = block_rows(n_rows, e)
     rows, block_expert = group_by_expert(ids, e, bm)
     blocks = block_expert.numel()
-    fp8 = experts.scheme is not None
-    sbn, sbk = experts.scheme.block if fp8 else (1, 1)
+    fp8 = scales is not None
+    sbn, sbk = block if fp8 else (1, 1)
     bk = min(128, sbk) if fp8 else 64
     bn = 64
     if fp8:
         from .fp8 import quantize_rows
         xa, xs = quantize_rows(x, sbk)
-        gu_s, d_s = experts.gate_up_scale, experts.down_scale
+        gu_s, d_s = scales
     else:
         xa, xs = x, x
         gu_s = d_s = x.new_empty(1, 1, 1)
     inter = torch.empty(n_rows, i, dtype=x.dtype, device=x.device)
     if blocks:
         _gate_up[(blocks, triton.cdiv(i, bn))](
-            xa, xs, experts.gate_up_proj, gu_s, rows, block_expert, inter, n_rows, h, i,
-            xa.stride(0), xs.stride(0), experts.gate_up_proj.stride(0), experts.gate_up_proj.stride(1),
+            xa, xs, gate_up, gu_s, rows, block_expert, inter, n_rows, h, i,
+            xa.stride(0), xs.stride(0), gate_up.stride(0), gate_up.stride(1),
             gu_s.stride(0), gu_s.stride(1), inter.stride(0),
             TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
     if fp8:
@@ -164,8 +162,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exp
     out = torch.zeros(n_rows, h, dtype=torch.float32, device=x.device)
     if blocks:
         _down[(blocks, triton.cdiv(h, bn))](
-            ia, i_s, experts.down_proj, d_s, weights.reshape(-1).float(), rows, block_expert, out, n_rows, i, h,
-            ia.stride(0), i_s.stride(0), experts.down_proj.stride(0), experts.down_proj.stride(1),
+            ia, i_s, down, d_s, weights.reshape(-1).float(), rows, block_expert, out, n_rows, i, h,
+            ia.stride(0), i_s.stride(0), down.stride(0), down.stride(1),
             d_s.stride(0), d_s.stride(1), out.stride(0),
             FP8=fp8, SBN=sbn, SBK=sbk, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
     return out.view(t, top_k, h).sum(1).to(x.dtype)

@@ -105,7 +105,9 @@ class Experts(nn.Module):
         """This rank's part of `sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, `[T, H]` in x's dtype."""
         if x.is_cuda:
             from engines.kernels.moe import fused_experts
-            return fused_experts(x, weights, ids, self)
+            scales = (self.gate_up_scale, self.down_scale) if self.scheme else None
+            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, scales,
+                                 self.scheme.block if self.scheme else None)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in ids.unique().tolist():
             tokens, slot = (ids == expert).nonzero(as_tuple=True)
