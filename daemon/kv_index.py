@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kv_layout import KVLayout
-from .proc import runs_user_code, start_ticks
+from wire.proc import runs_user_code, start_ticks
 
 MAGIC = int.from_bytes(b"USKVIDX1", "little")
 VERSION = 2  # 2: tails (parent, fill, token ids)

@@ -13,7 +13,7 @@ from supervisor.core.events import Exited, Said, StopAsked
 from supervisor.core.kv_handover import ANSWERS
 from supervisor.core.model import Node
 from supervisor.effects.control import EngineMessage
-from supervisor.effects.pidwatch import is_exiting
+from wire.proc import is_exiting
 
 log = logging.getLogger("understudy")
 

@@ -166,7 +166,7 @@ def test_is_exiting_sees_a_killed_process_before_it_is_reaped():
     import sys
     import time
 
-    from supervisor.effects.pidwatch import is_exiting
+    from wire.proc import is_exiting
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

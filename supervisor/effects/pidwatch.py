@@ -7,10 +7,11 @@ import logging
 import os
 from typing import Callable
 
+from wire.proc import is_exiting, proc_stat
+
 log = logging.getLogger("understudy.pidwatch")
 
 PR_SET_CHILD_SUBREAPER = 36
-PF_EXITING = 0x00000004  # include/linux/sched.h: the task has begun do_exit()
 
 
 def watch_exit(loop: asyncio.AbstractEventLoop, pid: int, on_exit: Callable[[int], None]) -> Callable[[], None]:
@@ -42,33 +43,14 @@ def watch_exit(loop: asyncio.AbstractEventLoop, pid: int, on_exit: Callable[[int
     return cancel
 
 
-def is_exiting(pid: int) -> bool:
-    """True once ``pid`` has begun to exit (or is gone), before its pidfd turns readable.
-
-    A process that held a GPU spends ~100 ms in the kernel tearing its CUDA context down
-    before the exit is reported; it runs no user code after SIGKILL, so it is already dead
-    for the purpose of failover. Reads PF_EXITING from /proc/<pid>/stat (field 9).
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
-
-
 def foreign_exit(pid: int) -> tuple[bool, int | None]:
     """(exited, returncode) of a process that is not our child (re-adopted, or forked by a spawn
     server that was replaced since): its exit status is in /proc/<pid>/stat (field 52, as waitpid
     reports it) while it is a zombie of its new parent (init, which reaps it soon: best effort);
     (True, None) once it is reaped, (False, None) while it runs or tears down."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
+    fields = proc_stat(pid)
+    if fields is None:
         return True, None
-    fields = stat[stat.rfind(b")") + 2:].split()
     if fields[0] not in (b"Z", b"X"):
         return False, None
     try:

@@ -2,10 +2,10 @@
 begun to exit (after which it runs no more user code)."""
 from __future__ import annotations
 
-PF_EXITING = 0x4
+PF_EXITING = 0x4  # include/linux/sched.h: the task has begun do_exit()
 
 
-def _stat(pid: int) -> list[bytes] | None:
+def proc_stat(pid: int) -> list[bytes] | None:
     """The fields of /proc/PID/stat after the command name (field 3 first), or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -17,7 +17,7 @@ def _stat(pid: int) -> list[bytes] | None:
 
 def start_ticks(pid: int) -> int | None:
     """When the process started, in clock ticks since boot (field 22), or None if it is gone."""
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return int(fields[19]) if fields else None
 
 
@@ -28,7 +28,7 @@ def is_exiting(pid: int) -> bool:
     before the exit is reported; it runs no user code after SIGKILL, so it is already dead
     for the purpose of failover. Reads PF_EXITING from /proc/<pid>/stat (field 9).
     """
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return fields is None or fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
 
 
