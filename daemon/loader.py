@@ -7,6 +7,7 @@ conversions, go through a temporary tensor.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from engines.models import CheckpointError
+from engines.models.checkpoint_check import SCALES
 
 from .protocol import Progress
 from .safetensors_index import TensorLocation, locate
@@ -82,7 +84,7 @@ def load_checkpoint_into(model: nn.Module, model_dir: str | os.PathLike, *,
         local = tuple(spec.local_shape(tp_size))
         base = param if spec.dst_index is None else param[spec.dst_index]
         dest = base.narrow(0, spec.dst_offset, local[0] if local else 1) if base.dim() else base
-        if tuple(dest.shape) != (local or (1,)) and not (spec.broadcast and dest.numel() == _numel(local)):
+        if tuple(dest.shape) != (local or (1,)) and not (spec.broadcast and dest.numel() == math.prod(local)):
             raise CheckpointError(f"{loc.file}: tensor {key}: rank {tp_rank}'s slice {local} does not fit "
                                   f"parameter {spec.param} {tuple(param.shape)} at row {spec.dst_offset}")
         _check_dtype(loc, key, dest.dtype)
@@ -93,13 +95,6 @@ def load_checkpoint_into(model: nn.Module, model_dir: str | os.PathLike, *,
     model.process_weights()
     check_scales(model, model_dir)
     return stats
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _check_dtype(loc: TensorLocation, key: str, want: torch.dtype) -> None:
@@ -116,15 +111,12 @@ def _check_dtype(loc: TensorLocation, key: str, want: torch.dtype) -> None:
         raise CheckpointError(f"{loc.file}: tensor {key} is {loc.dtype}, expected float8_e4m3fn")
 
 
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
-
-
 def check_no_stray_scales(model_dir: Path, targets: dict) -> None:
     """A scale in the checkpoint that no loaded tensor takes (its weight is absent, or not FP8 here)
     is a CheckpointError naming it: its weight would be read without it."""
     from .safetensors_index import all_keys
     for key, file in all_keys(model_dir).items():
-        if key.endswith(SCALE_SUFFIXES) and key not in targets:
+        if key.endswith(SCALES) and key not in targets:
             raise CheckpointError(f"{file}: tensor {key} is a quantization scale of no FP8 weight this engine loads "
                                   "(its weight is missing, or config.json's quantization_config does not cover it)")
 

@@ -14,37 +14,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from daemon.loader import load_checkpoint_into
-from engines.models import CheckpointError, build_model, read_model_args
+from engines.models import CheckpointError
 from engines.models.fp8 import Fp8Linear
 from engines.models.make_model import make_model
 from engines.models.numerics import check_numerics
-from engines.models.paged import sequence_meta
-from tests.checkpoint_edits import edited_copy
+from tests.tiny_checkpoints import PROMPTS, edited_copy, load, logits
 
 transformers = pytest.importorskip("transformers")
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the kernels on CPU: Triton's interpreter (set before triton runs)
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 300, 22, 47, 3, 3, 9, 120, 64], [200, 11]]
-
-
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory) -> dict[str, Path]:
     """The tiny preset in each FP8 layout (block-wise 32x32, per tensor)."""
     return {q: make_model(tmp_path_factory.mktemp(q), "tiny", quant=q, seed=3) for q in ("fp8-block", "fp8-tensor")}
-
-
-def load(model_dir: Path, dtype: torch.dtype = torch.float32):
-    model = build_model(read_model_args(model_dir), dtype=dtype, device="meta").to_empty(device="cpu")
-    load_checkpoint_into(model, model_dir)
-    model.allocate_kv_cache(8, 16, "cpu")
-    return model
-
-
-def logits(model, prompt: list[int]) -> torch.Tensor:
-    n = len(prompt)
-    return model(torch.tensor(prompt), torch.arange(n), sequence_meta([1], 0, n, 16, "cpu"))
 
 
 def dequantized_twin(src: Path, dst: Path) -> Path:

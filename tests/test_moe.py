@@ -13,18 +13,13 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the kernels on CPU: Triton's interpreter (set before triton runs)
 
 from daemon.arena import layout
-from daemon.loader import load_checkpoint_into
 from engines.models import CheckpointError, build_model, read_model_args
 from engines.models.make_model import make_model
 from engines.models.moe import route
 from engines.models.numerics import check_numerics
-from engines.models.paged import sequence_meta
-from tests.checkpoint_edits import edited_copy  # noqa: E402
+from tests.tiny_checkpoints import PROMPTS, edited_copy, load, logits  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
-PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 300, 22, 47, 3, 3, 9, 120, 64], [200, 11]]
-
-
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> dict[str, Path]:
     out = {}
@@ -33,18 +28,6 @@ def moe(tmp_path_factory) -> dict[str, Path]:
             out[arch, quant] = make_model(tmp_path_factory.mktemp(f"{arch}-{quant}"), "moe-tiny", arch=arch,
                                           quant=quant, block=32, seed=5)
     return out
-
-
-def load(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    model = build_model(read_model_args(model_dir), dtype=dtype, device="meta").to_empty(device=device)
-    load_checkpoint_into(model, model_dir)
-    model.allocate_kv_cache(8, 16, device)
-    return model
-
-
-def logits(model, prompt: list[int]) -> torch.Tensor:
-    n = len(prompt)
-    return model(torch.tensor(prompt), torch.arange(n), sequence_meta([1], 0, n, 16, "cpu"))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engines.models import build_model, read_model_args, torch_dtype
+from engines.models.checkpoint_check import SCALES
 from engines.models.presets import PRESETS
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -116,7 +117,7 @@ def make_weights(model_dir: Path, seed: int, device: str = "cpu") -> dict[str, t
     meta = build_model(args)
     out: dict[str, torch.Tensor] = {}
     weights = [(name, spec) for name, spec in sorted(meta.checkpoint_targets().items())
-               if not name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale"))]  # (written with their weight)
+               if not name.endswith(SCALES)]  # (the scales are written with their weight)
     for index, (name, spec) in enumerate(weights):
         gen = torch.Generator(device).manual_seed(seed * 1_000_003 + index)
         t = random_tensor(name, spec.full_shape, args.hidden_size, gen, device).to(dtype)
