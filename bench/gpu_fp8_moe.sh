@@ -35,9 +35,9 @@ new)  # this tree's new CUDA paths only (FP8, MoE), and the FP8 products' speed
     tests/test_moe.py 2>&1 | tee "$OUT/gpu_tests_new.txt" | tail -30
   timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
   ;;
-min)  # the CUDA paths only: every GPU-marked test file, and the FP8 products' speed
-  gpu_tests 300
-  timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
+min)  # the CUDA paths only: every GPU-marked test file, and the FP8 products' speed with a sweep of tiles
+  gpu_tests 270
+  timeout 230 python3 bench/probes/fp8_gemm.py --sweep --budget 180 2>&1 | tee "$OUT/fp8_gemm.txt"
   ;;
 first)
   gpu_tests 300

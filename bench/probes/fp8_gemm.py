@@ -1,41 +1,93 @@
-"""FP8 products against bf16 at the 8B shape's linears (GPU): the time of quantize + Triton FP8
-product (engines/kernels/fp8.py, block-wise 128x128) beside torch's bf16 F.linear, by row count.
-    python3 bench/probes/fp8_gemm.py"""
+"""FP8 products against bf16 at the 8B shape's linears (GPU): quantize + Triton FP8 product
+(engines/kernels/fp8.py, block-wise 128x128) beside torch's bf16 F.linear, by row count, each timed
+as 20 calls replayed from one CUDA graph (as the engine's decode runs them: no launch gaps).
+Columns: quantize alone, quantize + product, the product quantizing itself (fused); with --sweep,
+every candidate tile too (fused up to FUSED_ROWS rows), and the best per (shape, rows).
+    python3 bench/probes/fp8_gemm.py [--sweep]"""
 from __future__ import annotations
+
+import itertools
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
-from engines.kernels.fp8 import fp8_matmul, quantize_rows
+from engines.kernels.fp8 import FUSED_ROWS, fp8_matmul, quantize_rows, tiles
 from engines.models.make_model import quantize_fp8
 
-SHAPES = {"qkv 4096->6144": (6144, 4096), "gate_up 4096->28672": (28672, 4096), "down 14336->4096": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 16, 64, 128, 256, 2048, 8192)
 
 
-def timed(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
+def graphed_us(fn, calls: int = 20, reps: int = 10) -> float:
+    """Microseconds per call of `fn`, replayed from a CUDA graph of `calls` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3  # us
+    return start.elapsed_time(end) / (reps * calls) * 1e3
 
 
-print(f"{'shape':22} {'M':>5} {'bf16 us':>9} {'fp8 us':>9} {'ratio':>6} {'rel err':>8}")
-for name, (n, k) in SHAPES.items():
-    w = torch.randn(n, k, device="cuda") / k ** 0.5
-    wb = w.bfloat16()
-    wq, ws = quantize_fp8(w, (128, 128))
-    for m in (1, 16, 64, 128, 256, 1024, 4096):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+def candidates(m: int) -> list[tuple[int, int, int, int]]:
+    """Tiles worth timing at `m` rows: short ones for decode, (64|128) x (64..256) above."""
+    if m <= 16:
+        return [(16, bn, 4, s) for bn in (16, 32, 64, 128) for s in (3, 4, 5, 6)]
+    rows = (32, 64) if m <= 64 else (64, 128)
+    return [(bm, bn, w, s) for bm, bn, w, s in itertools.product(rows, (64, 128, 256), (4, 8), (3, 4))
+            if not (bm * bn >= 128 * 256 and s > 3)]
 
-        def fp8() -> torch.Tensor:
+
+def main() -> None:
+    sweep = "--sweep" in sys.argv
+    budget = time.monotonic() + float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 1e18
+    print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'quant us':>8} {'fp8 us':>8} {'fused us':>8} {'ratio':>6}" +
+          (f" {'best us':>8} {'ratio':>6}  best tile (BM,BN,warps,stages)" if sweep else ""), flush=True)
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda") / k ** 0.5
+        wb = w.bfloat16()
+        wq, ws = quantize_fp8(w, (128, 128))
+        del w
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x, 128)
-            return fp8_matmul(xq, xs, wq, ws, 128, 128, 128, torch.bfloat16)
-        ref = F.linear(x.float(), w)
-        err = ((fp8().float() - ref).norm() / ref.norm()).item()
-        tb, tf = timed(lambda: F.linear(x, wb)), timed(fp8)
-        print(f"{name:22} {m:5} {tb:9.1f} {tf:9.1f} {tb / tf:6.2f} {err:8.4f}")
+
+            def fp8(tile=None, fused: bool = m <= FUSED_ROWS) -> torch.Tensor:
+                q, s = (x, None) if fused else quantize_rows(x, 128)
+                return fp8_matmul(q, s, wq, ws, 128, 128, 128, torch.bfloat16, tile=tile)
+            tb = graphed_us(lambda: F.linear(x, wb))
+            tq = graphed_us(lambda: quantize_rows(x, 128))
+            tf, tfused = graphed_us(lambda: fp8(fused=False)), graphed_us(lambda: fp8(fused=True))
+            line = f"{name:8} {m:5} {tb:8.1f} {tq:8.1f} {tf:8.1f} {tfused:8.1f} {tb / min(tf, tfused):6.2f}"
+            if sweep and time.monotonic() < budget:
+                ref = fp8_matmul(xq, xs, wq, ws, 128, 128, 128, torch.float32)
+                best = (graphed_us(fp8, calls=10, reps=5), tiles(m, n))
+                for tile in candidates(m):
+                    try:
+                        got = fp8_matmul(xq, xs, wq, ws, 128, 128, 128, torch.float32, tile=tile)
+                        if not torch.equal(got, ref):
+                            print(f"  tile {tile} gives other bits", flush=True)
+                        t = graphed_us(lambda: fp8(tile), calls=10, reps=5)
+                    except Exception as exc:  # a tile that does not fit the SM's shared memory
+                        print(f"  tile {tile}: {type(exc).__name__}", flush=True)
+                        continue
+                    best = min(best, (t, tile))
+                line += f" {best[0]:8.1f} {tb / best[0]:6.2f}  {best[1]}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
