@@ -5,7 +5,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-M=/tmp/m1b
+M=${M:-/tmp/m1b}  # (a bench of another model: M=DIR, made before)
 [ -f $M/config.json ] || python3 -m supervisor.cli make-model $M --preset 1b > "$OUT/make_model.log"
 
 wait_ready() {  # wait_ready URL [TRIES]: until URL/readyz answers 200 (0.5 s apart)

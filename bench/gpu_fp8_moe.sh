@@ -3,8 +3,11 @@
 #   bash bench/gpu_fp8_moe.sh tests  # every GPU-marked test file, and the FP8 products' speed (bench/probes/fp8_gemm.py)
 #   bash bench/gpu_fp8_moe.sh first  # tests, then 1b in bf16 and FP8 (nano offline, logits error, restart)
 #   bash bench/gpu_fp8_moe.sh min    # tests and the FP8 products' speed only
-#   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart
-#   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: load vs attach, restart, nano; moe-a1b bf16/FP8 nano
+#   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart,
+#                                    # the failover of record on the FP8 8b (64 streams, 20 kills)
+#   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: load vs attach, restart, memory, nano, failover of record
+#   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano
+# Everything under $OUT comes back as one logs.tgz.
 # Expects wheels of the packages the GPU image lacks in .whl/ (see README): fastapi, uvicorn, pyzmq, pydantic
 # (+ pydantic-core, annotated-types, typing-inspection), httptools, orjson, starlette, anyio, sniffio, h11, click,
 # annotated-doc, typing-extensions, pytest-timeout, and opentelemetry-api (fastapi 0.165 imports it), at the
@@ -18,6 +21,18 @@ U="python3 -m supervisor.cli"
 made() { [ -f "$1/config.json" ] || $U make-model "$1" --device cuda "${@:2}" >> "$OUT/make_model.log" 2>&1; }
 nano() {  # nano MODEL_DIR LABEL: bench serve's nano workload, offline (the engine in this process)
   timeout "${NANO_S:-240}" $U bench serve --offline "$1" --workload nano --device cuda 2>&1 | tee "$OUT/nano_$2.txt" | tail -4
+}
+
+failover_on() {  # failover_on MODEL LABEL: the failover of record (64 streams, 20 SIGKILLs), shared KV
+  M=$1 STREAMS=64 RUNS=${RUNS:-20} COMPARE= FAILOVER_TIMEOUT=${FAILOVER_S:-240} OUT=$OUT/failover_$2 \
+    bash bench/gpu_shared_kv.sh failover 2>&1 | tail -8
+}
+
+memory_on() {  # memory_on MODEL LABEL: GPU memory per process, the node READY (the parked standby's share)
+  (M=$1; source bench/gpu_env.sh; sed "s#preset: 1b#path: $1#" configs/h200-1b.yaml > /tmp/mem.yaml
+   start_serve /tmp/mem.yaml "$OUT/serve_memory_$2.log"; memory /tmp/mem.yaml > "$OUT/memory_$2.txt" 2>&1
+   kill -TERM $sup; wait $sup)
+  cat "$OUT/memory_$2.txt"
 }
 
 gpu_tests() {
@@ -59,14 +74,21 @@ fp8)
   timeout 200 python3 bench/probes/fp8_error.py /tmp/m8b-fp8 2>&1 | tee "$OUT/fp8_error.txt" | tail -6
   for m in m8b m8b-fp8; do nano /tmp/$m $m; done
   timeout 240 $U bench restart /tmp/m8b-fp8 --runs 3 --device cuda 2>&1 | tee "$OUT/restart_8b_fp8.txt" | tail -5
+  failover_on /tmp/m8b-fp8 8b_fp8
   ;;
 moe)
   made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
   du -sh /tmp/moe30 | tee "$OUT/sizes.txt"
   timeout 200 $U bench load /tmp/moe30 --device cuda --repeat 1 2>&1 | tee "$OUT/load_moe30.txt" | tail -6
   timeout 240 $U bench restart /tmp/moe30 --runs 3 --device cuda 2>&1 | tee "$OUT/restart_moe30.txt" | tail -5
-  nano /tmp/moe30 moe30-fp8
+  memory_on /tmp/moe30 moe30
+  NANO_S=150 nano /tmp/moe30 moe30-fp8
+  FAILOVER_S=200 failover_on /tmp/moe30 moe30_fp8
+  ;;
+moea1b)
   made /tmp/moea1b --preset moe-a1b; made /tmp/moea1b-fp8 --preset moe-a1b --quant fp8-block
-  for m in moea1b moea1b-fp8; do nano /tmp/$m $m; done
+  for m in moea1b moea1b-fp8; do NANO_S=150 nano /tmp/$m $m; done
   ;;
 esac
+# (at most 8 files come back from $OUT: all of them in one archive)
+tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT"/
