@@ -2,7 +2,7 @@
 # FP8 and Mixture-of-Experts on a GPU (device tool), one call per part; logs go to $OUT. Usage:
 #   bash bench/gpu_fp8_moe.sh tests  # every GPU-marked test file, and the FP8 products' speed (bench/probes/fp8_gemm.py)
 #   bash bench/gpu_fp8_moe.sh first  # tests, then 1b in bf16 and FP8 (nano offline, logits error, restart)
-#   bash bench/gpu_fp8_moe.sh min    # tests and the FP8 products' speed only
+#   bash bench/gpu_fp8_moe.sh min    # tests, the FP8 products' speed (a sweep of tiles), the 1b's nano in bf16 and FP8
 #   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart,
 #                                    # the failover of record on the FP8 8b (64 streams, 20 kills)
 #   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: load vs attach, restart, memory, nano, failover of record
@@ -50,9 +50,12 @@ new)  # this tree's new CUDA paths only (FP8, MoE), and the FP8 products' speed
     tests/test_moe.py 2>&1 | tee "$OUT/gpu_tests_new.txt" | tail -30
   timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
   ;;
-min)  # the CUDA paths only: every GPU-marked test file, and the FP8 products' speed with a sweep of tiles
-  gpu_tests 270
-  timeout 230 python3 bench/probes/fp8_gemm.py --sweep --budget 180 2>&1 | tee "$OUT/fp8_gemm.txt"
+min)  # the CUDA paths only: every GPU-marked test file, the FP8 products' speed with a sweep of tiles,
+  # and the 1b's nano in bf16 and FP8
+  gpu_tests 240
+  timeout 150 python3 bench/probes/fp8_gemm.py --sweep --budget 110 2>&1 | tee "$OUT/fp8_gemm.txt"
+  made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
+  for m in m1b m1b-fp8; do NANO_S=60 nano /tmp/$m $m; done
   ;;
 first)
   gpu_tests 300

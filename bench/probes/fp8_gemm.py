@@ -17,7 +17,7 @@ from engines.kernels.fp8 import FUSED_ROWS, fp8_matmul, quantize_rows, tiles
 from engines.models.make_model import quantize_fp8
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ROWS = (1, 16, 64, 128, 256, 2048, 8192)
+ROWS = (1, 16, 64, 256, 2048, 8192)
 
 
 def graphed_us(fn, calls: int = 20, reps: int = 10) -> float:
