@@ -56,12 +56,13 @@ def main() -> None:
     budget = time.monotonic() + float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 1e18
     print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'quant us':>8} {'fp8 us':>8} {'fused us':>8} {'ratio':>6}" +
           (f" {'best us':>8} {'ratio':>6}  best tile (BM,BN,warps,stages)" if sweep else ""), flush=True)
+    weights = {}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda") / k ** 0.5
-        wb = w.bfloat16()
-        wq, ws = quantize_fp8(w, (128, 128))
-        del w
-        for m in ROWS:
+        weights[name] = (w.bfloat16(), *quantize_fp8(w, (128, 128)))
+    for m in ROWS:  # (rows outermost: decode's first, if the budget ends the sweep)
+        for name, (n, k) in SHAPES.items():
+            wb, wq, ws = weights[name]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x, 128)
 
