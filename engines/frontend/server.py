@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import logging
 
@@ -30,7 +30,6 @@ from wire.protocol import (CONTINUED, AssistantMessage, ChatChoice, ChatCompleti
                        CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody, ErrorResponse, ModelCard,
                        ModelList, Usage)
 from engines.core.sampling import SamplingParams, ensure_seed
-from engines.core.sequence import Output
 from .streams import EventStream, RequestFailed, Running, StreamEvents
 from engines.core.tokenizer import ChatTemplateError, Tokenizer
 
@@ -158,17 +157,23 @@ class OpenAIServer:
     def _outside_vocabulary(self, token: int, param: str) -> APIError:
         return APIError(400, f"prompt token id {token} is outside the vocabulary 0..{self.vocab_size - 1}", param)
 
-    async def _run(self, running: Running) -> AsyncIterator[tuple[int, Output]]:
-        """Yield (choice index, Output) until every sequence finishes; abort the rest on exit (a whole
-        answer's collection; a stream's events are made by StreamEvents)."""
+    async def _whole(self, jobs: list) -> tuple[list[str], list[str | None], list[int], list[list[int]]]:
+        """Run `jobs` to the end: each choice's text, finish reason, completion tokens and token ids
+        (a whole answer's collection; a stream's events are made by StreamEvents); abort the rest on exit."""
+        running = self._start(jobs)
+        texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+        new_ids: list[list[int]] = [[] for _ in jobs]
         try:
             while running.live:
                 await running.wait()
-                for index, out in running.take():
-                    running.accept(index, out)
-                    yield index, out
+                for i, out in running.take():
+                    running.accept(i, out)
+                    texts[i] += out.delta
+                    new_ids[i] += out.token_ids
+                    reasons[i], completion[i] = out.finish_reason, out.completion_tokens
         finally:
             running.abort()  # the client went away (or we failed): free its slots
+        return texts, reasons, completion, new_ids
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest):
@@ -189,12 +194,7 @@ class OpenAIServer:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(StreamEvents(self._start(jobs), "completions", rid, created, req.model, prompt_tokens,
                                             include_usage, ids, prompt_of if ids and req.continuation is None else None))
-        texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
-        new_ids: list[list[int]] = [[] for _ in jobs]
-        async for i, out in self._run(self._start(jobs)):
-            texts[i] += out.delta
-            new_ids[i] += out.token_ids
-            reasons[i], completion[i] = out.finish_reason, out.completion_tokens
+        texts, reasons, completion, new_ids = await self._whole(jobs)
         choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
                                     prompt_token_ids=prompt_of[i] if ids else None,
                                     token_ids=new_ids[i] if ids else None) for i in range(len(jobs))]
@@ -226,12 +226,7 @@ class OpenAIServer:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(StreamEvents(self._start(jobs), "chat", rid, created, req.model, len(prompt),
                                             include_usage, ids, [prompt] if ids and req.continuation is None else None))
-        texts, reasons, completion = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
-        new_ids: list[list[int]] = [[] for _ in jobs]
-        async for i, out in self._run(self._start(jobs)):
-            texts[i] += out.delta
-            new_ids[i] += out.token_ids
-            reasons[i], completion[i] = out.finish_reason, out.completion_tokens
+        texts, reasons, completion, new_ids = await self._whole(jobs)
         choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=reasons[i],
                               token_ids=new_ids[i] if ids else None) for i in range(len(jobs))]
         usage = Usage(prompt_tokens=len(prompt), completion_tokens=sum(completion),
