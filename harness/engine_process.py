@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness import ROOT
 
 READY_PREFIX = "ENGINE_READY "

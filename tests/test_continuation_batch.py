@@ -15,7 +15,7 @@ import pytest
 
 from wire.batch_wire import encode_member
 from wire.block_keys import DETERMINISTIC_ROOT, ROOT, prompt_keys
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from engines.frontend.continuation_batch import GROUP
 from harness.engine_process import EngineProcess
 from supervisor.router.http_wire import take_chunks

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 from harness.load import Load
 from test_migration_engine import stream, text_of

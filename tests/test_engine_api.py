@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 from engines.process.startup import PHASES
 from engines.core.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import zmq
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 from engines.process.startup import PHASES
 

@@ -15,7 +15,7 @@ import torch
 
 from daemon.loader import load_checkpoint_into
 from harness.bench.decode import fused_as_accurate, fused_logit_error, graphs_match_eager
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from engines.models import build_model, read_model_args
 from engines.core.runner import ModelRunner
 from harness.engine_process import EngineProcess, wait_for_ready_line

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from wire.link_sockets import remove_sockets, socket_paths
 from harness.engine_process import EngineProcess, wait_for_ready_line
 from engines.process.spawn_client import SpawnClient

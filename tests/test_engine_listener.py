@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from wire.guarded_http import ListenerLimits
 from harness.engine_process import EngineProcess
 

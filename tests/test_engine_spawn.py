@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import wait_for_ready_line
 from engines.process.spawn_client import SpawnClient, SpawnError
 

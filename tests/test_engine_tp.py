@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.effects.processes import group_alive
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 
 PROMPTS = ["The quick brown fox", "Hello there", "In a hole in the ground there lived a"]

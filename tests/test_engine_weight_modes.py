@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from daemon.runtime_dir import ensure_private_dir
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from daemon_helpers import start_daemon, wait_daemon_ready
 from harness.engine_process import EngineProcess
 

@@ -12,7 +12,7 @@ from engines.models import build_model, read_model_args
 from engines.models.fp8 import Fp8Linear, has_fp8_cores
 from engines.models.make_model import make_model
 from engines.models.numerics import FP8_TOLERANCE, check_numerics
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.bench.decode import graphs_match_eager
 from harness.engine_process import EngineProcess
 

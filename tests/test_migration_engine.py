@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 
 MAX_LEN = 256

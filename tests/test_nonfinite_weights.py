@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines.process.config import BOOT_ERROR_EXIT, EngineConfig
+from wire.engine_config import BOOT_ERROR_EXIT, EngineConfig
 from harness.engine_process import EngineProcess, EngineStartError
 
 

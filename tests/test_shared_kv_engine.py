@@ -21,7 +21,7 @@ from daemon.framing import recv_frame, send_frame
 from daemon.kv_index import SEALED, BlockIndex
 from daemon.kv_layout import KVLayout
 from daemon.runtime_dir import daemon_socket_path, ensure_private_dir
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from daemon_helpers import start_daemon, wait_daemon_ready
 from harness.engine_process import EngineProcess
 from test_engine_control import Router

@@ -67,7 +67,7 @@ def test_heartbeat_timeout_defaults_by_device_and_an_explicit_value_wins():
 
 
 def test_slot_names_follow_the_engines_own_rule():
-    from engines.process.config import EngineConfig
+    from wire.engine_config import EngineConfig
     from supervisor.config import ENGINE_NAME
     meta = EngineConfig.model_fields["name"].metadata
     assert [m.pattern for m in meta if getattr(m, "pattern", None)] == [ENGINE_NAME]

@@ -231,7 +231,7 @@ def test_bench_supervisor_restart_reports_the_contract(tmp_path, tiny_model, cap
 def test_an_engine_whose_spawn_was_in_flight_is_stopped_not_orphaned(tmp_path, tiny_model):
     """A child of the spawn server that no record names (the supervisor died before the spawn's
     answer) is stopped by the next supervisor; the recorded children are still re-adopted."""
-    from engines.process.config import EngineConfig
+    from wire.engine_config import EngineConfig
     from engines.process.spawn_client import SpawnClient
     rt = tmp_path / "rt"
     h = Harness(tmp_path, CONFIG.format(rt=rt, model=tiny_model), notify=False)

@@ -117,7 +117,7 @@ async def engine_target(args, stack: contextlib.ExitStack) -> tuple[int, int]:
     """A real CPU engine: (its port, its HTTP front end's pid)."""
     import psutil
 
-    from engines.process.config import EngineConfig
+    from wire.engine_config import EngineConfig
     from harness.engine_process import EngineProcess
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     cfg = EngineConfig(name="probe", model_path=args.model, port=0, runtime_dir=f"{tmp}/rt", weight_cache_mode="off",

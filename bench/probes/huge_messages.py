@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 from engines.models.make_model import make_model
 

@@ -1,11 +1,6 @@
 """The engine's own `GET /metrics`: its serving figures in Prometheus text format."""
 from __future__ import annotations
 
-# Histogram buckets (seconds) of the time-to-first-output parts: the engine's (engines/frontend/first_output.py)
-# and the router's (supervisor/metrics.py), so that bench/probes/ttft_split.py compares like with like
-FIRST_OUTPUT_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                        5.0, 10.0)
-
 # stats() key -> (metric name, type, help)
 FIGURES = {
     "running": ("understudy_engine_running_seqs", "gauge", "Sequences running"),

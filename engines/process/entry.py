@@ -7,7 +7,7 @@ import sys
 
 from pydantic import ValidationError
 
-from .config import EngineConfig
+from wire.engine_config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:

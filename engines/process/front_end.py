@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 
-from .config import EngineConfig
+from wire.engine_config import EngineConfig
 from wire import event_loop, gc_pauses, node_secret
 from wire.block_keys import key_root
 from engines.frontend.engine_client import EngineClient

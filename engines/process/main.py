@@ -21,7 +21,7 @@ import torch.distributed as dist
 from daemon.client import WeightCacheError
 from daemon.kv_attach import KVPoolMapping
 
-from .config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
+from wire.engine_config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from engines.core.control import ControlChannel
 from engines.core.engine import LLMEngine
 from .forked import fork_into

@@ -10,7 +10,7 @@ from daemon.client import CacheMiss
 from daemon.fingerprint import CacheConfig
 from daemon.kv_attach import KVPoolMapping, attach_kv_pool
 
-from .config import EngineConfig
+from wire.engine_config import EngineConfig
 from engines.models import CausalLM
 from .weights import engine_source, gather_sources
 

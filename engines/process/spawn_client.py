@@ -5,7 +5,7 @@ import socket
 
 from daemon.framing import recv_frame, send_frame
 
-from .config import EngineConfig
+from wire.engine_config import EngineConfig
 
 
 class SpawnError(RuntimeError):

@@ -28,7 +28,7 @@ from wire import gc_pauses
 from engines.core import tokenizer
 from . import main as _engine_main  # noqa: F401  (the whole engine stack, imported once
 from .entry import run as run_engine
-from .config import EngineConfig
+from wire.engine_config import EngineConfig
 from wire.link_sockets import remove_sockets
 from .forked import fork_into
 

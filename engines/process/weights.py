@@ -7,7 +7,7 @@ import torch
 
 from daemon.fingerprint import CacheConfig, make_cache_config
 
-from .config import EngineConfig
+from wire.engine_config import EngineConfig
 from engines.models import CausalLM, ModelArgs, build_model, torch_dtype
 
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engines.process.config import EngineConfig, step_token_budget
+from wire.engine_config import EngineConfig, step_token_budget
 from engines.core.engine import LLMEngine
 from engines.models import read_model_args
 from engines.models.paged import sequence_meta

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from engines.models import read_model_args
 from engines.process.spawn_client import SpawnClient
 from engines.process.startup import PHASES

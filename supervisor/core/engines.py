@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from engines.process.config import BOOT_ERROR_EXIT
+from wire.engine_config import BOOT_ERROR_EXIT
 from supervisor.core import lifecycle
 from supervisor.core.kv_writers import writer_down, writer_reaped
 from supervisor.core.actions import Drain, Fence, LossCause, Publish, Stop

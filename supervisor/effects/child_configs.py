@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.cli import daemon_argv
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from wire import node_secret
 from wire.guarded_http import ListenerLimits
 from wire.loopback import free_port
