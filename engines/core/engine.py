@@ -26,6 +26,8 @@ import torch
 
 from daemon.kv_index import FencedError, PreviousWriterAlive
 
+from engines.kv.integrity import KVIntegrity
+
 from .control import ControlChannel
 from .inflight import InFlight
 from .tail_publisher import TailPublisher, name_tails
@@ -57,6 +59,8 @@ class LLMEngine:
             runner.num_blocks, runner.block_size, prefix_caching)
         self.blocks.on_continuation = self._continued
         self.blocks.root = key_root(runner.deterministic)
+        if pool is not None:  # the pool's blocks are checked before reuse (engines/kv/integrity.py)
+            self.blocks.integrity = KVIntegrity(runner.model.kv_cache)
         self.continuations = self.continuation_reused = self.continuation_recomputed = 0
         self._continued_now: list[list[int]] = []  # this step's continuations: [reused, recomputed] each
         self.trace = PromotionTrace()  # the first second after a promotion, logged
@@ -148,6 +152,8 @@ class LLMEngine:
                 "kv_mode": b.mode, "deterministic": self.runner.deterministic, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
                 "continuation_reused_tokens": self.continuation_reused,
                 "continuation_recomputed_tokens": self.continuation_recomputed,
+                "kv_checked_blocks": b.integrity.checked if b.integrity else 0,
+                "kv_corrupt_blocks": b.integrity.mismatches if b.integrity else 0,
                 "gpu_reserved_bytes": torch.cuda.memory_reserved(self._device) if self._device.type == "cuda" else 0}
 
     # ---- synchronous use (bench, tests) ----------------------------------------------------
