@@ -117,3 +117,10 @@ def test_a_digest_changes_with_any_element_and_with_nothing_else() -> None:
     assert torch.equal(after[:2], before[:2]) and after[2] != before[2]
     half = [x.to(torch.bfloat16) for x in layers]
     assert block_digests(half, blocks, w).dtype == torch.int64
+
+
+def test_the_bench_times_a_digest_call(capsys) -> None:
+    from harness.bench.kv_digest import main
+    assert main(["--blocks", "3", "--repeat", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["blocks"] == 3 and res["block_bytes"] == 4 * 2 * 16 * 2 * 16 * 4 and res["us_per_block"] > 0
