@@ -4,8 +4,9 @@ every engine of the rank. Fixed-width fields (numpy over the mapping), never pic
 Header: magic, version, the pool's layout and identity, the digest of the weights' fingerprint (a pool
 never serves another model), and the writer: epoch, pid and start time. Per block: a state word
 (state | checksum << 32), a generation (bumped at every allocation), the writer epoch that allocated
-it, an LRU stamp, and the 128-bit key of its tokens and all before them. After the entries, the token
-ids of every block's positions (`block_size` int32 a block).
+it, an LRU stamp, the 128-bit key of its tokens and all before them, and the digest of its keys and
+values when sealed (0: not known; engines/kv/integrity.py). After the entries, the token ids of every
+block's positions (`block_size` int32 a block).
 
 A block that is not SEALED may hold a sequence's *tail*: its positions after the sequence's last full
 block. Its entry then says how many of them are complete (`fill`: written by steps that completed on
@@ -48,7 +49,7 @@ from .kv_layout import KVLayout
 from wire.proc import runs_user_code, start_ticks
 
 MAGIC = int.from_bytes(b"USKVIDX1", "little")
-VERSION = 2  # 2: tails (parent, fill, token ids)
+VERSION = 3  # 2: tails (parent, fill, token ids); 3: the blocks' digests
 HEADER_BYTES = 4096
 FREE, OWNED, SEALED = 0, 1, 2
 _MASK64 = (1 << 64) - 1
@@ -61,7 +62,7 @@ HEADER = np.dtype([
 ])
 ENTRY = np.dtype([("word", "<u8"), ("gen", "<u8"), ("epoch", "<u8"), ("stamp", "<u8"),
                   ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"), ("parent_hi", "<u8"),
-                  ("fill", "<u8"), ("prev", "<u8")])
+                  ("fill", "<u8"), ("prev", "<u8"), ("digest", "<u8")])
 TOKEN = np.dtype("<i4")
 _LAYOUT_FIELDS = ("num_blocks", "block_size", "layers", "kv_heads", "head_dim", "scratch_slots", "scratch_blocks")
 
@@ -182,6 +183,7 @@ class BlockIndex:
         # Each field as its own array: one block's field writes ~3x faster through it than through the
         # block's entry (0.5 against 1.3 us an allocation's `owned` on the dev VM).
         self._f = {name: self.entries[name] for name in ENTRY.names}
+        self.digests = self._f["digest"]  # (read-only outside `digested`: what each block held when sealed)
         self.epoch = 0  # ours, once we hold the writer role
         self._pid = os.getpid()
 
@@ -333,7 +335,8 @@ class BlockIndex:
         self._check()
         f = self._f
         f["fill"][block] = 0  # the tail its last user left is no longer there
-        f["word"][block] = OWNED  # first of the rest: a SEALED block stops being one before anything else changes
+        f["word"][block] = OWNED
+        f["digest"][block] = 0  # first of the rest: a SEALED block stops being one before anything else changes
         f["gen"][block], f["epoch"][block] = gen, self.epoch
         f["parent_lo"][block], f["prev"][block] = 0, prev
 
@@ -364,6 +367,12 @@ class BlockIndex:
         f = self._f
         f["key_lo"][block], f["key_hi"][block], f["stamp"][block] = key_lo, key_hi, stamp
         f["word"][block] = SEALED | checksum(key_lo, key_hi, gen, int(f["epoch"][block])) << 32  # last: one 8-byte store
+
+    def digested(self, block: int, digest: int) -> None:
+        """The digest of SEALED `block`'s keys and values (the caller checked it is still at the
+        generation that was digested)."""
+        self._check()
+        self._f["digest"][block] = digest
 
     def freed(self, block: int, keep_tail: bool = False) -> None:
         """`block` is FREE; its tail stays named only for a sequence handed off (`keep_tail`): a

@@ -20,7 +20,7 @@ DELEGATED = {
 BENCH = {"attach": "harness.bench.weights", "load": "harness.bench.weights", "decode": "harness.bench.engine",
          "restart": "harness.bench.engine", "validate": "harness.bench.engine", "failover": "harness.bench.failover",
          "serve": "harness.bench.serve", "supervisor-restart": "harness.bench.readopt",
-         "determinism": "harness.bench.determinism"}
+         "determinism": "harness.bench.determinism", "kv-digest": "harness.bench.kv_digest"}
 WHOLE_ARGV = ("harness.bench.weights", "harness.bench.engine")  # their own subcommands: `attach`, `decode`...
 EXIT_READER_GONE = 128 + 13  # the shell's status of a writer ended by SIGPIPE (`git log | head -1`)
 

@@ -69,6 +69,10 @@ class Metrics:
                                   "Prompt tokens found in the engines' prefix caches", registry=r)
         self.generated_tokens = Counter("understudy_generated_tokens", "Tokens the engines generated "
                                         "(output tokens, from their heartbeats)", registry=r)
+        self.kv_checked = Counter("understudy_kv_checked_blocks", "Shared KV blocks checked against their "
+                                  "digests before reuse (engines/kv/integrity.py)", registry=r)
+        self.kv_corrupt = Counter("understudy_kv_corrupt_blocks", "Shared KV blocks whose bytes changed since "
+                                  "they were sealed: dropped and recomputed instead of reused", registry=r)
         self.step_seconds = Histogram(
             "understudy_engine_step_seconds", "A busy engine's mean scheduler step over one heartbeat interval: "
             "the time between two tokens of each of its decoding streams, at the engine", buckets=FIRST_OUTPUT_BUCKETS,
@@ -105,7 +109,8 @@ class Metrics:
             if isinstance(hb.get(field), (int, float)):
                 self.engine_figures[key].labels(engine=engine).set(hb[field])
         for counter, field in ((self.prefix_queried, "prefix_queried_tokens"), (self.prefix_hit, "prefix_hit_tokens"),
-                               (self.generated_tokens, "generated_tokens")):
+                               (self.generated_tokens, "generated_tokens"), (self.kv_checked, "kv_checked_blocks"),
+                               (self.kv_corrupt, "kv_corrupt_blocks")):
             count, before = hb.get(field), previous.get(field) or 0
             if isinstance(count, int):
                 counter.inc(count - before if count >= before else count)

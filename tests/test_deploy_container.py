@@ -4,17 +4,22 @@ agree with the Deployment and the node's config. The image itself is not built h
 GPU base): this checks what can be checked without one."""
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from harness import ROOT
+from supervisor.healthcheck import health_url
 from test_deploy_k8s import container, env, node_config, one
 
 try:
@@ -77,7 +82,7 @@ def test_the_project_is_installed_with_its_cuda_extra_on_a_cuda_base_chosen_by_a
     ins = instructions(CONTAINERFILE.read_text())
     (arg,) = [v for k, v in ins[:1] if k == "ARG"]
     name, default = arg.split("=", 1)
-    assert re.fullmatch(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-\S+", default), default
+    assert re.fullmatch(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-\S+@sha256:[0-9a-f]{64}", default), default
     assert [v for k, v in ins if k == "FROM"] == [f"${{{name}}} AS build", f"${{{name}}}"]
     run = " ".join(v for k, v in ins if k == "RUN")
     assert '".[cuda]"' in run and "cuda" in PYPROJECT["project"]["optional-dependencies"]
@@ -125,6 +130,36 @@ def test_ports_volumes_and_health_check_match_the_deployment_and_config():
     assert Path(e["TRITON_CACHE_DIR"]).is_relative_to(cache)
     assert Path(cfg.resolved_runtime_dir()).is_relative_to(runtime) and Path(cfg.resolved_cache_dir()) == Path(cache)
     (health,) = st["HEALTHCHECK"]
-    url = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", health)
+    assert json.loads(health.split("CMD", 1)[1]) == ["python3", "-m", "supervisor.healthcheck"]  # no port in here
     live = c["livenessProbe"]["httpGet"]
-    assert (int(url[1]), url[2]) == (ports[live["port"]], live["path"])
+    assert health_url(cfg) == f"http://127.0.0.1:{ports[live['port']]}{live['path']}"
+
+
+def test_the_health_check_asks_the_port_the_config_names(tmp_path):
+    """supervisor.healthcheck, a real process: 0 while /healthz at the config's router.port answers 200,
+    1 once nothing listens there."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    config = tmp_path / "understudy.yaml"
+    config.write_text(f"router:\n  host: 0.0.0.0\n  port: {port}\nadmin:\n  port: {port + 1 if port < 65535 else 1}\n")
+    check = [sys.executable, "-m", "supervisor.healthcheck"]
+    run = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run(check, env={**os.environ, "UNDERSTUDY_CONFIG": str(config)}).returncode == 0
+    assert _Healthz.paths == ["/healthz"]
+    server.shutdown()
+    server.server_close()
+    r = run(check + ["-c", str(config)])
+    assert r.returncode == 1 and f"127.0.0.1:{port}/healthz" in r.stderr
+
+
+class _Healthz(BaseHTTPRequestHandler):
+    paths: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802
+        _Healthz.paths.append(self.path)
+        self.send_response(200 if self.path == "/healthz" else 404)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:  # noqa: ANN002
+        pass

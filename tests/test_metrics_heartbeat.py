@@ -39,3 +39,13 @@ def test_step_time_is_observed_only_over_an_interval_busy_at_both_ends():
     assert abs(s["understudy_engine_step_seconds_sum"] - 0.01) < 1e-9
     assert s['understudy_engine_step_seconds_bucket{le="0.01"}'] == 1
     assert s['understudy_engine_step_seconds_bucket{le="0.008"}'] == 0
+
+
+def test_kv_blocks_checked_and_found_changed_are_node_wide_counters():
+    m = Metrics()
+    m.record_heartbeat("a", {"kv_checked_blocks": 30, "kv_corrupt_blocks": 2}, {}, now=0.0)
+    m.record_heartbeat("a", {"kv_checked_blocks": 50, "kv_corrupt_blocks": 2},
+                       {"kv_checked_blocks": 30, "kv_corrupt_blocks": 2}, now=1.0)
+    m.record_heartbeat("b", {"kv_checked_blocks": 4, "kv_corrupt_blocks": 1}, {}, now=1.0)  # the next primary
+    s = samples(m)
+    assert s["understudy_kv_checked_blocks_total"] == 54 and s["understudy_kv_corrupt_blocks_total"] == 3

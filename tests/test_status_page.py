@@ -125,6 +125,20 @@ def test_wrong_token_is_refused_and_the_right_one_shows_both_engines(node, page)
     assert page.errors == []
 
 
+def test_at_1300_px_every_table_stays_inside_its_card(node, page):
+    """A wide table scrolls inside its card (the engines' table overflowed its card at 1300 px)."""
+    from playwright.sync_api import expect
+    page.set_viewport_size({"width": 1300, "height": 900})
+    login(page, node, node.token)
+    expect(page.locator("#engines tbody tr")).to_have_count(2, timeout=10_000)
+    spill = page.evaluate("""() => [...document.querySelectorAll('main section')]
+        .filter(s => s.scrollWidth > s.clientWidth).map(s => s.querySelector('h2').textContent)""")
+    assert spill == []
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 1300
+    for table in ("#engines", "#daemons"):
+        assert page.evaluate(f"() => getComputedStyle(document.querySelector('{table}').parentElement).overflowX") == "auto"
+
+
 def test_a_killed_primary_shows_as_a_failover_live_without_a_reload(node, page):
     """The failover reaches the open page through the event stream: the same page (no reload, no poll
     of /status brought it: a marker set before the kill survives) shows it with the supervisor's

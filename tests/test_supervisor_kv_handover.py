@@ -5,6 +5,7 @@ the round trip ends with another engine serving or requests held, never with two
 from __future__ import annotations
 
 from decision_table import Play, in_order, serving
+from supervisor.core.kv_handover import why_none
 
 KV = {"shared_kv": True, "heartbeat_timeout_s": 60.0}  # (no hang detection while the clock jumps)
 PROMOTED = ("said", "b", "promoted", {"adopted_blocks": 12, "quarantined_blocks": 1, "seconds": 0.004})
@@ -161,3 +162,17 @@ def test_a_steps_continuations_are_one_event_and_a_malformed_report_none() -> No
     for bad in ([[1]], [["1", 2]], [[1, -2]], "x", None, [[True, 1]]):
         p.play(("said", "a", "continuations", {"each": bad}))
     assert len(p.published("continuations")) == 1
+
+
+def test_a_promotion_that_adopted_nothing_says_why(caplog) -> None:  # noqa: ANN001
+    p = Play(**KV)
+    p.play(("launched", "daemon-rank0"), ("daemon ready", "daemon-rank0"), ("launched", "spawn-server"),
+           ("ping", "spawn-server", True), ("launched", "a"), ("ready", "a"))
+    with caplog.at_level("INFO", logger="understudy"):
+        p.play(("said", "a", "promoted", {"adopted_blocks": 0, "kv_mode": "writer",
+                                           "index_reset": "block 9 is SEALED with a bad checksum"}))
+    line = next(r.getMessage() for r in caplog.records if "took the KV pool" in r.getMessage())
+    assert "0 keyed blocks adopted (the pool's index was rejected: block 9 is SEALED with a bad checksum" in line
+    assert why_none({"adopted_blocks": 0, "kv_mode": "writer"}).startswith(" (the pool held no keyed block")
+    assert "own KV cache" in why_none({"adopted_blocks": 0, "kv_mode": "own"})
+    assert why_none({"adopted_blocks": 3}) == ""

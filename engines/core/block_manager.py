@@ -18,6 +18,9 @@ Three modes:
   left OWNED are quarantined until that writer's processes are gone (`unquarantine`). A
   continuation whose last partial block the dead writer named as a tail copies it (`copies`, which
   the runner makes before the next step) and recomputes one token (engines/core/tail_publisher.py).
+  With `integrity` (engines/kv/integrity.py), blocks a sequence is about to reuse (prefix hits and
+  adopted blocks) are checked against their digests first: from the first that changed, the
+  sequence recomputes, and that block is dropped from the cache and the index.
 
 Block 0 is never handed out: CUDA-graph padding rows write their keys and values there.
 """
@@ -32,6 +35,7 @@ from daemon.kv_index import Adoption, BlockIndex
 
 from wire.block_keys import ROOT, block_key, chain_keys
 from engines.kv.adopted import AdoptedCache
+from engines.kv.integrity import KVIntegrity
 from engines.kv.publish import Publisher
 from engines.kv.tails import AdoptedTails
 from .sequence import Sequence
@@ -87,6 +91,7 @@ class BlockManager:
         self.copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next step
         self.index: BlockIndex | None = None
         self.publisher: Publisher | None = None
+        self.integrity: KVIntegrity | None = None  # writer: the blocks' digests, checked before reuse
         self._stamp = 1
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -127,6 +132,8 @@ class BlockManager:
         self.quarantined = set(adoption.quarantined.tolist())
         self.tails = AdoptedTails(adoption.tails)
         self._stamp = adoption.next_stamp
+        if self.integrity is not None:  # (the digests the index holds: the previous writer's, then ours)
+            self.integrity.expected = index.digests
 
     def park(self) -> None:
         """Give the shared blocks up (every sequence that held some is gone): scratch only."""
@@ -136,6 +143,8 @@ class BlockManager:
         self.free, self.evictable, self.block_of = [], OrderedDict(), {}
         self.key_lo[:] = self.key_hi[:] = 0
         self.quarantined = set()
+        if self.integrity is not None:
+            self.integrity.expected = None
 
     def unquarantine(self) -> int:
         """The previous writer's processes are gone: the blocks it left unfinished are free, taken last
@@ -172,11 +181,34 @@ class BlockManager:
 
     def _matched(self, seq: Sequence) -> None:
         """A sequence's cached prefix is found (and a continuation's tail, if the pool named it): its counts."""
+        self._verify(seq)
         self.queried_tokens += len(seq.prompt_ids)
         seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size + self._take_tail(seq)
         self.hit_tokens += seq.num_cached
         if seq.replayed and seq.first_scheduled is None and self.on_continuation is not None:
             self.on_continuation(seq.num_cached, len(seq.prompt_ids) - seq.num_cached)
+
+    def _verify(self, seq: Sequence) -> None:
+        """Keep the blocks `seq` matched up to the first whose bytes changed since it was sealed (if
+        one did): every changed one is dropped from the cache (freed in the index once no sequence
+        holds it), and `seq` recomputes from the first."""
+        if self.integrity is None or self.integrity.expected is None or not seq.block_table:
+            return
+        bad = self.integrity.check(seq.block_table)
+        if not bad:
+            return
+        for block in bad:
+            if self.block_of.get(int(self.key_lo[block])) == block:
+                del self.block_of[int(self.key_lo[block])]
+            self.key_lo[block] = self.key_hi[block] = 0
+        good = seq.block_table.index(bad[0])
+        for block in reversed(seq.block_table[good:]):
+            self._unref(block)
+        del seq.block_table[good:]
+        last = seq.block_table[-1] if good else None
+        seq.keyed = good
+        seq.last_key = None if last is None else \
+            int(self.key_lo[last]).to_bytes(8, "little") + int(self.key_hi[last]).to_bytes(8, "little")
 
     def match_many(self, seqs: list[Sequence]) -> None:
         """`match_prefix` for continued sequences with no blocks yet, with one lookup for all, or for
@@ -327,21 +359,25 @@ class BlockManager:
         """Drop the sequence's blocks (it finished, was aborted or preempted, or was `handed_off` to
         another engine: its tail stays named in the index, for its continuation)."""
         for block in reversed(seq.block_table):  # the tail is the least likely to be shared: evict it first
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                if block in self.scratch:
-                    self._scratch_free.append(block)
-                elif self.key_lo[block]:
-                    self.evictable[block] = None
-                    if self.index is not None:
-                        self.index.stamped(block, self._stamp)
-                    self._stamp += 1
-                else:
-                    self.free.append(block)
-                    if self.publisher is not None:  # FREE once no step in flight can still write it
-                        self.publisher.free(block, self.gens[block], handed_off)
+            self._unref(block, handed_off)
         seq.block_table, seq.keyed, seq.last_key = [], 0, None
         seq.num_computed = seq.num_cached = 0
+
+    def _unref(self, block: int, handed_off: bool = False) -> None:
+        """One holder of `block` let it go: unheld, it is cached (keyed) or free."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.scratch:
+                self._scratch_free.append(block)
+            elif self.key_lo[block]:
+                self.evictable[block] = None
+                if self.index is not None:
+                    self.index.stamped(block, self._stamp)
+                self._stamp += 1
+            else:
+                self.free.append(block)
+                if self.publisher is not None:  # FREE once no step in flight can still write it
+                    self.publisher.free(block, self.gens[block], handed_off)
 
     # ---- steps (the writer's index) --------------------------------------------------------
     def launched(self, done: torch.cuda.Event | None = None) -> None:

@@ -26,13 +26,16 @@ import torch
 
 from daemon.kv_index import FencedError, PreviousWriterAlive
 
+from engines.kv.integrity import KVIntegrity
+
 from .control import ControlChannel
 from .inflight import InFlight
 from .tail_publisher import TailPublisher, name_tails
 from .promotion_trace import PromotionTrace
+from .step_observers import PromotionTiming, StepObservers
 from wire.block_keys import key_root
 from .block_manager import BlockManager
-from .runner import ModelRunner
+from .runner import ModelRunner, Step
 from .sample_guard import guarded_sample
 from .sampling import Sampler, SamplingParams, ensure_seed
 from .scheduler import Scheduled, Scheduler
@@ -57,9 +60,12 @@ class LLMEngine:
             runner.num_blocks, runner.block_size, prefix_caching)
         self.blocks.on_continuation = self._continued
         self.blocks.root = key_root(runner.deterministic)
+        if pool is not None:  # the pool's blocks are checked before reuse (engines/kv/integrity.py)
+            self.blocks.integrity = KVIntegrity(runner.model.kv_cache)
         self.continuations = self.continuation_reused = self.continuation_recomputed = 0
         self._continued_now: list[list[int]] = []  # this step's continuations: [reused, recomputed] each
         self.trace = PromotionTrace()  # the first second after a promotion, logged
+        self.observers = StepObservers()  # the step's diagnostics (engines/core/step_observers.py)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, runner.max_rows)
         self.stalls = SequenceStalls(self.scheduler, self.blocks)  # (a sequence left out: logged)
         self.tails = TailPublisher(self.blocks) if pool is not None and pool.tails else None
@@ -148,6 +154,8 @@ class LLMEngine:
                 "kv_mode": b.mode, "deterministic": self.runner.deterministic, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
                 "continuation_reused_tokens": self.continuation_reused,
                 "continuation_recomputed_tokens": self.continuation_recomputed,
+                "kv_checked_blocks": b.integrity.checked if b.integrity else 0,
+                "kv_corrupt_blocks": b.integrity.mismatches if b.integrity else 0,
                 "gpu_reserved_bytes": torch.cuda.memory_reserved(self._device) if self._device.type == "cuda" else 0}
 
     # ---- synchronous use (bench, tests) ----------------------------------------------------
@@ -285,6 +293,8 @@ class LLMEngine:
             log.error("promotion refused: %s", e)
             return "promote_failed", {"error": str(e)}
         self.trace.arm(self._reserved())
+        if not any(isinstance(o, PromotionTiming) for o in self.observers):  # (armed again: the same one times)
+            self.observers.append(PromotionTiming(self.trace, self._reserved))
         log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined, %d tails "
                  "(%.1f ms, the claim %.1f, of which waiting for the previous writer %.1f, the keys' sort %.1f: %.1f "
                  "on CPU, %d page faults)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
@@ -367,61 +377,66 @@ class LLMEngine:
                 self.on_stats(stats)
 
     def step(self) -> None:
-        """One scheduler step: launch the scheduled work, then read the previous step's tokens and
-        release the sequences that finished."""
-        marks: list[float] = []  # (the promotion trace's: began, scheduled, prepared, run, sampled, built, read back)
-        cpu: list[float] | None = [] if self.trace.armed else None
-
-        def mark() -> None:
-            marks.append(time.monotonic())
-            if cpu is not None:
-                cpu.append(time.thread_time())
-
-        mark()
-        work = self.scheduler.schedule()
-        if self.blocks.copies:  # continuations' tails, copied before any step reads them
-            self.runner.copy_blocks(self.blocks.take_copies())
-        mark()
-        # The scheduled markers of sequences run for the first time go out before the step runs:
-        # a request that kills the engine in its first step was seen to run here (by the router).
-        self._flush()
-        launch = None
-        if work:
-            if self.runner.tp_size > 1:
-                self._read_back()  # workers need every input token on the host: no overlap under TP
-            step = self.runner.prepare(work, self._pending)
-            mark()
-            logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
-            mark()
-            launch = self._sample([w for w in work if w.samples], logits, picks)
-            self.blocks.launched(launch.ready)  # (recorded after the step's kernels and its tokens' copy)
-        else:
-            mark()
-            mark()
-        mark()
-        reserved = self._reserved() if cpu is not None else None  # (a traced step's build phase holds it)
+        """One scheduler step: schedule, launch the work, read the previous step's tokens back (the
+        arrivals are built meanwhile), key and publish what completed, release the finished.
+        Diagnostics observe it through `observers` (engines/core/step_observers.py)."""
+        self.observers.at("began")
+        work = self._schedule()
+        self.observers.at("scheduled")
+        self._flush()  # (first-run markers out before the step runs: the router sees who ran when it dies)
+        step, launch = self._launch(work)
+        self.observers.at("sampled")
         self._arrived = self._arrivals(None)  # (their Sequences made while the device computes)
-        mark()
+        self.observers.at("built")
         before = self._inflight
         self._read_back()
-        mark()
-        if self.tails is not None:  # the step before this one has completed: its tokens were just read back
-            self.tails.publish()
-        for w in work:  # their input tokens are all known now: key the blocks they filled
-            self.blocks.seal(w.seq)
-        # before this step's outputs go out (engines/core/block_manager.py); the read back waited for `before`
-        # (under TP it read back before the launch: `before` is None, the publisher queries)
-        self.blocks.publish_completed(before.ready if before is not None else None)
-        if work and self.tails is not None:
-            self.tails.record(work, *step.rows(), step.pending_rows, step.pending_src, step.pending_in_order,
-                              before.host.numpy() if before is not None else None)
+        self.observers.at("read_back")
+        self._publish(work, step, before)
         self._inflight = launch
         self._pending = {s.seq_id: row for row, s in enumerate(launch.seqs)} if launch else {}
         self.served += len(self.scheduler.release_finished())
         self.steps += 1
         self._flush()
         self._report_continued()
-        self.trace.step(marks, len(work), sum(w.num_new for w in work), cpu, reserved)
+        self.observers.ended(work)
+
+    def _schedule(self) -> list[Scheduled]:
+        """This step's work, and the continuations' tails copied before any step reads them."""
+        work = self.scheduler.schedule()
+        if self.blocks.copies:
+            self.runner.copy_blocks(self.blocks.take_copies())
+        return work
+
+    def _launch(self, work: list[Scheduled]) -> tuple[Step | None, InFlight | None]:
+        """Pack, run and sample `work` on the device, not waiting for it (None, None: no work)."""
+        if not work:
+            self.observers.at("prepared")
+            self.observers.at("run")
+            return None, None
+        if self.runner.tp_size > 1:
+            self._read_back()  # workers need every input token on the host: no overlap under TP
+        step = self.runner.prepare(work, self._pending)
+        self.observers.at("prepared")
+        logits, picks = self.runner.run(step, self._inflight.tokens if self._inflight else None)
+        self.observers.at("run")
+        launch = self._sample([w for w in work if w.samples], logits, picks)
+        self.blocks.launched(launch.ready)  # (recorded after the step's kernels and its tokens' copy)
+        return step, launch
+
+    def _publish(self, work: list[Scheduled], step: Step | None, before: InFlight | None) -> None:
+        """The step before this one has completed (its tokens were just read back): name the tails,
+        key the blocks this step's work filled, publish what completed steps sealed and freed (before
+        this step's outputs go out: engines/core/block_manager.py)."""
+        if self.tails is not None:
+            self.tails.publish()
+        for w in work:  # their input tokens are all known now
+            self.blocks.seal(w.seq)
+        # the read back waited for `before` (under TP it read back before the launch: `before` is None, the
+        # publisher queries)
+        self.blocks.publish_completed(before.ready if before is not None else None)
+        if step is not None and self.tails is not None:
+            self.tails.record(work, *step.rows(), step.pending_rows, step.pending_src, step.pending_in_order,
+                              before.host.numpy() if before is not None else None)
 
     def _reserved(self) -> int | None:
         """The device bytes torch's caching allocator holds (None off CUDA)."""

@@ -53,7 +53,7 @@ class SharedPool:
         if adoption.reset_reason:
             log.error("KV index rejected (%s): the pool starts empty; nothing it held is served",
                       adoption.reset_reason)
-        blocks.become_writer(adoption, index, Publisher(index, blocks.gens, device))
+        blocks.become_writer(adoption, index, Publisher(index, blocks.gens, device, blocks.integrity))
         return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
                 "quarantined_blocks": len(adoption.quarantined), "tails": len(adoption.tails.blocks),
                 "index_reset": adoption.reset_reason,

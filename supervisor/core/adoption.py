@@ -13,7 +13,7 @@ from supervisor.core.events import AdoptionChecked, GroupsGone, Surveyed
 from supervisor.core.failover import promote, restore_primary
 from supervisor.core.model import Adoption, Daemon, Engine, Node, SpawnServer
 from supervisor.core.records import ChildRecord, same_process
-from supervisor.core.states import RUNNING, Role, State
+from supervisor.core.states import RUNNING, Intent, Role, State
 
 log = logging.getLogger("understudy")
 
@@ -109,7 +109,7 @@ def adopt_spawn_server(node: Node, s: SpawnServer, rec: ChildRecord) -> None:
 
 def adopt_daemon(node: Node, d: Daemon, rec: ChildRecord, info: dict) -> None:
     d.incarnation, d.pid, d.started_at = rec.incarnation, rec.pid, node.now
-    d.stop_requested, d.check_failures = False, 0
+    d.intent, d.check_failures = Intent.RUN, 0
     node.emit(Attach(d.kind, d.name, d.incarnation, rec.pid))
     lifecycle.transition(node, d, State.STARTING, f"adopting pid {rec.pid} (incarnation {rec.incarnation}) from "
                                                   "the previous supervisor")
@@ -119,7 +119,7 @@ def adopt_daemon(node: Node, d: Daemon, rec: ChildRecord, info: dict) -> None:
 def adopt_engine(node: Node, e: Engine, rec: ChildRecord, spawned: bool) -> None:
     now = node.now
     e.incarnation, e.port, e.url, e.pid, e.spawned = rec.incarnation, rec.port, rec.url, rec.pid, spawned
-    e.stop_requested = e.restart_after_stop = False
+    e.intent = Intent.RUN
     e.role = Role.STANDBY
     e.started_at = now
     e.last_heartbeat = now  # an engine that never reconnects its control channel is a hang

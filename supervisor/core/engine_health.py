@@ -23,7 +23,8 @@ ENGINE_STATES = {"ATTACHING": State.ATTACHING, "WARMING": State.WARMING}
 HEARTBEAT_FIELDS = ("steps", "running", "waiting", "served", "kv_blocks_used", "kv_blocks_total",
                     "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "generated_tokens", "kv_mode",
                     "kv_quarantined_blocks", "continuations", "continuation_reused_tokens",
-                    "continuation_recomputed_tokens", "gpu_reserved_bytes", "deterministic")
+                    "continuation_recomputed_tokens", "gpu_reserved_bytes", "deterministic",
+                    "kv_checked_blocks", "kv_corrupt_blocks")
 
 
 # ---------------------------------------------------------------------------------- control channel

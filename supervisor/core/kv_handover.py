@@ -48,14 +48,25 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     e.kv_writer = True
     e.heartbeat = {**e.heartbeat, "kv_mode": ev.fields.get("kv_mode", "writer")}  # (what its next heartbeat says)
     node.emit(Measure("promotion", e.name, dict(ev.fields)))
-    log.info("%s took the KV pool: %s keyed blocks adopted, %s quarantined, %s tails (%.1f ms in the engine)",
-             e.name, ev.fields.get("adopted_blocks"), ev.fields.get("quarantined_blocks"), ev.fields.get("tails"),
-             1e3 * float(ev.fields.get("seconds") or 0))
+    log.info("%s took the KV pool: %s keyed blocks adopted%s, %s quarantined, %s tails (%.1f ms in the engine)",
+             e.name, ev.fields.get("adopted_blocks"), why_none(ev.fields), ev.fields.get("quarantined_blocks"),
+             ev.fields.get("tails"), 1e3 * float(ev.fields.get("seconds") or 0))
     promote(node, e, p.reason, p.detected_at, p.lost, {**p.detail,  # what the pool gave it, and how fast
         "adopted_blocks": ev.fields.get("adopted_blocks"), "quarantined_blocks": ev.fields.get("quarantined_blocks"),
         "promotion_s": ev.fields.get("seconds")})
     if others_gone(node, e):
         node.emit(Tell(e.name, e.incarnation, "fenced"))
+
+
+def why_none(promoted: dict) -> str:
+    """Why a promotion adopted no keyed block, as a parenthesis for its log line ("" if it adopted some)."""
+    if promoted.get("adopted_blocks"):
+        return ""
+    if promoted.get("index_reset"):
+        return f" (the pool's index was rejected: {promoted['index_reset']}; the pool starts empty)"
+    if promoted.get("kv_mode", "writer") != "writer":
+        return f" (the engine runs on its own KV cache, kv_mode {promoted['kv_mode']}: there is no pool to adopt)"
+    return " (the pool held no keyed block: nothing was sealed in it yet, or its blocks were all free)"
 
 
 def switch_over(node: Node, old: Engine, successor: Engine) -> None:

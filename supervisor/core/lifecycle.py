@@ -11,7 +11,7 @@ from supervisor.core.actions import Fence, Notify, Publish, Reap, Start, Stop
 from supervisor.core.events import ExitRead, Exited, Launched
 from supervisor.core.exitstatus import describe_returncode
 from supervisor.core.model import Child, Node, Shutdown
-from supervisor.core.states import RUNNING, State, check_transition
+from supervisor.core.states import RUNNING, Intent, State, check_transition
 from supervisor.lograte import KEEP
 
 log = logging.getLogger("understudy")
@@ -48,7 +48,7 @@ def begin(node: Node, child: Child) -> bool:
     child.retry_at = None
     child.incarnation += 1
     child.pid = None
-    child.stop_requested = child.restart_after_stop = child.exit_expected = False
+    child.intent, child.exit_expected = Intent.RUN, False
     child.spawned = child.launching = child.checking = False
     child.check_failures = 0
     child.started_at = child.next_check_at = child.last_check = node.now
@@ -174,7 +174,7 @@ def request_stop(node: Node, child: Child, restart: bool, asked: str = "drain re
         if child.state != State.STOPPED:
             transition(node, child, State.STOPPED, "stopped on request")
         return False
-    child.stop_requested, child.restart_after_stop = True, restart
+    child.intent = Intent.RESTART if restart else Intent.STOP
     if child.state != State.DRAINING:
         transition(node, child, State.DRAINING, asked)
     return child.pid is not None  # (still launching: take_launch sees DRAINING and stops it)

@@ -11,7 +11,7 @@ from supervisor.core.actions import Action
 from supervisor.core.adoption_plan import Wanted
 from supervisor.core.backoff import RestartPolicy
 from supervisor.core.records import ChildRecords
-from supervisor.core.states import Role, State
+from supervisor.core.states import Intent, Role, State
 from supervisor.core.watchdog import WatchdogGate
 
 
@@ -30,8 +30,7 @@ class Child:
     reason: str = ""                   # why the last FAILED/EXITED/FATAL happened
     last_exit: str = ""                # decoded exit status of the last process
     log_line: str = ""                 # the telling line of the last exited process's log
-    stop_requested: bool = False       # an exit now is expected (drain, stop, restart)
-    restart_after_stop: bool = False   # ... and is followed by a fresh start
+    intent: Intent = Intent.RUN        # STOP, RESTART: an exit now is expected (and RESTART starts it afresh)
     exit_expected: bool = False        # the exit being read was asked for
     retry_at: float | None = None      # a BACKOFF restart (or a FATAL engine slot's slow retry) is due then
     crash_loop: bool = False           # flapping, yet retried: the last engine standing
@@ -43,6 +42,16 @@ class Child:
     next_check_at: float = 0.0         # the next readiness / status probe, while starting
     last_check: float = 0.0            # the last periodic probe (engine health, daemon ping)
     check_failures: int = 0            # periodic probes failed in a row
+
+    @property
+    def stop_requested(self) -> bool:
+        """An exit now is expected (drain, stop, restart)."""
+        return self.intent != Intent.RUN
+
+    @property
+    def restart_after_stop(self) -> bool:
+        """... and is followed by a fresh start."""
+        return self.intent == Intent.RESTART
 
 
 @dataclass

@@ -27,6 +27,14 @@ class Role(str, Enum):
     STANDBY = "standby"
 
 
+class Intent(str, Enum):
+    """What was asked of a child's current process: run on, stop (drain, stop), or stop then start
+    afresh (restart, rollout). One value where two booleans were (`stop_requested`, `restart_after_stop`)."""
+    RUN = "run"
+    STOP = "stop"
+    RESTART = "restart"
+
+
 S = State
 _DOWN = {S.EXITED, S.FAILED}
 ALLOWED: dict[State, frozenset[State]] = {

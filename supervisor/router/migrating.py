@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from wire import sse
-from wire.stalls import STALL_LOG_S
 from supervisor.config import MigrationSection
 from supervisor.router.attempts import SAME_PRIMARY_RETRY_S, Attempts, Upstreams
 from supervisor.router.batching import Batcher, Member
 
 EVIDENCE_WAIT_S = 1.0  # how long a twice-lost request waits for its engines' exit statuses (then: counted)
 from supervisor.router.continuation import Tracked, error_event
+from supervisor.router.relay_watch import RelayWatch
 from supervisor.router.replies import Send
 from supervisor.router.routing import PrimaryLost, Upstream
 from supervisor.router.upstream import NOT_RELAYED, ConnectError, Headers, UpstreamError, UpstreamTimeout
@@ -254,23 +254,14 @@ class _Call:
                 raise _Refused(resp.status, resp.headers, await resp.read())
             engine_headers = [(b"x-understudy-engine", up.name.encode()),
                               (b"x-understudy-epoch", str(up.epoch).encode())]
-            waited_from = 0.0  # (from the first token on: a long wait is logged, wire/stalls.py)
+            watch = RelayWatch(self, up)  # (stalls, the first token, a continuation's: supervisor/router/relay_watch.py)
             async for chunk in resp.stream():
-                if waited_from and (waited := time.monotonic() - waited_from) >= STALL_LOG_S:
-                    log.warning("request %s stalled on %s: no bytes from the engine for %.0f ms after %d chunks",
-                                req.rid, up.name, waited * 1e3, req.chunks_sent)
-                had_tokens = req.n_output
+                watch.came()
                 out = req.feed(chunk)
                 if req.done:  # the connection goes back to the pool before our client hears [DONE]
                     await resp.finish(STREAM_END_WAIT_S)
                 now = time.monotonic()
-                if not had_tokens and req.n_output and not self.migrations:
-                    u.metrics.router_first_token.observe(now - req.arrived)
-                if self.migrating_since is not None and (req.progress or req.finish_reason or req.done):
-                    self._moment("token", now)
-                    self.m.count("continued", req, now - self.migrating_since, self.replayed, self.chunks_before,
-                                 self.timeline)
-                    self.migrating_since = None
+                watch.fed(now)
                 if req.client_stream:
                     if out:
                         if not self.started:
@@ -284,11 +275,7 @@ class _Call:
                 else:
                     self.last_sent = now
                     self.headers_out = engine_headers
-                relayed = time.monotonic()
-                if relayed - now >= STALL_LOG_S:
-                    log.warning("request %s stalled: our client took %.0f ms to take a chunk", req.rid,
-                                (relayed - now) * 1e3)
-                waited_from = relayed if req.n_output else 0.0
+                watch.relayed(now)
             if not req.done:
                 raise UpstreamError("the engine's stream ended without [DONE]")
         finally:
