@@ -151,6 +151,7 @@ def test_a_client_feels_first_token_waits_apart_from_waits_between_tokens():
     args.runs = 1
     r = summarize(args, True, [ProcessReport(start=9.0, end=13.0, cpu_s=0.1, gaps=gaps)], kills, [0.01], [1.0], [],
                   quiet)
-    r.update(continuation_timeline_ms={}, supervisor_cpu_share=0.1, kill_to_detection_ms={}, promotion_in_engine_ms={})
+    r.update(continuation_timeline_ms={}, supervisor_cpu_share=0.1, kill_to_detection_ms={}, promotion_in_engine_ms={},
+             pool_adoption_ms={})
     text = table(r)
     assert "quiet windows 5 s after the standby READY" in text and "max of 1 300.0" in text

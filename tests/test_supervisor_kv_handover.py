@@ -161,3 +161,18 @@ def test_a_steps_continuations_are_one_event_and_a_malformed_report_none() -> No
     for bad in ([[1]], [["1", 2]], [[1, -2]], "x", None, [[True, 1]]):
         p.play(("said", "a", "continuations", {"each": bad}))
     assert len(p.published("continuations")) == 1
+
+
+def test_the_pool_read_after_the_answer_is_published_and_measured_apart() -> None:
+    """`promoted` comes once the role is taken (the router switches then); `adopted`, once the engine
+    has read the pool, only reports: published as `kv_adopted`, it changes no role or route."""
+    p = serving(**KV)
+    p.play(("exit", "a"))
+    p.play(("said", "b", "promoted", {"kv_mode": "writer", "pool_epoch": 2, "seconds": 0.0002}))
+    assert p.published("failover")[-1]["promotion_s"] == 0.0002 and p.state("b") == "READY primary"
+    got = p.play(("said", "b", "adopted", {"adopted_blocks": 12, "quarantined_blocks": 1, "tails": 0,
+                                           "seconds": 0.006, "take_seconds": 0.0002}))
+    assert "promote b epoch 2" not in got and p.state("b") == "READY primary"
+    assert p.published("kv_adopted")[-1] == {"type": "kv_adopted", "engine": "b", "adopted_blocks": 12,
+                                              "quarantined_blocks": 1, "tails": 0, "index_reset": None,
+                                              "seconds": 0.006, "take_seconds": 0.0002}

@@ -63,6 +63,8 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
                 "continuation_timeline_ms": timeline_after_kills(h.events, k.kills),
                 "continuation_timeline_by_kill_ms": timeline_by_kill(h.events, k.kills),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
+                "pool_adoption_ms": bench_summary([e["seconds"] * 1000 for e in h.events
+                                                   if e["type"] == "kv_adopted" and e.get("seconds")], 2),
                 "kill_to_detection_ms": bench_summary([x * 1000 for x in k.detected_s], 2),
                 "supervisor_cpu_share": supervisor_cpu, "supervisor_gc": supervisor_gc,
                 "primary_front_end_cpu_share": bench_summary(k.front_end_cpu)}
@@ -155,7 +157,7 @@ def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
         ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
         k.failover_s.append(ev["seconds"])
         k.detected_s.append(ev["ts"] - ev["seconds"] - killed_at)  # (its wall clock, less the failover's time)
-        if ev.get("promotion_s") is not None:  # (shared KV: the new primary's own claim and adoption)
+        if ev.get("promotion_s") is not None:  # (shared KV: the new primary taking the writer role)
             k.promotion_s.append(ev["promotion_s"])
         rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
                            timeout_s=args.boot_timeout)
