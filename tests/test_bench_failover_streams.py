@@ -135,7 +135,8 @@ def test_a_client_feels_first_token_waits_apart_from_waits_between_tokens():
     kills, quiet = [12.0], [10.0]
     results = [stream(9.5, [9.6, 9.9, 10.2, 10.5, 10.8, 11.1, 11.4, 11.7, 11.95, 12.45, 12.5]),
                stream(10.2, [10.6, 10.7, 10.8]),
-               stream(12.1, [12.7, 12.8])]
+               stream(12.1, [12.7, 12.8]),
+               stream(10.9, [12.3])]  # (sent in the quiet window, its first token after the kill: not quiet)
     gaps = [Gaps.of(r, kills + quiet, 1.0, [None] + kills, [1]) for r in results]
     out = client_feel(gaps, kills, quiet, 1.0)
     assert out["quiet_wait_between_tokens_ms"] == bench_summary([300.0], 2)  # (B was not in flight as it opened)

@@ -14,11 +14,14 @@ def _ms(xs: list[float]) -> dict[str, float]:
     return bench_summary([x * 1000 for x in xs], 2)
 
 
-def first_token_waits(gaps: list[Gaps], starts: list[float], ends: list[float]) -> list[float]:
+def first_token_waits(gaps: list[Gaps], starts: list[float], ends: list[float],
+                      by: list[float] | None = None) -> list[float]:
     """The time to first token of every request sent in one of the spans [starts[i], ends[i]) that
-    got a token (a failed one is counted as failed elsewhere)."""
+    got a token (a failed one is counted as failed elsewhere), and got it by `by[i]` if given (a
+    quiet window's request whose wait ran into the kill after it is not a quiet one)."""
+    bounds = by or [float("inf")] * len(starts)
     return [g.first_at - g.sent for g in gaps if g.first_at is not None
-            and any(s <= g.sent < e for s, e in zip(starts, ends))]
+            and any(s <= g.sent < e and g.first_at <= b for s, e, b in zip(starts, ends, bounds))]
 
 
 def client_feel(gaps: list[Gaps], kills: list[float], quiet: list[float], within: float) -> dict[str, Any]:
@@ -33,7 +36,7 @@ def client_feel(gaps: list[Gaps], kills: list[float], quiet: list[float], within
     return {
         "quiet_wait_between_tokens_ms": _ms(between_quiet),
         "quiet_itl_ms": _ms(itl),
-        "quiet_first_token_ms": _ms(first_token_waits(gaps, quiet, quiet_ends)),
+        "quiet_first_token_ms": _ms(first_token_waits(gaps, quiet, quiet_ends, kills)),
         "kill_wait_between_tokens_ms": _ms(between_kill),
         "added_by_kill_between_tokens_ms": _ms(added),
         "failover_first_token_ms": _ms(first_token_waits(gaps, kills, [k + within for k in kills])),

@@ -15,7 +15,7 @@ ROWS = (  # (the result's key, what the row says)
     ("kill_to_detection_ms", "kill -> detection (ms)"),
     ("failover_seconds_ms", "failover_seconds (ms)"),
     ("promotion_in_engine_ms", "the writer role taken, in the engine (ms)"),
-    ("pool_adoption_ms", "  the pool read and adopted, after the answer (ms)"),
+    ("pool_adoption_ms", "  the pool read, after the answer (ms)"),
     ("recomputed_tokens_per_continuation", "tokens recomputed per continuation"),
     ("standby_back_s", "standby back (s)"),
 )
