@@ -276,10 +276,10 @@ class LLMEngine:
     def promote(self) -> None:
         """Take the shared pool's writer role and say `promoted` (or `promote_failed` if the previous
         writer was not fenced), then adopt what the pool holds and say `adopted` with its report: the
-        supervisor routes to us while we read the index (a no-op with our own KV cache)."""
-        if self.pool is None or self.blocks.mode == "writer":
-            self._reply("promoted", kv_mode=self.blocks.mode, seconds=0.0)
-            self._reply("adopted", kv_mode=self.blocks.mode, adopted_blocks=0, seconds=0.0)
+        supervisor routes to us while we read the index (with our own KV cache, or the pool already
+        ours, `promoted` only)."""
+        if self.pool is None or self.blocks.mode == "writer":  # (nothing to take or read: no `adopted`)
+            self._reply("promoted", kv_mode=self.blocks.mode, adopted_blocks=0, seconds=0.0)
             return
         try:
             taken = self.pool.take()
