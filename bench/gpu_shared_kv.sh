@@ -11,7 +11,9 @@
 #                                         # primary, failover_seconds, recomputed tokens, standby back;
 #                                         # shared_kv: false beside it (STREAMS, RUNS change the counts;
 #                                         # COMPARE= runs shared_kv only; RESTART_DELAY=S sets
-#                                         # failover.restart_delay_s); each node's logs in $OUT/streams
+#                                         # failover.restart_delay_s; KV_TAILS=true engines.kv_tails;
+#                                         # PREFILL_CAP=N engines.max_prefill_tokens_per_step, default 512
+#                                         # on CUDA); each node's logs in $OUT/streams
 #   bash bench/gpu_shared_kv.sh delays    # failover (shared KV only) once per restart delay of $DELAYS
 #                                         # (default "0 1.5"), with the new primaries' first second
 #   bash bench/gpu_shared_kv.sh gc_ab     # the collector frozen at startup or not (UNDERSTUDY_GC_FREEZE=0):
@@ -31,6 +33,7 @@ config() {  # config NAME PORT SHARED KV_BYTES: the h200 config on $M, its own p
   sed "s#preset: 1b#path: $M#; s#port: 8000#port: $2#; s#port: 8001#port: $(($2 + 1))#" configs/h200-1b.yaml \
     | sed "s#kv_cache_bytes: .*#kv_cache_bytes: $4\n  shared_kv: $3#" \
     | sed "s#startup_timeout_s: 600#startup_timeout_s: 600\n  restart_delay_s: ${RESTART_DELAY:-0}#" \
+    | sed "s#^  max_num_seqs: 256#  max_num_seqs: 256\n  kv_tails: ${KV_TAILS:-false}${PREFILL_CAP:+\n  max_prefill_tokens_per_step: $PREFILL_CAP}#" \
     | sed "s#^router:#router:\n  migration:\n    batch: ${BATCH:-true}#" > /tmp/$1.yaml
   printf 'runtime_dir: /tmp/rt-%s\ncache_dir: /tmp/cache-%s\n' "$1" "$1" >> /tmp/$1.yaml
 }
@@ -84,6 +87,8 @@ for r in json.load(open(sys.argv[1])):
     for name, t in r["continuation_timeline_ms"].items():
         print(f"  continuations, {name} after the kill: p50 {t.get('p50')} p99 {t.get('p99')} max {t.get('max')} ms "
               f"(n={t.get('n')})")
+    from harness.bench.failover_table import table  # (the bench's own table: quiet windows 5 s after READY)
+    print(table(r))
 PY
 }
 gc_pauses() {  # gc_pauses LOGS.tgz: the collections over 10 ms (the gc_pauses log lines) per process and generation

@@ -111,6 +111,16 @@ class Tails:
 
 
 @dataclass
+class Taken:
+    """The writer role, taken (`BlockIndex.take`): its epoch, how long it waited for the previous
+    writer to stop, and why the index was emptied first (None: it was not)."""
+
+    epoch: int
+    waited_s: float
+    reset_reason: str | None = None
+
+
+@dataclass
 class Adoption:
     """What a new writer finds (arrays, read in one pass): keyed blocks with their keys' two halves
     (sorted by key_lo, for lookups), the order of their stamps (for eviction), free blocks, and blocks
@@ -240,8 +250,16 @@ class BlockIndex:
 
     # ---- the writer role -------------------------------------------------------------------
     def claim(self, layout: KVLayout, fingerprint: bytes, wait_s: float = 2.0) -> Adoption:
-        """Become the writer at the next epoch and read what the pool holds. Waits (up to `wait_s`)
-        for the previous writer to run no more user code; PreviousWriterAlive if it still does."""
+        """Become the writer at the next epoch and read what the pool holds (`take`, then `adopt`).
+        Waits (up to `wait_s`) for the previous writer to run no more user code; PreviousWriterAlive
+        if it still does."""
+        return self.adopt(layout, fingerprint, self.take(layout, fingerprint, wait_s))
+
+    def take(self, layout: KVLayout, fingerprint: bytes, wait_s: float = 2.0) -> Taken:
+        """The writer role alone, at the next epoch (a header that does not describe this pool is
+        emptied first): once the previous writer runs no more user code, nobody else writes the index,
+        so what it holds can be read afterwards (`adopt`), while the node already routes to us.
+        PreviousWriterAlive if the previous writer still runs after `wait_s`."""
         h = self.header
         reason = self.problem(layout, fingerprint)
         epoch = int(h["writer_epoch"]) + 1 if reason is None else 1
@@ -254,21 +272,34 @@ class BlockIndex:
                                           f"runs: it must be fenced before epoch {epoch} takes over")
             time.sleep(0.001)
         waited = time.monotonic() - began
+        if reason is not None:  # distrusted: an empty pool, never served from
+            self.initialise(layout, fingerprint, self.pool_id)
+        self._stamp_writer(epoch)
+        return Taken(epoch, waited, reason)
+
+    def adopt(self, layout: KVLayout, fingerprint: bytes, taken: Taken) -> Adoption:
+        """What the pool holds, read by the writer that `take` made us (an index whose entries cannot be
+        trusted is emptied: nothing it held is served)."""
+        reason = taken.reset_reason
         adoption = None
         if reason is None:
             try:
-                adoption = self._read(layout, epoch)
+                adoption = self._read(layout, taken.epoch)
             except UntrustedIndex as e:
                 reason = str(e)
-        if reason is not None:  # distrusted: an empty pool, never served from
-            self.initialise(layout, fingerprint, self.pool_id)
-            adoption = self._read(layout, epoch)
+                self.initialise(layout, fingerprint, self.pool_id)
+                self._stamp_writer(taken.epoch)
+        if adoption is None:
+            adoption = self._read(layout, taken.epoch)
             adoption.reset_reason = reason
+        adoption.waited_s = taken.waited_s
+        return adoption
+
+    def _stamp_writer(self, epoch: int) -> None:
+        h = self.header
         h["writer_pid"], h["writer_start"] = self._pid, start_ticks(self._pid) or 0
         h["writer_epoch"] = epoch
         self.epoch = epoch
-        adoption.waited_s = waited
-        return adoption
 
     def release(self) -> None:
         """Give the writer role up (a planned demotion: every step has completed)."""

@@ -100,6 +100,10 @@ class EnginesSection(_Section):
     max_num_seqs: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=512, ge=16)
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
+    max_prefill_tokens_per_step: int | None = Field(
+        default=None, ge=1, description="prefill tokens a step adds beside its decode rows (a failover's "
+        "continuations aside): bounds a running stream's wait for its next token; default: 512 on CUDA, "
+        "the step's whole budget on CPU (set it to max_num_batched_tokens for no bound)")
     kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block (a power of two)")
     prefix_caching: bool = True
     cuda_graphs: bool = True

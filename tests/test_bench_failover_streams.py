@@ -123,3 +123,36 @@ def test_what_a_kill_added_pairs_a_streams_gap_across_it_with_its_own_quiet_gap_
     assert out["gap_across_kill_ms"] == bench_summary([500.0, 700.0], 2)
     assert out["gap_at_quiet_moments_ms"] == bench_summary([300.0], 2)
     assert out["gap_added_by_kill_ms"] == bench_summary([200.0], 2)
+
+
+def test_a_client_feels_first_token_waits_apart_from_waits_between_tokens():
+    """Quiet window 10.0-11.0 before a kill at 12.0. Stream A waits 0.3 s between tokens at quiet and
+    0.5 s across the kill: the kill added 0.2 s. Stream B is sent in the quiet window: its 0.4 s wait
+    for a first token is a quiet TTFT, not a wait between tokens. Stream C is sent 0.1 s after the
+    kill and waits 0.6 s for its first token: a failover's TTFT."""
+    from harness.bench.client_feel import client_feel
+    from harness.bench.failover_table import table
+    kills, quiet = [12.0], [10.0]
+    results = [stream(9.5, [9.6, 9.9, 10.2, 10.5, 10.8, 11.1, 11.4, 11.7, 11.95, 12.45, 12.5]),
+               stream(10.2, [10.6, 10.7, 10.8]),
+               stream(12.1, [12.7, 12.8]),
+               stream(10.9, [12.3])]  # (sent in the quiet window, its first token after the kill: not quiet)
+    gaps = [Gaps.of(r, kills + quiet, 1.0, [None] + kills, [1]) for r in results]
+    out = client_feel(gaps, kills, quiet, 1.0)
+    assert out["quiet_wait_between_tokens_ms"] == bench_summary([300.0], 2)  # (B was not in flight as it opened)
+    assert out["quiet_first_token_ms"] == bench_summary([400.0], 2)
+    assert out["added_by_kill_between_tokens_ms"] == bench_summary([200.0], 2)
+    assert out["failover_first_token_ms"] == bench_summary([600.0], 2)
+    # every wait between tokens in the quiet window: A's four 0.3 s (9.9-11.1; 11.4 is past it), B's two 0.1 s
+    assert sorted(round(w * 1000) for g in gaps for ws in g.itl for w in ws) == [100, 100, 300, 300, 300, 300]
+    assert out["quiet_itl_ms"]["n"] == 6 and "p99" not in out["quiet_itl_ms"]  # few samples: no p99, their max
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--streams", "3"])
+    args.runs = 1
+    r = summarize(args, True, [ProcessReport(start=9.0, end=13.0, cpu_s=0.1, gaps=gaps)], kills, [0.01], [1.0], [],
+                  quiet)
+    r.update(continuation_timeline_ms={}, supervisor_cpu_share=0.1, kill_to_detection_ms={}, promotion_in_engine_ms={},
+             pool_adoption_ms={})
+    text = table(r)
+    assert "quiet windows 5 s after the standby READY" in text and "max of 1 300.0" in text

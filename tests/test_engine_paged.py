@@ -139,3 +139,25 @@ def test_block_manager_shares_refcounts_and_evicts_least_recent(tiny_model) -> N
     bm.match_prefix(c)
     bm.grow(c, 20)
     assert bm.block_of == {} and bm.used == 5
+
+
+def test_a_prefill_cap_beside_decode_rows_gives_the_same_tokens(tiny_model, reference) -> None:
+    """Prompts that arrive while others decode are prefilled at most 8 tokens a step beside the decode
+    rows (engines/core/scheduler.py prefill_cap): the same greedy tokens, in more steps."""
+    batch, want = reference
+    steps = []
+    for cap in (None, 8):
+        engine = make_engine(tiny_model, max_num_seqs=8, max_len=128, budget=64, block_size=8, prefix_caching=False)
+        engine.scheduler.prefill_cap = cap
+        early = [Sequence(p, GREEDY, engine.tokenizer, set(), engine.max_model_len, lambda o: None) for p in batch[:2]]
+        for s in early:
+            engine.scheduler.add(s)
+        engine.step()  # (no decode row yet: the whole budget)
+        late = [Sequence(p, GREEDY, engine.tokenizer, set(), engine.max_model_len, lambda o: None) for p in batch[2:]]
+        for s in late:
+            engine.scheduler.add(s)
+        while engine.has_work:
+            engine.step()
+        assert [s.output_ids for s in early + late] == want
+        steps.append(engine.steps)
+    assert steps[1] > steps[0]  # (the capped run's prompts did span more steps)

@@ -125,13 +125,17 @@ def test_a_parked_standby_allocates_no_kv_and_serves_only_its_canary(node: Node)
 
 def test_promotion_adopts_the_pool_and_the_prefix_cache_outlives_the_engine(node: Node) -> None:
     a = node.engines[0]
-    promoted = node.command(a, "promote", "promoted")
-    assert promoted["type"] == "promoted" and promoted["kv_mode"] == "writer" and promoted["index_reset"] is None
+    adopted = node.command(a, "promote", "adopted")
+    assert adopted["type"] == "adopted" and adopted["kv_mode"] == "writer" and adopted["index_reset"] is None
+    # the role's answer came first, with nothing read yet: the node routes to the engine as it reads the pool
+    answers = [m for _, m in node.router.msgs if m["engine"] == "a" and m["type"] in ("promoted", "adopted")]
+    assert [m["type"] for m in answers] == ["promoted", "adopted"] and "adopted_blocks" not in answers[0]
+    assert answers[0]["pool_epoch"] == adopted["pool_epoch"]
     assert node.heartbeat(a)["kv_mode"] == "writer"
     first = complete(a, LONG).json()["choices"][0]
     kill(a)  # the engine goes; its blocks stay in the daemon's pool
     b = node.engine("b", 1)
-    promoted = node.command(b, "promote", "promoted")
+    promoted = node.command(b, "promote", "adopted")
     assert promoted["adopted_blocks"] >= (len(first["prompt_token_ids"]) + 300) // BS - 1
     again = complete(b, LONG).json()
     assert again["choices"][0]["token_ids"] == first["token_ids"]
@@ -181,7 +185,7 @@ def test_a_continuation_after_a_sigkill_mid_step_is_exact_and_recomputes_one_tok
     body = {**LONG, "prompt": LONG["prompt"] + "twelve", "max_tokens": 900}
     prompt, ids = stream_then_kill(b, body, 40)
     c = node.engine("c", 2)
-    promoted = node.command(c, "promote", "promoted")
+    promoted = node.command(c, "promote", "adopted")
     assert promoted["quarantined_blocks"] >= 1  # the dead writer's unfinished blocks are not reused
     # As at a failover, the continuation comes while those blocks are quarantined (the dead writer's
     # last kernels may still write them): its tail is copied out of one, never written in place.
@@ -209,7 +213,7 @@ def test_demotion_hands_streams_off_and_parks(node: Node) -> None:
                 assert demoted["handed_off"] >= 1
         assert "data: [DONE]" not in lines and any(ln.startswith(": handed off") for ln in lines)
     assert node.heartbeat(c)["kv_mode"] == "parked"
-    assert node.command(c, "promote", "promoted")["adopted_blocks"] > 0  # its own sealed blocks, back
+    assert node.command(c, "promote", "adopted")["adopted_blocks"] > 0  # its own sealed blocks, back
 
 
 def test_a_pool_of_other_weights_is_refused(node: Node, make_tiny) -> None:
@@ -229,7 +233,7 @@ def test_a_corrupt_index_is_rejected_and_the_pool_starts_empty(node: Node) -> No
     sealed = [b for b in range(len(index.entries)) if int(index.entries[b]["word"]) & 0xFFFFFFFF == SEALED]
     assert sealed
     index.entries[sealed[0]]["key_lo"] ^= 1  # a SEALED block no writer wrote
-    promoted = node.command(c, "promote", "promoted")
+    promoted = node.command(c, "promote", "adopted")
     assert "bad checksum" in promoted["index_reset"] and promoted["adopted_blocks"] == 0
     assert "KV index rejected" in c.log_path.read_text()
     assert complete(c, {"prompt": "still serving", "max_tokens": 4}).status_code == 200
@@ -249,11 +253,11 @@ def test_without_tails_a_continuation_after_a_sigkill_recomputes_its_last_partia
     node = Node(tiny_model, tmp_path)
     try:
         a = node.engine("a", 0, kv_tails=False)
-        node.command(a, "promote", "promoted")
+        node.command(a, "promote", "adopted")
         body = {**LONG, "max_tokens": 900}
         prompt, ids = stream_then_kill(a, body, 40)
         b = node.engine("b", 1)
-        assert node.command(b, "promote", "promoted")["tails"] == 0
+        assert node.command(b, "promote", "adopted")["tails"] == 0
         reused = (len(prompt) + len(ids) - 1) // BS * BS  # every full block
         assert continued(node, b, body, prompt, ids) == [[reused, len(prompt) + len(ids) - reused]]
     finally:
@@ -266,12 +270,12 @@ def test_a_planned_handoff_names_every_tail_so_its_continuation_recomputes_one_t
     node = Node(tiny_model, tmp_path)
     try:
         a, b = node.engine("a", 0, kv_tails=False), node.engine("b", 1, kv_tails=False)
-        node.command(a, "promote", "promoted")
+        node.command(a, "promote", "adopted")
         body = {**LONG, "max_tokens": 900}
         demoted = []
         prompt, ids = stream_then_kill(a, body, 40, lambda proc: demoted.append(node.command(proc, "demote", "demoted")))
         assert demoted[0]["handed_off"] == 1 and demoted[0]["tails"] == 1
-        assert node.command(b, "promote", "promoted")["tails"] >= 1
+        assert node.command(b, "promote", "adopted")["tails"] >= 1
         assert continued(node, b, body, prompt, ids) == [[len(prompt) + len(ids) - 1, 1]]
     finally:
         node.close()
@@ -285,10 +289,10 @@ def test_tensor_parallel_engines_share_one_pool_per_rank(tiny_model, tmp_path) -
     try:
         a, b = node.engine("a", 0), node.engine("b", 1)
         assert a.ready["kv_source"] == b.ready["kv_source"] == "shared"
-        node.command(a, "promote", "promoted")
+        node.command(a, "promote", "adopted")
         body = {**LONG, "max_tokens": 900}
         prompt, ids = stream_then_kill(a, body, 50)
-        assert node.command(b, "promote", "promoted")["adopted_blocks"] > 0
+        assert node.command(b, "promote", "adopted")["adopted_blocks"] > 0
         cont = complete(b, {**body, "continuation": {"prompt_token_ids": prompt, "output_token_ids": ids}})
         whole = complete(b, body).json()["choices"][0]["token_ids"]
         assert ids + cont.json()["choices"][0]["token_ids"] == whole
@@ -305,11 +309,11 @@ def test_on_cuda_a_continuation_copies_the_dead_writers_tail_and_is_exact(tiny_m
     node = Node(tiny_model, tmp_path, device="cuda")
     try:
         a = node.engine("a", 0)
-        node.command(a, "promote", "promoted")
+        node.command(a, "promote", "adopted")
         body = {**LONG, "max_tokens": 900}
         prompt, ids = stream_then_kill(a, body, 40)
         b = node.engine("b", 1)
-        assert node.command(b, "promote", "promoted")["quarantined_blocks"] >= 1
+        assert node.command(b, "promote", "adopted")["quarantined_blocks"] >= 1
         assert continued(node, b, body, prompt, ids) == [[len(prompt) + len(ids) - 1, 1]]
     finally:
         node.close()

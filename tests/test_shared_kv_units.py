@@ -84,6 +84,30 @@ def test_a_corrupt_index_is_distrusted_and_emptied(pool: KVPool, corrupt, why: s
     assert len(adoption.sealed) == 0 and len(adoption.quarantined) == 0 and 9 in adoption.free
 
 
+def test_the_role_is_taken_before_the_pool_is_read_and_stays_taken_through_a_reset(pool: KVPool) -> None:
+    """`take` (a promotion's answer) makes us the writer before anything is read; `adopt` reads what
+    the last writer left, and a distrusted index, emptied, leaves the role ours at the same epoch."""
+    a = open_index(pool)
+    a.claim(pool.layout, FP)
+    a.owned(9, 1)
+    a.sealed(9, 1, 77, 0, stamp=1)
+    a.owned(10, 1)
+    b = open_index(pool)
+    taken = b.take(pool.layout, FP)
+    assert taken.epoch == b.epoch == 2 and int(b.header["writer_pid"]) == os.getpid()
+    with pytest.raises(FencedError):
+        a.owned(11, 1)  # the old writer is fenced by the take alone
+    got = b.adopt(pool.layout, FP, taken)
+    assert got.sealed.tolist() == [9] and got.quarantined.tolist() == [10] and got.reset_reason is None
+    c = open_index(pool)
+    taken = c.take(pool.layout, FP)
+    c.entries[9]["gen"] = 99  # (a SEALED entry changed behind the writer's back)
+    got = c.adopt(pool.layout, FP, taken)
+    assert "bad checksum" in got.reset_reason and len(got.sealed) == 0 and 9 in got.free
+    assert c.epoch == int(c.header["writer_epoch"]) == 3 and int(c.header["writer_pid"]) == os.getpid()
+    c.owned(11, 1)  # still the writer after the reset
+
+
 def test_a_peek_leaves_an_entry_mid_write_out_where_a_claim_distrusts_the_index(pool: KVPool) -> None:
     """A standby's peek reads beside the running writer: a SEALED entry with a bad checksum (being
     rewritten) is left out and the rest is read whole, sort included; a claim would distrust it."""

@@ -169,10 +169,25 @@ def test_a_promotion_that_adopted_nothing_says_why(caplog) -> None:  # noqa: ANN
     p.play(("launched", "daemon-rank0"), ("daemon ready", "daemon-rank0"), ("launched", "spawn-server"),
            ("ping", "spawn-server", True), ("launched", "a"), ("ready", "a"))
     with caplog.at_level("INFO", logger="understudy"):
-        p.play(("said", "a", "promoted", {"adopted_blocks": 0, "kv_mode": "writer",
-                                           "index_reset": "block 9 is SEALED with a bad checksum"}))
+        p.play(("said", "a", "promoted", {"kv_mode": "writer"}),
+               ("said", "a", "adopted", {"adopted_blocks": 0, "index_reset": "block 9 is SEALED with a bad checksum"}))
     line = next(r.getMessage() for r in caplog.records if "took the KV pool" in r.getMessage())
     assert "0 keyed blocks adopted (the pool's index was rejected: block 9 is SEALED with a bad checksum" in line
     assert why_none({"adopted_blocks": 0, "kv_mode": "writer"}).startswith(" (the pool held no keyed block")
     assert "own KV cache" in why_none({"adopted_blocks": 0, "kv_mode": "own"})
     assert why_none({"adopted_blocks": 3}) == ""
+
+
+def test_the_pool_read_after_the_answer_is_published_and_measured_apart() -> None:
+    """`promoted` comes once the role is taken (the router switches then); `adopted`, once the engine
+    has read the pool, only reports: published as `kv_adopted`, it changes no role or route."""
+    p = serving(**KV)
+    p.play(("exit", "a"))
+    p.play(("said", "b", "promoted", {"kv_mode": "writer", "pool_epoch": 2, "seconds": 0.0002}))
+    assert p.published("failover")[-1]["promotion_s"] == 0.0002 and p.state("b") == "READY primary"
+    got = p.play(("said", "b", "adopted", {"adopted_blocks": 12, "quarantined_blocks": 1, "tails": 0,
+                                           "seconds": 0.006, "take_seconds": 0.0002}))
+    assert "promote b epoch 2" not in got and p.state("b") == "READY primary"
+    assert p.published("kv_adopted")[-1] == {"type": "kv_adopted", "engine": "b", "adopted_blocks": 12,
+                                              "quarantined_blocks": 1, "tails": 0, "index_reset": None,
+                                              "seconds": 0.006, "take_seconds": 0.0002}

@@ -267,8 +267,7 @@ class LLMEngine:
         if kind == "drain":
             self._start_draining()
         elif kind == "promote":
-            reply, fields = self.promote()
-            self._reply(reply, **fields)
+            self.promote()
         elif kind == "demote":
             self._reply("demoted", **self.demote())
         elif kind == "fenced":
@@ -282,26 +281,34 @@ class LLMEngine:
         if self.control is not None:
             self.control.send(msg_type, **fields)
 
-    def promote(self) -> tuple[str, dict]:
-        """Take the shared pool's writer role (a no-op with our own KV cache): ("promoted", report)
-        or ("promote_failed", {"error"}) if the previous writer was not fenced."""
-        if self.pool is None or self.blocks.mode == "writer":
-            return "promoted", {"kv_mode": self.blocks.mode, "adopted_blocks": 0}
+    def promote(self) -> None:
+        """Take the shared pool's writer role and say `promoted` (or `promote_failed` if the previous
+        writer was not fenced), then adopt what the pool holds and say `adopted` with its report: the
+        supervisor routes to us while we read the index (with our own KV cache, or the pool already
+        ours, `promoted` only)."""
+        if self.pool is None or self.blocks.mode == "writer":  # (nothing to take or read: no `adopted`)
+            self._reply("promoted", kv_mode=self.blocks.mode, adopted_blocks=0, seconds=0.0)
+            return
         try:
-            report = self.pool.promote(self.blocks, self._device)
+            taken = self.pool.take()
         except PreviousWriterAlive as e:
             log.error("promotion refused: %s", e)
-            return "promote_failed", {"error": str(e)}
+            self._reply("promote_failed", error=str(e))
+            return
+        self._reply("promoted", kv_mode="writer", pool_epoch=taken["pool_epoch"], seconds=taken["seconds"],
+                    claim_wait_seconds=taken["claim_wait_seconds"])
+        report = self.pool.adopt(self.blocks, self._device, taken)
         self.trace.arm(self._reserved())
         if not any(isinstance(o, PromotionTiming) for o in self.observers):  # (armed again: the same one times)
             self.observers.append(PromotionTiming(self.trace, self._reserved))
         log.info("promoted: KV writer at pool epoch %d, adopted %d keyed blocks, %d free, %d quarantined, %d tails "
-                 "(%.1f ms, the claim %.1f, of which waiting for the previous writer %.1f, the keys' sort %.1f: %.1f "
-                 "on CPU, %d page faults)", report["pool_epoch"], report["adopted_blocks"], report["free_blocks"],
-                 report["quarantined_blocks"], report["tails"], report["seconds"] * 1e3, report["claim_seconds"] * 1e3,
+                 "(%.1f ms: the role %.1f, answered then; the claim %.1f, of which waiting for the previous writer "
+                 "%.1f, the keys' sort %.1f: %.1f on CPU, %d page faults)", report["pool_epoch"],
+                 report["adopted_blocks"], report["free_blocks"], report["quarantined_blocks"], report["tails"],
+                 report["seconds"] * 1e3, report["take_seconds"] * 1e3, report["claim_seconds"] * 1e3,
                  report["claim_wait_seconds"] * 1e3, report["claim_sort_seconds"] * 1e3,
                  report["claim_sort_cpu_seconds"] * 1e3, report["claim_sort_faults"])
-        return "promoted", {"kv_mode": "writer", **report}
+        self._reply("adopted", kv_mode="writer", **report)
 
     def demote(self) -> dict:
         """A planned switchover: finish the step in flight, seal what it filled, name every running

@@ -1,6 +1,11 @@
 """Token-budget scheduling: each step spends one budget on the decode rows of every running
 sequence, then on prefill chunks of waiting ones (a long prompt spans several steps).
 
+While any decode row is in a step, the prefill chunks beside it add at most `prefill_cap` tokens
+(a failover's continuations aside: their clients are mid-answer), so a mixed step stays near a
+decode step and a running stream's wait for its next token is bounded (issue 56); a step with no
+decode row spends the whole budget.
+
 Sequences wait in a fair queue: one request with many prompts (or a large `n`) is admitted one
 sequence per turn, alternating with every other request, so it cannot starve them. When blocks run
 out, a running sequence that cannot grow makes the newest running sequence give its blocks back
@@ -103,13 +108,30 @@ class FairQueue:
         return True
 
 
+class _PrefillCap:
+    """The prefill tokens a step has left beside its decode rows. A continuation (a stream another
+    engine began: its client is mid-answer, and it recomputes at most a block) is never held back."""
+
+    def __init__(self, tokens: int) -> None:
+        self.left = tokens
+
+    def allow(self, seq: Sequence, n: int) -> int:
+        return n if seq.replayed else min(n, self.left)
+
+    def spend(self, seq: Sequence, n: int) -> None:
+        if not seq.replayed:
+            self.left = max(0, self.left - n)
+
+
 class Scheduler:
     """Decides, step by step, which positions of which sequences to compute."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_cap: int | None = None):
         self.blocks = blocks
         self.max_running = max_num_seqs
         self.budget = max_num_batched_tokens
+        self.prefill_cap = prefill_cap  # prefill tokens beside decode rows per step (None: the budget)
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -124,18 +146,23 @@ class Scheduler:
         scheduled: set[Sequence] = set()
         decodes = [s for s in self.running if s.total_len - s.num_computed == 1]
         chunks = [s for s in self.running if s.total_len - s.num_computed > 1]
+        cap = _PrefillCap(self.prefill_cap if decodes and self.prefill_cap is not None else budget)
         for seq in decodes + chunks:  # decode rows first: a long prompt never delays them
             if budget == 0:
                 break
             need = seq.total_len - seq.num_computed
             if not seq.block_table or seq.finish_reason is not None or (need == 1 and not seq.can_grow):
                 continue  # preempted this step (no blocks), finished, or waiting for its unread token
-            n = min(need, budget)
+            n = min(need, budget) if need == 1 else cap.allow(seq, min(need, budget))
+            if n == 0:
+                continue  # the step's prefill tokens are spent: its chunk waits for the next step
             if not self._make_room(seq, seq.num_computed + n, scheduled):
                 continue  # seq itself was preempted
             out.append(self._take(seq, n))
             scheduled.add(seq)
             budget -= n
+            if need > 1:
+                cap.spend(seq, n)
         preempted = self.preemptions
         room = self.max_running - len(self.running)
         if budget and room > 1:  # (a failover's continuations: their prefixes found at once)
@@ -144,13 +171,14 @@ class Scheduler:
             seq = self.waiting.peek()
             if not seq.block_table:
                 self.blocks.match_prefix(seq)
-            n = min(seq.total_len - seq.num_computed, budget)
-            if self.preemptions != preempted or not self.blocks.can_grow(seq, seq.num_computed + n):
-                break  # no room: it waits (its cached prefix stays referenced meanwhile)
+            n = cap.allow(seq, min(seq.total_len - seq.num_computed, budget))
+            if n == 0 or self.preemptions != preempted or not self.blocks.can_grow(seq, seq.num_computed + n):
+                break  # no room (or no prefill tokens left this step): it waits (its cached prefix stays referenced)
             self.waiting.pop()
             self.running.append(seq)
             out.append(self._take(seq, n))
             budget -= n
+            cap.spend(seq, n)
         return out
 
     def _take(self, seq: Sequence, n: int) -> Scheduled:

@@ -3,7 +3,10 @@
 scratch blocks used. Writer (the primary): the shared blocks, mirrored in the index of rank 0's pool.
 
 `promote` and `demote` run on rank 0's scheduler thread between steps, when the supervisor says so
-(control commands `promote`, `demote`, `fenced`): promotion is a role change, not an allocation."""
+(control commands `promote`, `demote`, `fenced`): promotion is a role change, not an allocation. A
+promotion answers once the role is taken (`take`) and reads the pool after (`adopt`), on the same
+thread before its next step: the node's routing change and the continuations' way to this engine
+overlap the read of the index (issue 56)."""
 from __future__ import annotations
 
 import logging
@@ -44,11 +47,24 @@ class SharedPool:
                             shared=layout.shared_blocks)
 
     def promote(self, blocks: BlockManager, device: torch.device) -> dict:
-        """Take the writer role and adopt what the pool holds; returns the report for the supervisor.
+        """Take the writer role and adopt what the pool holds (`take`, then `adopt`); the report of both.
         Raises PreviousWriterAlive if the last writer was not fenced."""
+        return self.adopt(blocks, device, self.take())
+
+    def take(self) -> dict:
+        """The writer role alone (the index's epoch is ours; nothing read yet): what a promotion must
+        do before the node routes to us. Raises PreviousWriterAlive if the last writer was not fenced."""
+        t0 = time.perf_counter()
+        taken = self.mapping.index.take(self.mapping.layout, self.mapping.fingerprint)
+        return {"pool_epoch": taken.epoch, "claim_wait_seconds": taken.waited_s, "taken": taken,
+                "seconds": time.perf_counter() - t0}
+
+    def adopt(self, blocks: BlockManager, device: torch.device, taken: dict) -> dict:
+        """After `take`: read the pool's index and adopt what it holds (before the next step: the
+        router's continuations wait in the inbox meanwhile); the adoption's report."""
         t0 = time.perf_counter()
         index = self.mapping.index
-        adoption = index.claim(self.mapping.layout, self.mapping.fingerprint)
+        adoption = index.adopt(self.mapping.layout, self.mapping.fingerprint, taken["taken"])
         claimed = time.perf_counter()
         if adoption.reset_reason:
             log.error("KV index rejected (%s): the pool starts empty; nothing it held is served",
@@ -56,11 +72,11 @@ class SharedPool:
         blocks.become_writer(adoption, index, Publisher(index, blocks.gens, device, blocks.integrity))
         return {"pool_epoch": index.epoch, "adopted_blocks": len(adoption.sealed), "free_blocks": len(adoption.free),
                 "quarantined_blocks": len(adoption.quarantined), "tails": len(adoption.tails.blocks),
-                "index_reset": adoption.reset_reason,
+                "index_reset": adoption.reset_reason, "take_seconds": taken["seconds"],
                 "claim_seconds": claimed - t0, "claim_wait_seconds": adoption.waited_s,
                 "claim_sort_seconds": adoption.sort_s, "claim_sort_cpu_seconds": adoption.sort_cpu_s,
                 "claim_sort_faults": adoption.sort_faults,
-                "seconds": time.perf_counter() - t0}
+                "seconds": taken["seconds"] + time.perf_counter() - t0}
 
     def demote(self, blocks: BlockManager) -> None:
         """Give the writer role up (every step completed, every shared block released)."""

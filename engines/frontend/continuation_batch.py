@@ -13,8 +13,8 @@ the members' event streams go out framed in one body, whatever has queued up in 
 status 200: bytes of member `index`'s event stream, exactly as its own response would carry them;
 status 0: that stream's end (no payload); any other status: the member was refused and the payload
 is the error body its own request would have had. The head goes out at once and the members are
-started in order, a group at a time, each group's sequences in one step of the core, while the
-first ones' frames already flow. The head's `x-understudy-batch` names the batch
+started in order, a group at a time, each group's sequences in one step of the core, the groups
+back to back (the frames flow once the last is started: the core runs the first groups meanwhile). The head's `x-understudy-batch` names the batch
 for `POST /v1/continuations/abort` (one member's client left). When the router's connection goes,
 every member stops."""
 from __future__ import annotations
@@ -175,8 +175,10 @@ class Batch:
 
     async def _start_all(self) -> None:
         """The members in order, as their own requests would be, GROUP at a time: a group's
-        sequences reach the core in one message (`together`) and start in one step; between
-        groups, the started members' frames go out."""
+        sequences reach the core in one message (`together`) and start in one step. The groups go
+        back to back, the started members' frames only after the last: relaying the first ones'
+        outputs between groups held the last group back (on the dev VM, 256 members reached the core
+        in 17-20 ms so, in 23-63 ms with the frames relayed between groups; H100 logs: 20-38 ms)."""
         try:
             for first in range(0, len(self.requests), GROUP):
                 with self.together():
@@ -184,7 +186,6 @@ class Batch:
                         if not self._starting:
                             return
                         await self._start_one(i, self.requests[i])
-                await asyncio.sleep(0)
         finally:
             self._starting = False
             self._wake.set()

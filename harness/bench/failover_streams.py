@@ -17,13 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from harness.bench.client_feel import client_feel
+from harness.bench.failover_table import table
 from harness.bench.private_node import bench_config, say
 from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
 from harness.load.processes import ClientProcesses, split
 from harness.load.result import GAP_WINDOW_S
 from harness.prometheus import MetricsSnapshot
-from harness.stats import bench_summary, tail_text
+from harness.stats import bench_summary
 from supervisor.router.migrating import TIMELINE
+
+QUIET_AFTER_S = 5.0  # the standby READY -> a quiet window opens (the last failover's aftermath is over)
 
 if TYPE_CHECKING:
     from harness.node import Harness
@@ -50,13 +54,17 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
             supervisor_cpu = router.share()
             supervisor_gc = gc_pauses_between(metrics_before, MetricsSnapshot.parse(h.metrics()))
             load.stop()
-            reports = load.collect(marks=k.kills + k.whole, within=args.gap_window,
-                                   until=[None] * len(k.kills) + k.kills)  # (a quiet window ends by its kill)
+            n = len(k.kills)
+            reports = load.collect(marks=k.kills + k.quiet, within=args.gap_window,
+                                   until=[None] * n + k.kills,  # (a quiet window ends by its kill)
+                                   itl_marks=list(range(n, 2 * n)))
         recomputed = [n for e in h.events if e["type"] == "continuations" for n in e["recomputed"]]
-        return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed),
+        return {**summarize(args, shared_kv, reports, k.kills, k.failover_s, k.recovery_s, recomputed, k.quiet),
                 "continuation_timeline_ms": timeline_after_kills(h.events, k.kills),
                 "continuation_timeline_by_kill_ms": timeline_by_kill(h.events, k.kills),
                 "promotion_in_engine_ms": bench_summary([x * 1000 for x in k.promotion_s], 2),
+                "pool_adoption_ms": bench_summary([e["seconds"] * 1000 for e in h.events
+                                                   if e["type"] == "kv_adopted" and e.get("seconds")], 2),
                 "kill_to_detection_ms": bench_summary([x * 1000 for x in k.detected_s], 2),
                 "supervisor_cpu_share": supervisor_cpu, "supervisor_gc": supervisor_gc,
                 "primary_front_end_cpu_share": bench_summary(k.front_end_cpu)}
@@ -118,6 +126,7 @@ class Kills:
 
     kills: list[float] = field(default_factory=list)
     whole: list[float] = field(default_factory=list)
+    quiet: list[float] = field(default_factory=list)  # the quiet window before each kill opens (whole + quiet_after)
     failover_s: list[float] = field(default_factory=list)
     recovery_s: list[float] = field(default_factory=list)
     promotion_s: list[float] = field(default_factory=list)
@@ -126,14 +135,16 @@ class Kills:
 
 
 def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
-    """SIGKILL the primary `--runs` times, each once the node is whole again and has served for
-    `--settle` s, and at least `--gap-window` s (so that a quiet moment's window, from the node
-    whole to the kill, holds no failover: neither the standby's restart nor the next kill)."""
+    """SIGKILL the primary `--runs` times, each once the node is whole again (the standby READY) and
+    has served for `--settle` s, and at least `--quiet-after` + `--gap-window` s: a quiet moment's
+    window opens `--quiet-after` s after the node is whole (none of the last failover's aftermath in
+    it) and closes before the kill."""
     k = Kills()
-    settle = max(args.settle, args.gap_window + 0.1)
+    settle = max(args.settle, args.quiet_after + args.gap_window + 0.1)
     for i in range(args.runs):
         h.wait_all_ready(args.boot_timeout)
         k.whole.append(time.monotonic())
+        k.quiet.append(k.whole[-1] + args.quiet_after)
         old = h.primary()
         front = front_end_share(old)
         time.sleep(settle)
@@ -146,7 +157,7 @@ def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
         ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
         k.failover_s.append(ev["seconds"])
         k.detected_s.append(ev["ts"] - ev["seconds"] - killed_at)  # (its wall clock, less the failover's time)
-        if ev.get("promotion_s") is not None:  # (shared KV: the new primary's own claim and adoption)
+        if ev.get("promotion_s") is not None:  # (shared KV: the new primary taking the writer role)
             k.promotion_s.append(ev["promotion_s"])
         rec = h.wait_event(lambda e: e["type"] == "recovered" and e["engine"] == old["name"], since=mark,
                            timeout_s=args.boot_timeout)
@@ -216,9 +227,10 @@ def longest_waits(gaps: list[Gaps], kills: list[float], n: int = 5) -> list[dict
 
 
 def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessReport], kills: list[float],
-              failover_s: list[float], recovery_s: list[float], recomputed: list[int]) -> dict[str, Any]:
+              failover_s: list[float], recovery_s: list[float], recomputed: list[int],
+              quiet: list[float] | None = None) -> dict[str, Any]:
     """Per kill, the gap every stream in flight saw across it; the same gap at quiet moments (the
-    window from the node whole before each kill, its gaps ended by the kill); what the kill added to
+    window from `quiet[i]` before each kill, its gaps ended by the kill); what the kill added to
     each stream in flight through both; the other streams' longest gaps (those not within `--window`
     of a kill); the failures; the client processes' CPU."""
     gaps: list[Gaps] = [g for r in reports for g in r.gaps]
@@ -237,7 +249,8 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessRe
         "input_len": args.input_len, "output_len": args.output_len,
         "streams_in_flight_per_kill": {"min": min(map(len, across_kill), default=0),
                                        "max": max(map(len, across_kill), default=0)},
-        "gap_window_s": args.gap_window,
+        "gap_window_s": args.gap_window, "quiet_after_s": args.quiet_after,
+        **client_feel(gaps, kills, quiet if quiet is not None else kills, args.gap_window),
         "gap_across_kill_ms": ms([a for per_kill in across_kill for a in per_kill]),
         "gap_at_quiet_moments_ms": ms(at_quiet),
         "gap_added_by_kill_ms": ms(added),
@@ -267,35 +280,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap-window", type=float, default=GAP_WINDOW_S,
                    help="seconds after a kill (or a quiet moment) whose longest wait for tokens is a stream's gap "
                         "(each kill waits at least this long after the node is whole)")
+    p.add_argument("--quiet-after", type=float, default=QUIET_AFTER_S,
+                   help="seconds after the standby is READY again before a quiet moment's window opens")
     p.add_argument("--compare", action="store_true", help="also run with engines.core.shared_pool: false, beside it")
     p.add_argument("--out", help="keep each node's supervisor and engine logs here (a .tgz per node)")
 
 
 def run_streams(args: argparse.Namespace) -> int:
+    """Run the node(s); print the JSON, or a short table per node. Exit 1 if a request failed."""
     results = [run_node(args, True)] + ([run_node(args, False)] if args.compare else [])
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         for r in results:
-            g, q, o, f, rc = (r["gap_across_kill_ms"], r["gap_at_quiet_moments_ms"], r["longest_gap_other_streams_ms"],
-                              r["failover_seconds_ms"], r["recomputed_tokens_per_continuation"])
-            a = r["gap_added_by_kill_ms"]
-            print(f"shared_kv={r['shared_kv']}: gap across a kill (longest wait within {r['gap_window_s']:g} s) median "
-                  f"{g.get('p50')} ms, {tail_text(g)}; the same at quiet moments median {q.get('p50')} ms, "
-                  f"{tail_text(q)}; added by the kill to a stream in flight through both median {a.get('p50')} ms, "
-                  f"{tail_text(a)}; other streams' longest gap median {o.get('p50')} ms, {tail_text(o)}; "
-                  f"failover_seconds median {f.get('p50')} ms, {tail_text(f)} (from a detection "
-                  f"{r['kill_to_detection_ms'].get('p50')} ms after the kill at the median, "
-                  f"{r['kill_to_detection_ms'].get('max')} at most); recomputed per continuation max "
-                  f"{rc.get('max')} (n={rc.get('n', 0)}, {r['continuations_recomputing_more_than_one']} over 1); "
-                  f"standby back median {r['standby_back_s'].get('p50')} s, "
-                  f"{tail_text(r['standby_back_s'], 's', '.2f')}; failed {r['failed']} of {r['requests']}; client "
-                  f"CPU max {r['client_cpu_share_max']:.0%}; supervisor (router) CPU {r['supervisor_cpu_share']:.0%}, "
-                  f"its collections by generation (count / over 10 ms): " + ", ".join(
-                      f"{gc['count']} / {gc['over_10ms']}" for gc in r["supervisor_gc"].values()) + "; "
-                  f"the primary's HTTP front end before a kill: CPU median {r['primary_front_end_cpu_share'].get('p50')}; "
-                  f"continuations after their kill (ms, median / max): " + ", ".join(
-                      f"{name} {t.get('p50')} / {t.get('max')}" for name, t in r["continuation_timeline_ms"].items())
-                  + "; the longest waits (ms, after how many token events, begun how long after a kill): " + ", ".join(
-                      f"{w['ms']} after {w['tokens_before']} at +{w['after_kill_ms']}" for w in r["longest_waits"]))
+            print(table(r))
     return 0 if all(r["failed"] == 0 for r in results) else 1

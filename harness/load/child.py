@@ -40,7 +40,8 @@ def main() -> int:
     if collect.marks is None:
         report.results = client.results
     else:
-        report.gaps = [Gaps.of(r, collect.marks, collect.within, collect.until) for r in client.results]
+        report.gaps = [Gaps.of(r, collect.marks, collect.within, collect.until, collect.itl_marks)
+                       for r in client.results]
     print(report.model_dump_json(), flush=True)
     return 0
 

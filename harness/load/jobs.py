@@ -61,6 +61,7 @@ class Collect(BaseModel):
     marks: list[float] | None = None
     within: float = GAP_WINDOW_S
     until: list[float | None] | None = None  # per mark: the gaps it counts end by then (None: no bound)
+    itl_marks: list[int] = Field(default_factory=list)  # marks whose waits between tokens come back whole
 
 
 class Gaps(BaseModel):
@@ -74,15 +75,20 @@ class Gaps(BaseModel):
     longest: float
     longest_at: float = 0.0  # when the longest wait began
     longest_after: int = 0  # token-bearing events before it (0: the wait for the first)
+    first_at: float | None = None  # when its first token came (None: none came)
+    between: list[float | None] = Field(default_factory=list)  # per mark: as `across`, waits between tokens only
+    itl: list[list[float]] = Field(default_factory=list)  # per `itl_marks` mark: its waits between tokens there
 
     @classmethod
     def of(cls, r: RequestResult, marks: list[float], within: float = GAP_WINDOW_S,
-           until: list[float | None] | None = None) -> "Gaps":
+           until: list[float | None] | None = None, itl_marks: list[int] | None = None) -> "Gaps":
         bounds = until or [None] * len(marks)
         at, after = r.longest_gap_at()
+        itl = [[round(w, 6) for w in r.waits_in(marks[i], within, bounds[i], first=False)] for i in itl_marks or []]
         return cls(sent=r.sent, end=r.end or r.sent, error=r.error,
                    across=[r.gap_across(t, within, u) for t, u in zip(marks, bounds)], longest=r.longest_gap(),
-                   longest_at=at, longest_after=after)
+                   longest_at=at, longest_after=after, first_at=r.content_times[0] if r.content_times else None,
+                   between=[r.gap_across(t, within, u, first=False) for t, u in zip(marks, bounds)], itl=itl)
 
 
 class ProcessReport(BaseModel):

@@ -54,15 +54,15 @@ class ClientProcesses:
             self._tell(p, "stop")
 
     def collect(self, marks: list[float] | None = None, within: float = GAP_WINDOW_S,
-                until: list[float | None] | None = None) -> list[ProcessReport]:
+                until: list[float | None] | None = None, itl_marks: list[int] | None = None) -> list[ProcessReport]:
         """Each process's report once it has stopped: its results whole, or with `marks` each
-        request's gaps across them (`RequestResult.gap_across`)."""
+        request's gaps across them (`RequestResult.gap_across`; whole waits between tokens at `itl_marks`)."""
         for p in self.procs:
             if p.stdout.readline().strip() != "stopped":
                 raise RuntimeError(f"client process {p.pid} failed (exit {p.wait()})")
         reports = []
         for p in self.procs:
-            self._tell(p, Collect(marks=marks, within=within, until=until).model_dump_json())
+            self._tell(p, Collect(marks=marks, within=within, until=until, itl_marks=itl_marks or []).model_dump_json())
             line = p.stdout.readline()
             if p.wait(60) != 0 or not line:
                 raise RuntimeError(f"client process {p.pid} failed (exit {p.returncode})")

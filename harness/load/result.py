@@ -91,17 +91,25 @@ class RequestResult(BaseModel):
         i = max(range(len(waits)), key=waits.__getitem__, default=0)
         return times[i], i
 
-    def gap_across(self, t: float, within: float = GAP_WINDOW_S, until: float | None = None) -> float | None:
+    def gap_across(self, t: float, within: float = GAP_WINDOW_S, until: float | None = None,
+                   first: bool = True) -> float | None:
         """For a request in flight at `t` (a kill): its longest wait for tokens among the gaps that end
         after `t` (and by `until`, if given: a quiet moment's window stops short of the next kill) and
         begin before `t + within`. (Tokens already on their way at `t` arrive after it: the gap that
         ends at the first of them is not the stall, which comes after them.) None if it was not in
-        flight then, or got no tokens in that span."""
+        flight then, or got no tokens in that span. `first=False`: only waits between tokens count
+        (not the wait for the first; None for a request that had none in the span)."""
         if not self.sent < t < (self.end or self.sent):
             return None
-        times = [self.sent, *self.content_times]
-        waits = [b - a for a, b in zip(times, times[1:]) if b > t and a < t + within and (until is None or b <= until)]
+        waits = self.waits_in(t, within, until, first)
         return max(waits) if waits else None
+
+    def waits_in(self, t: float, within: float = GAP_WINDOW_S, until: float | None = None,
+                 first: bool = True) -> list[float]:
+        """Its waits for tokens that end after `t` (and by `until`) and begin before `t + within`;
+        with `first=False` only those between tokens (a client's inter-token latencies there)."""
+        times = [self.sent, *self.content_times] if first else self.content_times
+        return [b - a for a, b in zip(times, times[1:]) if b > t and a < t + within and (until is None or b <= until)]
 
 
 def longest_wait(start: float, times: Sequence[float]) -> float:

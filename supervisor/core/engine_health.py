@@ -57,6 +57,8 @@ def said(node: Node, e: Engine, ev: Said) -> None:
                                  "kv_source": ev.fields.get("kv_source")})
     elif ev.type in kv_handover.ANSWERS:
         kv_handover.said(node, e, ev)
+    elif ev.type == "adopted":
+        kv_handover.adopted(node, e, ev)
     elif ev.type == "continuations":  # one step's continued requests: [reused, recomputed] tokens each
         each = ev.fields.get("each")
         if not isinstance(each, list) or not all(isinstance(x, list) and len(x) == 2 and

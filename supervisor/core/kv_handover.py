@@ -1,8 +1,9 @@
 """The shared KV pool's writer role as the supervisor moves it (DESIGN.md §2 "The KV pool"; the
 engine's side: engines/core/shared_pool.py). Only on a node whose engines run on the daemons' pools.
 
-- A promotion is a round trip (failover.ask_to_promote sends `promote`): the standby takes the pool
-  and says `promoted`, and only then does the router send to it (requests are held meanwhile). An
+- A promotion is a round trip (failover.ask_to_promote sends `promote`): the standby takes the pool's
+  writer role and says `promoted`, and only then does the router send to it (requests are held
+  meanwhile); it reads the pool meanwhile, before its next step, and says `adopted` with what it found. An
   answer `promote_failed`, none within PROMOTE_TIMEOUT_S, or the engine lost meanwhile, fails it;
   the next READY standby is asked, for the same failover.
 - A planned switchover (admin promote, restart of the primary, rollout) first tells the primary
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from supervisor.core import engines
-from supervisor.core.actions import Fence, Measure, Tell
+from supervisor.core.actions import Fence, Measure, Publish, Tell
 from supervisor.core.events import Said
 from supervisor.core.failover import PROMOTE_TIMEOUT_S, promote
 from supervisor.core.kv_writers import others_gone
@@ -47,15 +48,26 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     node.promoting = None
     e.kv_writer = True
     e.heartbeat = {**e.heartbeat, "kv_mode": ev.fields.get("kv_mode", "writer")}  # (what its next heartbeat says)
-    node.emit(Measure("promotion", e.name, dict(ev.fields)))
-    log.info("%s took the KV pool: %s keyed blocks adopted%s, %s quarantined, %s tails (%.1f ms in the engine)",
-             e.name, ev.fields.get("adopted_blocks"), why_none(ev.fields), ev.fields.get("quarantined_blocks"),
-             ev.fields.get("tails"), 1e3 * float(ev.fields.get("seconds") or 0))
-    promote(node, e, p.reason, p.detected_at, p.lost, {**p.detail,  # what the pool gave it, and how fast
-        "adopted_blocks": ev.fields.get("adopted_blocks"), "quarantined_blocks": ev.fields.get("quarantined_blocks"),
-        "promotion_s": ev.fields.get("seconds")})
+    log.info("%s took the KV pool's writer role (%.1f ms in the engine; it reads the pool as we route to it)",
+             e.name, 1e3 * float(ev.fields.get("seconds") or 0))
+    promote(node, e, p.reason, p.detected_at, p.lost, {**p.detail,  # how fast it took the role
+                                                      "promotion_s": ev.fields.get("seconds")})
     if others_gone(node, e):
         node.emit(Tell(e.name, e.incarnation, "fenced"))
+
+
+def adopted(node: Node, e: Engine, ev: Said) -> None:
+    """What the new writer found in the pool, once read (after it said `promoted`): logged, measured
+    and published (`kv_adopted`)."""
+    f = ev.fields
+    node.emit(Measure("promotion", e.name, dict(f)))
+    node.emit(Publish({"type": "kv_adopted", "engine": e.name, "adopted_blocks": f.get("adopted_blocks"),
+                       "quarantined_blocks": f.get("quarantined_blocks"), "tails": f.get("tails"),
+                       "index_reset": f.get("index_reset"), "seconds": f.get("seconds"),
+                       "take_seconds": f.get("take_seconds")}))
+    log.info("%s took the KV pool: %s keyed blocks adopted%s, %s quarantined, %s tails (%.1f ms in the engine)",
+             e.name, f.get("adopted_blocks"), why_none({"kv_mode": e.heartbeat.get("kv_mode", "writer"), **f}),
+             f.get("quarantined_blocks"), f.get("tails"), 1e3 * float(f.get("seconds") or 0))
 
 
 def why_none(promoted: dict) -> str:

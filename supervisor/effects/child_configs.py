@@ -48,6 +48,7 @@ class ChildConfigs:
             weight_cache_mode=e.weight_cache_mode, runtime_dir=str(self.rd), control_endpoint=self.control_endpoint,
             incarnation=incarnation, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
             max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
+            max_prefill_tokens_per_step=e.max_prefill_tokens_per_step,
             kv_block_size=e.kv_block_size, prefix_caching=e.prefix_caching, shared_kv=self.cfg.shares_kv(),
             kv_slot=e.slot_names().index(name), kv_tails=e.kv_tails, cuda_graphs=e.cuda_graphs,
             fused_kernels=e.fused_kernels, deterministic=e.deterministic, heartbeat_interval_s=e.heartbeat_interval_s,
