@@ -4,8 +4,8 @@ and the next one a function of every id before it, so a replay by text is exact 
 computed in the test. Its command-line modes:
 
 - ``ids``: takes prompts of token ids and returns ids (vLLM's ``return_token_ids``) and continues a final
-  assistant message (``continue_final_message``); ``text``: refuses any field it does not know with 422,
-  and prompts that are not text, as ``transformers serve`` does;
+  assistant message (``continue_final_message``); ``chat``: the latter only; ``text``: neither, refusing any
+  field it does not know with 422, and prompts that are not text, as ``transformers serve`` does;
 - ``/v1/models``: ``id:NAME`` lists NAME (the only model it answers for: 400 otherwise, as a pinned
   ``transformers serve`` does), ``file:PATH`` the id in PATH (read at start), ``garbage`` answers HTML,
   ``none`` has no such route (404), ``hang`` never answers.
@@ -14,9 +14,15 @@ Also the client side of the tests: a stream read chunk by chunk, its text and it
 from __future__ import annotations
 
 import json
+import os
+import signal
 import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+
+from harness.node import Harness
 
 STAND_IN = textwrap.dedent('''
     import json, sys, time, uuid, asyncio
@@ -27,8 +33,10 @@ STAND_IN = textwrap.dedent('''
     port, delay = int(port), float(delay)
     model_id = open(models[5:]).read().strip() if models.startswith("file:") else models[3:]
     KNOWN = {"model", "prompt", "messages", "max_tokens", "temperature", "stream", "stream_options", "seed", "top_p"}
+    if mode in ("ids", "chat"):
+        KNOWN |= {"continue_final_message", "add_generation_prompt"}
     if mode == "ids":
-        KNOWN |= {"return_token_ids", "continue_final_message", "add_generation_prompt"}
+        KNOWN |= {"return_token_ids"}
     app = FastAPI()
 
     def next_id(ids):
@@ -189,3 +197,25 @@ class Stream:
     def whole(self) -> bool:
         """Ended as an answer does: a finish_reason and [DONE], one response id, no error."""
         return self.error is None and self.done and self.finish_reason is not None and len(self.ids) == 1
+
+
+def kill_mid_stream(h: Harness, bodies: list[dict]) -> tuple[list[Stream], dict]:
+    """Send every body as a stream, SIGKILL the primary once each has had a few chunks, read them whole;
+    returns the streams and the failover event."""
+    old = h.primary()
+    streams = [Stream() for _ in bodies]
+    mark = len(h.events)
+    with httpx.Client() as client, ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(s.read, client, h.router_url + ("/v1/chat/completions" if "messages" in b
+                                                               else "/v1/completions"), b)
+                   for s, b in zip(streams, bodies)]
+        deadline = time.monotonic() + 60
+        while not all(len(s.texts) >= 4 for s in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(len(s.texts) >= 4 for s in streams), [len(s.texts) for s in streams]
+        os.kill(old["pid"], signal.SIGKILL)
+        for f in futures:
+            f.result()
+    ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
+    assert ev["from"] == old["name"] and ev["reason"] == "exit"
+    return streams, ev

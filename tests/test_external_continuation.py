@@ -6,18 +6,15 @@ answers on /v1/models (garbage, none, never, a changed id) each said in one line
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from harness.node import Harness
 
-from openai_stand_in import STAND_IN, Stream, chat_prompt, next_text
+from openai_stand_in import STAND_IN, chat_prompt, kill_mid_stream, next_text
 
 BASE = """
 runtime_dir: {rt}
@@ -50,28 +47,6 @@ def asked(tmp, name: str) -> list[dict]:
     """What the stand-in named ``name`` was asked (one line per request)."""
     path = tmp / f"asked-{name}"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def kill_mid_stream(h: Harness, bodies: list[dict]) -> tuple[list[Stream], dict]:
-    """Send every body as a stream, SIGKILL the primary once each has had a few chunks, read them whole;
-    returns the streams and the failover event."""
-    old = h.primary()
-    streams = [Stream() for _ in bodies]
-    mark = len(h.events)
-    with httpx.Client() as client, ThreadPoolExecutor(len(bodies)) as pool:
-        futures = [pool.submit(s.read, client, h.router_url + ("/v1/chat/completions" if "messages" in b
-                                                               else "/v1/completions"), b)
-                   for s, b in zip(streams, bodies)]
-        deadline = time.monotonic() + 60
-        while not all(len(s.texts) >= 4 for s in streams) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert all(len(s.texts) >= 4 for s in streams), [len(s.texts) for s in streams]
-        os.kill(old["pid"], signal.SIGKILL)
-        for f in futures:
-            f.result()
-    ev = h.wait_event(lambda e: e["type"] == "failover", since=mark)
-    assert ev["from"] == old["name"] and ev["reason"] == "exit"
-    return streams, ev
 
 
 def test_token_ids_give_the_exact_continuation(tmp_path, script):
