@@ -187,7 +187,7 @@ class Tracked:
             body.pop("seed", None)
         if not self.client_stream:
             body.pop("stream_options", None)
-        if ab.token_ids:
+        if ab.token_ids and self.kind == "completions":  # (a chat is replayed by text: no ids needed)
             body["return_token_ids"] = True
         if not self.n_output:
             return body
