@@ -5,13 +5,10 @@ one-token request."""
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 
 from supervisor.router.abilities import Abilities
 from supervisor.router.upstream import Client, UpstreamError
-
-log = logging.getLogger("understudy")
 
 
 class ModelIdError(Exception):
