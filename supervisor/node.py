@@ -232,13 +232,14 @@ class Supervisor:
         router_app = build_router(self.table, self.metrics, hold_timeout_s=self.cfg.failover.hold_timeout_s,
                                   retry_after_s=self.cfg.failover.retry_after_s,
                                   upstream_timeout_s=r.upstream_timeout_s, max_connections=r.max_connections,
-                                  # continuation needs our engine's extensions (token ids, `continuation`)
-                                  migration=r.migration if self.cfg.engines.kind == "builtin"
-                                  else r.migration.model_copy(update={"enabled": False}),
+                                  # external engines: no batches (our engine's `/v1/continuations`), no block keys
+                                  migration=r.migration if not self.external
+                                  else r.migration.model_copy(update={"batch": False}),
                                   publish=self.bus.publish, limits=self.cfg.limits,
                                   body_timeout_s=self.cfg.limits.body_timeout_s,
-                                  key_chain=(key_root(self.cfg.engines.deterministic), self.cfg.engines.kv_block_size),
-                                  local_headers=[self.node_secret])
+                                  key_chain=None if self.external else
+                                  (key_root(self.cfg.engines.deterministic), self.cfg.engines.kv_block_size),
+                                  local_headers=[self.node_secret], external=self.external)
         router_limits, admin_limits = listener_limits(self.cfg, raise_open_files_limit())
         self._servers.append(make_server(router_app, self.router_sock, lvl, router_limits, "router"))
         self._essential_task(self._servers[0].serve(sockets=[self.router_sock]), "router")

@@ -19,6 +19,7 @@ class CanaryResult:
     token_ids: list[int] | None = None
     error: str | None = None
     broken: bool = False  # the engine answered that its model cannot serve (e.g. non-finite logits)
+    model_id: str | None = None  # an external engine's model id, as it reported it
 
 
 async def run_canary(client: Client, url: str, model: str, prompt: str, max_tokens: int,
@@ -104,6 +105,8 @@ class GoldenStore:
         if existing is not None and not _superseded(existing, prov):
             return existing
         data = {"text": result.text, "token_ids": result.token_ids, "recorded_by": engine, **prov}
+        if result.model_id is not None:
+            data["model_id"] = result.model_id
         tmp = self.dir / f".{key}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -139,6 +142,9 @@ def _superseded(golden: dict[str, Any], prov: dict[str, Any]) -> bool:
 
 def compare(golden: dict[str, Any], result: CanaryResult) -> str | None:
     """None if the canary matches the golden answer, else a one-line reason."""
+    if golden.get("model_id") is not None and result.model_id is not None and golden["model_id"] != result.model_id:
+        return (f"model id changed: the engine reports {result.model_id!r} on /v1/models, the node served "
+                f"{golden['model_id']!r} (a restart must serve the same model)")
     if golden.get("token_ids") is not None and result.token_ids is not None:
         if golden["token_ids"] != result.token_ids:
             return f"canary mismatch: expected token ids {golden['token_ids']}, got {result.token_ids}"

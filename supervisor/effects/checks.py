@@ -1,6 +1,7 @@
 """Probe: one check of a child, its answer as an event. An engine's readiness (HTTP up, the canary
 through its real HTTP path, compared with the golden answer, which the first engine to pass records)
-and health (the canary again); a daemon's status while it loads and its pings once READY; a new spawn
+and health (an external engine's own /health where it has one, then the canary again; an external engine's
+model id and continuation paths are learned before READY: supervisor/effects/abilities.py); a daemon's status while it loads and its pings once READY; a new spawn
 server's ping."""
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from daemon import framing
 from supervisor.config import UnderstudyConfig
 from supervisor.core.actions import Probe
 from supervisor.core.events import DaemonAnswered, Event, HealthChecked, Pinged, ReadyChecked
+from supervisor.effects.abilities import ModelIdError, NotAnswered, learn_abilities, reported_model_id
 from supervisor.effects.canary import GoldenStore, compare, is_listening, run_canary, weights_provenance
+from supervisor.router.abilities import Abilities
 from supervisor.effects.processes import SpawnClient
-from supervisor.router.upstream import Client
+from supervisor.router.upstream import Client, UpstreamError
 
 log = logging.getLogger("understudy")
 
@@ -47,6 +50,8 @@ class Checks:
                  spawn_client: SpawnClient) -> None:
         self.cfg, self.model_name, self.http = cfg, model_name, http
         self.golden, self.fingerprint = golden, fingerprint
+        self.external = cfg.engines.kind == "external"
+        self.learned: dict[str, Abilities] = {}  # an external engine's URL -> what it can do (read at promotion)
         self.spawn_ping = SpawnClient(spawn_client.path, PING_TIMEOUT_S)
 
     async def probe(self, a: Probe) -> Event:
@@ -54,11 +59,13 @@ class Checks:
             return await self.ready(a)
         if a.what == "health":
             try:
-                res = await self._canary(a.target)
-                golden = self.golden.get(self.fingerprint)
+                problem = await self._own_health(a.target)
+                if problem is None:
+                    res = await self._canary(a.target, self._model_of(a.target))
+                    golden = self.golden.get(self.fingerprint)
+                    problem = res.error if not res.ok else (compare(golden, res) if golden else None)
             except OSError as e:
                 return HealthChecked(a.name, a.incarnation, f"{type(e).__name__}: {e}", out_of_descriptors())
-            problem = res.error if not res.ok else (compare(golden, res) if golden else None)
             return HealthChecked(a.name, a.incarnation, problem, problem is not None and out_of_descriptors())
         if a.what == "status":
             try:
@@ -78,23 +85,71 @@ class Checks:
         """HTTP up, then the canary must match the golden answer (recorded by the first to pass)."""
         if not await is_listening(self.http, a.target):
             return ReadyChecked(a.name, a.incarnation, listening=False)
+        model = self.model_name
+        if self.external:  # the id the engine reports, not a hand-set one
+            try:
+                got = await reported_model_id(self.http, a.target, self.cfg.model.name, self.cfg.failover.probe_timeout_s)
+            except NotAnswered as e:
+                return ReadyChecked(a.name, a.incarnation, listening=True, error=str(e))
+            except ModelIdError as e:
+                return ReadyChecked(a.name, a.incarnation, listening=True, broken=True, error=str(e))
+            if got.id is None:
+                log.warning("%s: %s; requests name the model %r (model.name, else the folder's name)", a.name,
+                            got.note, model)
+            model = got.id or model
         t0 = time.monotonic()
-        res = await self._canary(a.target)
+        res = await self._canary(a.target, model)
         canary_s = time.monotonic() - t0
         if not res.ok:
             return ReadyChecked(a.name, a.incarnation, listening=True, broken=res.broken, error=res.error or "")
+        if self.external:
+            res.model_id = model
         facts = a.detail
         startup = None
         if facts.get("weights_source") is None and not facts.get("external"):
             startup = await self._startup(a.target)  # the weights' source, for the golden's provenance
         source = (startup or {}).get("weights_source") or facts.get("weights_source")
         golden = self.golden.record(self.fingerprint, res, a.name, weights_provenance(facts, source))
-        return ReadyChecked(a.name, a.incarnation, listening=True, answered=True, mismatch=compare(golden, res),
+        mismatch = compare(golden, res)
+        if self.external and mismatch is None:
+            ab = await learn_abilities(self.http, a.target, model, self.cfg.canary.prompt,
+                                       self.cfg.failover.probe_timeout_s)
+            self.learned[a.target] = ab
+            log.info("%s: %s", a.name, ab.brief())
+        return ReadyChecked(a.name, a.incarnation, listening=True, answered=True, mismatch=mismatch,
                             canary_s=canary_s, startup=startup)
 
-    async def _canary(self, url: str):  # noqa: ANN202
+    def abilities_of(self, url: str) -> Abilities | None:
+        """What the router may send the engine at ``url``: None for ours; for an external one, what it was
+        found to take at READY, or (an engine re-adopted after a supervisor restart, not probed by this
+        supervisor) the model id the node recorded and a replay by text of completions only."""
+        if not self.external:
+            return None
+        if (ab := self.learned.get(url)) is None:
+            golden = self.golden.get(self.fingerprint) or {}
+            ab = self.learned[url] = Abilities(model_id=golden.get("model_id") or self.model_name)
+            log.warning("engine at %s was not probed by this supervisor: %s", url, ab.brief())
+        return ab
+
+    def _model_of(self, url: str) -> str:
+        ab = self.learned.get(url)
+        return ab.model_id if ab is not None else self.model_name
+
+    async def _own_health(self, url: str) -> str | None:
+        """An external engine's own /health: a problem unless it answers 200 (or has no such route)."""
+        if not self.external:
+            return None
+        try:
+            status, body = await self.http.fetch("GET", url, "/health", timeout_s=self.cfg.failover.probe_timeout_s)
+        except UpstreamError as e:
+            return f"/health: {type(e).__name__}: {e}".rstrip(": ")
+        if status in (200, 404, 405):
+            return None
+        return f"/health answered HTTP {status}: {body[:120].decode(errors='replace')!r}"
+
+    async def _canary(self, url: str, model: str):  # noqa: ANN202
         c = self.cfg
-        return await run_canary(self.http, url, self.model_name, c.canary.prompt, c.canary.max_tokens,
+        return await run_canary(self.http, url, model, c.canary.prompt, c.canary.max_tokens,
                                 c.failover.probe_timeout_s)
 
     async def _startup(self, url: str) -> dict[str, Any] | None:

@@ -68,7 +68,7 @@ class Effects:
     def _promote(self, a: Promote) -> None:
         if a.lost_epoch is not None:
             self.table.mark_lost(a.lost_epoch)  # requests in flight on the fenced primary are retried now
-        self.table.set_primary(Upstream(a.url, a.name, a.epoch))
+        self.table.set_primary(Upstream(a.url, a.name, a.epoch, self.checks.abilities_of(a.url)))
         if a.detected_at is not None:
             self.table.start_failover_clock(a.epoch, a.detected_at)  # the router observes failover_seconds
 

@@ -18,15 +18,16 @@ def build_router(table: RoutingTable, metrics: Metrics, *, hold_timeout_s: float
                  upstream_timeout_s: float, max_connections: int = 1024, migration: MigrationSection | None = None,
                  publish: Publish | None = None, limits: RequestLimits | None = None,
                  body_timeout_s: float = 30.0, key_chain: tuple[bytes, int] | None = None,
-                 local_headers: Headers = ()) -> ASGIApp:
+                 local_headers: Headers = (), external: bool = False) -> ASGIApp:
     """The data-plane ASGI app: ``/v1/*`` to the proxy, everything else to the probes (and lifespan).
     ``publish`` gets the migration events; ``limits`` bound prompts and n (None: body size only);
-    ``key_chain``: the engines' block keys' (key root, block size), for a failover batch's block keys."""
+    ``key_chain``: the engines' block keys' (key root, block size), for a failover batch's block keys;
+    ``external``: the engines are external (supervisor/router/abilities.py)."""
     client = Client(timeout_s=upstream_timeout_s, connect_timeout_s=5.0, max_connections=max_connections,
                     local_headers=local_headers)
     upstreams = Upstreams(table, metrics, client, hold_timeout_s=hold_timeout_s, retry_after_s=retry_after_s,
                           upstream_timeout_s=upstream_timeout_s)
-    proxy = Proxy(upstreams, migration or MigrationSection(), publish, limits, body_timeout_s, key_chain)
+    proxy = Proxy(upstreams, migration or MigrationSection(), publish, limits, body_timeout_s, key_chain, external)
     probes = _probes_app(table, client)
 
     async def app(scope: dict, receive: Receive, send: Send) -> None:

@@ -7,7 +7,9 @@ asked for (a stream without the extension fields it did not ask for, or one whol
 the primary is lost, `upstream_body()` is the continuation for the new one: the original request,
 its prompt (or messages) replaced by `continuation: {prompt_token_ids, output_token_ids}`
 (wire/protocol.py `ContinuedCompletion`, `ContinuedChat`), whose stream is spliced in (same id
-and `created`, its chat role chunk dropped).
+and `created`, its chat role chunk dropped). An external engine gets the client's request as a stream
+(with `return_token_ids` where it takes them) and its continuation by the path it takes
+(supervisor/router/abilities.py): prompt ids + ids sent, or a replay of the text sent.
 
 Every engine chunk is a consistent snapshot (engines/core/sequence.py Output): its ids are all the
 tokens generated up to it, its text all the text released up to it; ids are recorded only from
@@ -32,6 +34,7 @@ import orjson
 from wire import request_body, sse
 from wire.batch_wire import encode_member
 from wire.block_keys import KeyChain
+from supervisor.router.abilities import Abilities
 
 PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _IDS = ("prompt_token_ids", "token_ids")
@@ -90,10 +93,12 @@ class Tracked:
     """A request the router can continue on another engine."""
 
     def __init__(self, kind: str, req: dict, max_ids: int = 1 << 62, arrived: float | None = None,
-                 key_chain: tuple[bytes, int] | None = None) -> None:
+                 key_chain: tuple[bytes, int] | None = None, keep_text: bool = False) -> None:
         """``key_chain``: the engines' block keys' (key root, block size): the stream's block keys are
-        then hashed as its ids come, for a failover's batch (wire/block_keys.py KeyChain)."""
-        self.kind, self.req, self.max_ids = kind, req, max_ids
+        then hashed as its ids come, for a failover's batch (wire/block_keys.py KeyChain). ``keep_text``
+        (external engines): the text sent is kept for a replay, and a chunk of text without ids counts
+        as one token (an engine may join tokens in a chunk: a lower bound)."""
+        self.kind, self.req, self.max_ids, self.keep_text = kind, req, max_ids, keep_text
         self._key_chain, self.keys = key_chain, None
         self.arrived = time.monotonic() if arrived is None else arrived  # when the router received it
         self.client_stream = bool(req.get("stream"))
@@ -112,7 +117,7 @@ class Tracked:
         self.output_ids = _ids(())
         self.n_output = 0  # generated tokens so far (output_ids is dropped past max_ids)
         self.overflow = False  # too long to replay: ids no longer kept (unless the client wants them)
-        self.text: list[str] = []  # for a client that wants one whole response
+        self.text: list[str] = []  # for a client that wants one whole response, or a replay by text
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.role_sent = False
@@ -124,7 +129,7 @@ class Tracked:
 
     @classmethod
     def parse(cls, path: str, req: Any, max_ids: int = 1 << 62, arrived: float | None = None,
-              key_chain: tuple[bytes, int] | None = None) -> "Tracked | None":
+              key_chain: tuple[bytes, int] | None = None, keep_text: bool = False) -> "Tracked | None":
         """A Tracked for a request (its body as `parse_request` read it) the router can continue
         exactly, else None (passed through as is: not JSON, n > 1, several prompts, a continuation
         already, odd types the engine will refuse)."""
@@ -140,15 +145,17 @@ class Tracked:
         if kind == "completions" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
                 and len(prompt) != 1:
             return None
-        return cls(kind, req, max_ids, arrived, key_chain)
+        return cls(kind, req, max_ids, arrived, key_chain, keep_text)
 
     @property
     def replay_tokens(self) -> int:
         return len(self.prompt_ids or ()) + self.n_output
 
-    def upstream_body(self) -> bytes:
+    def upstream_body(self, ab: Abilities | None = None) -> bytes:
         """What to send the engine: the request as a stream with ids; a continuation once the
-        prompt ids are known (from the first chunk)."""
+        prompt ids are known (from the first chunk). ``ab``: an external engine's abilities."""
+        if ab is not None:
+            return _dump(self._external_fields(ab))
         body = self._upstream_fields()
         if self.prompt_ids is not None:
             body["continuation"] = {"prompt_token_ids": _ids_json(self.prompt_ids),
@@ -170,6 +177,61 @@ class Tracked:
         if self.prompt_ids is not None:
             body.pop("messages" if self.kind == "chat" else "prompt", None)
         return body
+
+    def _external_fields(self, ab: Abilities) -> dict:
+        """The client's request for an external engine (a stream, its model id), or once tokens were sent
+        its continuation: prompt ids + ids sent where the engine takes ids, else the text sent replayed
+        (completions: after the prompt; chat: as the assistant's message to continue), for the tokens left."""
+        body = {**self.req, "stream": True, "model": ab.model_id}
+        if self._seed_drawn:  # (a seed of ours means nothing to another engine's sampler)
+            body.pop("seed", None)
+        if not self.client_stream:
+            body.pop("stream_options", None)
+        if ab.token_ids and self.kind == "completions":  # (a chat is replayed by text: no ids needed)
+            body["return_token_ids"] = True
+        if not self.n_output:
+            return body
+        for key in ("max_tokens", "max_completion_tokens"):
+            if type(body.get(key)) is int:
+                body[key] = max(1, body[key] - self.n_output)
+        sent = "".join(self.text)
+        if self.kind == "completions":
+            if ab.token_ids and self.prompt_ids is not None and not self.overflow:
+                body["prompt"] = orjson.Fragment(orjson.dumps(self.prompt_ids.tolist() + self.output_ids.tolist()))
+            else:
+                body["prompt"] = (self._prompt_text() or "") + sent
+            return body
+        messages = list(body.get("messages") or ())
+        if self.req.get("continue_final_message") and messages and isinstance(messages[-1].get("content"), str):
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + sent}
+        else:
+            messages.append({"role": "assistant", "content": sent})
+        body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+        return body
+
+    def _prompt_text(self) -> str | None:
+        """A completion's prompt as text (a string, or a list of one), else None (token ids)."""
+        prompt = self.req.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
+
+    def not_continuable(self, ab: Abilities | None) -> str | None:
+        """Why an external engine cannot continue this request now (None: it can, or it is ours)."""
+        if ab is None or not self.n_output:
+            return None
+        if self.kind == "completions":
+            if ab.token_ids and self.prompt_ids is not None and not self.overflow:
+                return None
+            if self._prompt_text() is None:
+                return "its prompt is token ids, and the engine does not return token ids (return_token_ids)"
+            return None
+        if not ab.chat_continue:
+            return ("the engine does not continue a partial assistant message (continue_final_message), so a chat "
+                    "stream cannot be replayed there")
+        if not all(isinstance(m, dict) for m in self.req.get("messages") or ()):
+            return "its messages are not objects"
+        return None
 
     def in_client_terms(self, error: bytes) -> bytes:
         """An engine's refusal (its JSON error body) of ``upstream_body()``, in terms of the body the
@@ -224,6 +286,11 @@ class Tracked:
         role = False
         for ch in c.get("choices") or ():
             prompt = prompt or ch.get("prompt_token_ids")
+            if self.kind == "chat":
+                delta = ch.get("delta") or {}
+                text, role = delta.get("content") or "", bool(delta.get("role"))
+            else:
+                text = ch.get("text") or ""
             if ids := ch.get("token_ids"):
                 self.n_output += len(ids)
                 self.progress = self.ran = True
@@ -231,12 +298,10 @@ class Tracked:
                     self.output_ids.extend(ids)
                     if self.replay_tokens > self.max_ids and not (self.client_ids and not self.client_stream):
                         self.overflow, self.output_ids = True, _ids(())  # memory stays bounded
-            if self.kind == "chat":
-                delta = ch.get("delta") or {}
-                text, role = delta.get("content") or "", bool(delta.get("role"))
-            else:
-                text = ch.get("text") or ""
-            if not self.client_stream:
+            elif text and self.keep_text:  # (an engine without ids: a chunk is a token at least)
+                self.n_output += 1
+                self.progress = self.ran = True
+            if not self.client_stream or self.keep_text:
                 self.text.append(text)
             if ch.get("finish_reason") is not None:
                 self.finish_reason = ch["finish_reason"]

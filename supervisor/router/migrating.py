@@ -10,6 +10,8 @@ Rules (DESIGN.md §4, issues 11 and 12):
   means the engine had begun computing it: its stream carried the engine's scheduled marker
   (wire/sse.py SCHEDULED, sent before the step that first runs it) or a token. A request that an
   engine only answered and queued (behind max_num_seqs others), or never answered, did not kill it;
+- on an external engine, the continuation takes the path the new primary takes (supervisor/router/abilities.py:
+  token ids, or a replay by text); one it cannot take ends as the next rule says;
 - a request that cannot be continued ends explicitly: an SSE error event and an aborted connection
   once bytes went to the client, an HTTP error before. Never a silent truncation.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 from wire import sse
 from supervisor.config import MigrationSection
+from supervisor.router.abilities import Abilities
 from supervisor.router.attempts import SAME_PRIMARY_RETRY_S, Attempts, Upstreams
 from supervisor.router.batching import Batcher, Member
 
@@ -61,10 +64,11 @@ class Migrator:
     """Serves Tracked requests (with the table, client, metrics and hold policy of ``upstreams``)."""
 
     def __init__(self, upstreams: Upstreams, cfg: MigrationSection, publish: Publish | None,
-                 max_body_bytes: int, key_chain: tuple[bytes, int] | None = None) -> None:
+                 max_body_bytes: int, key_chain: tuple[bytes, int] | None = None, external: bool = False) -> None:
         """``key_chain``: the engines' block keys' (key root, block size), as EngineClient's: a batch
-        member carries its prompt's keys."""
-        self.u, self.cfg, self.publish = upstreams, cfg, publish
+        member carries its prompt's keys. ``external``: the engines are external (no batches; the text
+        sent is kept for a replay)."""
+        self.u, self.cfg, self.publish, self.external = upstreams, cfg, publish, external
         self.key_chain = key_chain if cfg.batch else None
         self.batcher = Batcher(upstreams.client, upstreams.table, max_body_bytes, upstreams.upstream_timeout_s) \
             if cfg.batch else None
@@ -135,12 +139,14 @@ class _Call:
         self.early: Member | None = None  # the continuation, sent as the next primary came (_send_early)
         self.task = asyncio.current_task()
         self.attempt_on: int | None = None  # the epoch of the attempt in flight (None between attempts: lost)
+        self.abilities: Abilities | None = None  # the last attempt's engine's, if external (supervisor/router/abilities.py)
 
     async def run(self) -> None:
         u = self.m.u
         attempts = u.attempts()
         while (up := await self._primary(attempts)) is not None:
             self.epoch, early, self.early = up.epoch, self.early, None
+            self.abilities = up.abilities
             try:
                 self.attempt_on = up.epoch
                 try:
@@ -152,7 +158,7 @@ class _Call:
                 if attempts.may_retry(r.status):
                     attempts.failed(up, f"HTTP {r.status}")
                     continue
-                return await self._refused(r)
+                return await self._refused(r, up)
             except UpstreamTimeout:
                 return await self._give_up("failed" if self.migrations else None, 504, u.timed_out(up.name))
             except (UpstreamError, PrimaryLost) as e:
@@ -219,6 +225,8 @@ class _Call:
         evidence: engines SIGKILLed from outside (the exit status says so) do not count against it."""
         req, cfg = self.req, self.m.cfg
         req.progress = False
+        if (why := req.not_continuable(self.abilities)) is not None:
+            return ("unsupported", 502, f"the engine was lost mid-response and this request cannot be continued: {why}")
         if len(self.failed_epochs) >= 2:
             table = self.m.u.table
             for epoch in sorted(self.failed_epochs):
@@ -244,10 +252,10 @@ class _Call:
         self._moment("sent", early.sent_at if early is not None else None)
         if early is not None:
             resp = early.answer()
-        elif self.migrations and batcher is not None:  # (a failover's continuations go together)
+        elif self.migrations and batcher is not None and up.abilities is None:  # (a failover's continuations go together)
             resp = await batcher.request(up, self._member(), self._ran)
         else:
-            resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body())
+            resp = await u.client.request("POST", up.url, self.target, self.headers, req.upstream_body(up.abilities))
         self._moment("answered")
         try:
             if resp.status != 200 or not resp.is_event_stream:
@@ -302,11 +310,14 @@ class _Call:
             await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def _refused(self, r: _Refused) -> None:
-        """The engine refused: before any byte went out (the first attempt), pass its answer on."""
-        if not self.started and not self.migrations:
+    async def _refused(self, r: _Refused, up: Upstream) -> None:
+        """The engine refused: before any byte went out (the first attempt, or an external engine's answer to
+        the request re-sent as it came: nothing was sent yet), pass its answer on (an external engine may also
+        answer a stream with one whole response)."""
+        if not self.started and (not self.migrations or (self.abilities is not None and not self.req.n_output)):
             self.m.u.count_status(r.status)
             headers = [(k, v) for k, v in r.headers if k not in NOT_RELAYED]
+            headers += [(b"x-understudy-engine", up.name.encode()), (b"x-understudy-epoch", str(up.epoch).encode())]
             body = self.req.in_client_terms(r.body) if 400 <= r.status < 500 else r.body
             await self.send({"type": "http.response.start", "status": r.status, "headers": [
                 *headers, (b"content-length", str(len(body)).encode())]})

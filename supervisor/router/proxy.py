@@ -37,9 +37,10 @@ class Proxy:
 
     def __init__(self, upstreams: Upstreams, migration: MigrationSection, publish: Publish | None,
                  limits: RequestLimits | None, body_timeout_s: float,
-                 key_chain: tuple[bytes, int] | None = None) -> None:
+                 key_chain: tuple[bytes, int] | None = None, external: bool = False) -> None:
         self.u = upstreams
-        self.migrator = Migrator(upstreams, migration, publish, (limits or DEFAULT_LIMITS).max_body_bytes, key_chain)
+        self.migrator = Migrator(upstreams, migration, publish, (limits or DEFAULT_LIMITS).max_body_bytes, key_chain,
+                                 external)
         self.limits, self.body_timeout_s = limits, body_timeout_s
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -72,7 +73,8 @@ class Proxy:
         if body is None:  # our client left before sending its request whole
             return
         cfg = self.migrator.cfg
-        tracked = Tracked.parse(scope["path"], req, cfg.max_replay_tokens, arrived, self.migrator.key_chain) \
+        tracked = Tracked.parse(scope["path"], req, cfg.max_replay_tokens, arrived, self.migrator.key_chain,
+                                self.migrator.external) \
             if cfg.enabled and scope["method"] == "POST" else None
         target, headers = target_of(scope)
         if tracked is not None:  # when our client goes away, stop (dropping the upstream connection)
@@ -96,7 +98,7 @@ class Proxy:
     def _why_untracked(self) -> str:
         """Why a request was passed through, not tracked for continuation."""
         if not self.migrator.cfg.enabled:
-            return "continuation is off: router.migration.enabled is false, or the engines are external"
+            return "continuation is off: router.migration.enabled is false"
         return "only completions and chat completions with n=1 and one prompt can"
 
     async def _forward(self, method: str, target: bytes, headers: Headers, body: bytes) -> Reply:

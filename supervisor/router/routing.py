@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from wire.interrupt import Interrupt
+from supervisor.router.abilities import Abilities
 from supervisor.router.collector_hold import CollectorHold
 
 T = TypeVar("T")
@@ -25,6 +26,7 @@ class Upstream:
     url: str
     name: str
     epoch: int
+    abilities: Abilities | None = None  # an external engine's (None: ours)
 
 
 class RoutingTable:
