@@ -100,7 +100,7 @@ def test_blocks_changed_under_a_dead_writer_are_not_adopted(node: Node) -> None:
     finally:
         pool.close()
     b = node.engine("b", 1)
-    assert node.command(b, "promote", "promoted")["adopted_blocks"] >= len(sealed)  # adopted; checked when reused
+    assert node.command(b, "promote", "adopted")["adopted_blocks"] >= len(sealed)  # adopted; checked when reused
     assert answer(b) == first
     assert node.heartbeat(b, lambda m: m["kv_corrupt_blocks"] >= 1)["kv_corrupt_blocks"] >= 1
     assert "changed since they were sealed" in b.log_path.read_text()

@@ -171,7 +171,7 @@ def test_a_promotion_that_adopted_nothing_says_why(caplog) -> None:  # noqa: ANN
     with caplog.at_level("INFO", logger="understudy"):
         p.play(("said", "a", "promoted", {"kv_mode": "writer"}),
                ("said", "a", "adopted", {"adopted_blocks": 0, "index_reset": "block 9 is SEALED with a bad checksum"}))
-    line = next(r.getMessage() for r in caplog.records if "took the KV pool" in r.getMessage())
+    line = next(r.getMessage() for r in caplog.records if "keyed blocks adopted" in r.getMessage())
     assert "0 keyed blocks adopted (the pool's index was rejected: block 9 is SEALED with a bad checksum" in line
     assert why_none({"adopted_blocks": 0, "kv_mode": "writer"}).startswith(" (the pool held no keyed block")
     assert "own KV cache" in why_none({"adopted_blocks": 0, "kv_mode": "own"})
