@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from engines.models.make_model import make_model
-from engines.process.config import EngineConfig
+from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 from wire.batch_wire import encode_member
 
