@@ -52,8 +52,8 @@ new)  # this tree's new CUDA paths only (FP8, MoE), and the FP8 products' speed
   ;;
 min)  # the CUDA paths only: every GPU-marked test file, the FP8 products' speed with a sweep of tiles,
   # and the 1b's nano in bf16 and FP8
-  gpu_tests 240
-  timeout 150 python3 bench/probes/fp8_gemm.py --sweep --budget 110 2>&1 | tee "$OUT/fp8_gemm.txt"
+  gpu_tests 220
+  timeout 100 python3 bench/probes/fp8_gemm.py --sweep --budget 70 2>&1 | tee "$OUT/fp8_gemm.txt"
   made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
   for m in m1b m1b-fp8; do NANO_S=60 nano /tmp/$m $m; done
   ;;
