@@ -12,7 +12,7 @@
 #                                         # shared_kv: false beside it (STREAMS, RUNS change the counts;
 #                                         # COMPARE= runs shared_kv only; RESTART_DELAY=S sets
 #                                         # failover.restart_delay_s; KV_TAILS=true engines.kv_tails;
-#                                         # PREFILL_CAP=N engines.max_prefill_tokens_per_step, default 512
+#                                         # PREFILL_CAP=N engines.max_prefill_tokens_per_step (default: none)
 #                                         # on CUDA); each node's logs in $OUT/streams
 #   bash bench/gpu_shared_kv.sh delays    # failover (shared KV only) once per restart delay of $DELAYS
 #                                         # (default "0 1.5"), with the new primaries' first second

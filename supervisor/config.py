@@ -102,8 +102,8 @@ class EnginesSection(_Section):
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
     max_prefill_tokens_per_step: int | None = Field(
         default=None, ge=1, description="prefill tokens a step adds beside its decode rows (a failover's "
-        "continuations aside): bounds a running stream's wait for its next token; default: 512 on CUDA, "
-        "the step's whole budget on CPU (set it to max_num_batched_tokens for no bound)")
+        "continuations aside): bounds a running stream's wait for its next token; default (null): no cap beyond the step's "
+        "budget (a cap's cost to throughput on a GPU is not yet measured)")
     kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block (a power of two)")
     prefix_caching: bool = True
     cuda_graphs: bool = True

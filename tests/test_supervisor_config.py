@@ -362,11 +362,8 @@ def test_serve_check_refuses_what_serve_would_die_on_before_the_model_is_made(tm
     assert "for the built-in tiny model" in r.stderr and not (tmp_path / "cache" / "models").exists()
 
 
-def test_the_prefill_cap_reaches_every_engine_and_defaults_by_device(tmp_path):
-    from wire.engine_config import CUDA_PREFILL_CAP, step_prefill_cap
+def test_the_prefill_cap_reaches_every_engine_and_is_off_by_default(tmp_path):
     from supervisor.effects.child_configs import ChildConfigs
-    cpu = ChildConfigs(load_config(None), tmp_path, "cpu", tmp_path).engine("a", 0, 0)
-    assert cpu.max_prefill_tokens_per_step is None and step_prefill_cap(cpu) is None
-    assert step_prefill_cap(cpu.model_copy(update={"device": "cuda"})) == CUDA_PREFILL_CAP
+    assert ChildConfigs(load_config(None), tmp_path, "cpu", tmp_path).engine("a", 0, 0).max_prefill_tokens_per_step is None
     cfg = parse_config("engines:\n  max_prefill_tokens_per_step: 256\n", "config.yaml")
-    assert step_prefill_cap(ChildConfigs(cfg, tmp_path, "cpu", tmp_path).engine("b", 0, 0)) == 256
+    assert ChildConfigs(cfg, tmp_path, "cpu", tmp_path).engine("b", 0, 0).max_prefill_tokens_per_step == 256

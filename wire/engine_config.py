@@ -18,15 +18,6 @@ def step_token_budget(cfg: "EngineConfig") -> int:
     return cfg.max_num_batched_tokens or (2048 if cfg.device == "cuda" else 256)
 
 
-CUDA_PREFILL_CAP = 512  # prefill tokens beside decode rows in a step on CUDA, unless configured (issue 56)
-
-
-def step_prefill_cap(cfg: "EngineConfig") -> int | None:
-    """The prefill tokens a step may add beside its decode rows: configured, else CUDA_PREFILL_CAP on
-    CUDA, else none beyond the step's budget (None)."""
-    return cfg.max_prefill_tokens_per_step or (CUDA_PREFILL_CAP if cfg.device == "cuda" else None)
-
-
 class EngineConfig(BaseModel):
     """One engine (all of its TP ranks). The supervisor fills it; the engine never guesses."""
 
@@ -54,8 +45,8 @@ class EngineConfig(BaseModel):
         "default: 2048 on CUDA, 256 on CPU")
     max_prefill_tokens_per_step: int | None = Field(
         default=None, ge=1, description="prefill tokens a step adds beside its decode rows (a failover's "
-        "continuations aside), so a running stream waits about a decode step; default: 512 on CUDA, the "
-        "step's budget on CPU")
+        "continuations aside), so a running stream waits about a decode step; default: the step's budget "
+        "(no cap)")
     kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block (a power of two)")
     prefix_caching: bool = Field(default=True, description="share full blocks across requests by key")
     shared_kv: bool = Field(default=False, description="run on the ranks' shared KV pools (their daemons'), "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from daemon.client import WeightCacheError
 from daemon.kv_attach import KVPoolMapping
 
-from wire.engine_config import BOOT_ERROR_EXIT, EngineConfig, step_prefill_cap, step_token_budget
+from wire.engine_config import BOOT_ERROR_EXIT, EngineConfig, step_token_budget
 from engines.core.control import ControlChannel
 from engines.core.engine import LLMEngine
 from .forked import fork_into
@@ -235,7 +235,7 @@ def run_engine(cfg: EngineConfig) -> int:
             heap.keep_freed_memory()  # (before the pool's first read: a promotion then touches no new page)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,
                            cfg.prefix_caching, SharedPool(pool, cfg.kv_slot, cfg.kv_tails) if pool else None)
-        engine.scheduler.prefill_cap = step_prefill_cap(cfg)
+        engine.scheduler.prefill_cap = cfg.max_prefill_tokens_per_step
         log.info("prefill beside decode rows: %s tokens a step", engine.scheduler.prefill_cap or "the budget's")
         first_use.warm(engine, warm_first_use)
         link = CoreLink(engine, *link_eps)
