@@ -196,7 +196,7 @@ class Tracked:
                 body[key] = max(1, body[key] - self.n_output)
         sent = "".join(self.text)
         if self.kind == "completions":
-            if ab.token_ids and self.prompt_ids is not None and not self.overflow:
+            if self._ids_continue(ab):
                 body["prompt"] = orjson.Fragment(orjson.dumps(self.prompt_ids.tolist() + self.output_ids.tolist()))
             else:
                 body["prompt"] = (self._prompt_text() or "") + sent
@@ -208,6 +208,10 @@ class Tracked:
             messages.append({"role": "assistant", "content": sent})
         body.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
         return body
+
+    def _ids_continue(self, ab: Abilities) -> bool:
+        """The engine takes ids and this request's ids are all kept: the exact continuation."""
+        return ab.token_ids and self.prompt_ids is not None and not self.overflow
 
     def _prompt_text(self) -> str | None:
         """A completion's prompt as text (a string, or a list of one), else None (token ids)."""
@@ -221,7 +225,7 @@ class Tracked:
         if ab is None or not self.n_output:
             return None
         if self.kind == "completions":
-            if ab.token_ids and self.prompt_ids is not None and not self.overflow:
+            if self._ids_continue(ab):
                 return None
             if self._prompt_text() is None:
                 return "its prompt is token ids, and the engine does not return token ids (return_token_ids)"
