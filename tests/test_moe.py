@@ -113,7 +113,37 @@ def test_fp8_experts_and_the_numerics_check(moe, arch) -> None:
     for model in (plain, fp8, load(moe[arch, "fp8-block"], torch.bfloat16)):
         check = check_numerics(model, torch.device("cpu"))
         assert not check.failed, check.summary()
-        assert any("experts" in name for name, _, _ in check.parts)
+        assert {"layer 0 routing", "layer 0 experts"} <= {p.name for p in check.parts}
+
+
+def many_experts(moe: dict[str, Path], seed: int):  # noqa: ANN201 (CausalLM)
+    """moe-tiny with 128 experts and top-8 (Qwen3-30B-A3B's routing), random bf16 weights: the k-th and
+    (k+1)-th experts of a token often nearly tie, and bf16's routing may pick either."""
+    args = read_model_args(moe["qwen3_moe", "none"]).model_copy(update={"num_experts": 128, "num_experts_per_tok": 8})
+    model = build_model(args, dtype=torch.bfloat16, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn(p.shape, generator=g) * 0.3)
+    model.init_buffers()
+    return model
+
+
+def test_the_numerics_check_counts_every_token_however_often_experts_tie(moe) -> None:
+    """Every token is checked on the engine's own picks (a token whose experts nearly tie too: either
+    pick is right), and picks outside float32's top k fail it, naming the layer."""
+    model = many_experts(moe, 1)
+    x = model.model.layers[0].post_attention_layernorm(model.model.embed_tokens(torch.arange(16)))
+    ranked = (x.float() @ model.model.layers[0].ffn.gate.weight.float().T).topk(9, -1).values
+    assert int(((ranked[:, 7] - ranked[:, 8]) < 2e-2 * ranked[:, 0].abs()).sum()) >= 4  # (near ties are common)
+    check = check_numerics(model, torch.device("cpu"))
+    assert not check.failed, check.summary()
+    gate = model.model.layers[0].ffn.gate
+    gate.forward = lambda h: -torch.nn.functional.linear(h, gate.weight)  # a router that picks the wrong experts
+    check = check_numerics(model, torch.device("cpu"))
+    assert check.failed[0].name == "layer 0 routing" and check.failed[0].error > 0.5
+    with pytest.raises(ValueError, match=r"layer 0 routing: share of its 128 picks outside float32's top 8 "):
+        check.raise_if_failed()
 
 
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
