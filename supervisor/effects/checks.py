@@ -20,7 +20,9 @@ from supervisor.core.events import DaemonAnswered, Event, HealthChecked, Pinged,
 from supervisor.effects.abilities import ModelIdError, NotAnswered, learn_abilities, reported_model_id
 from supervisor.effects.canary import GoldenStore, compare, is_listening, run_canary, weights_provenance
 from supervisor.router.abilities import Abilities
+from supervisor.effects.launcher import log_path
 from supervisor.effects.processes import SpawnClient
+from supervisor.effects.ready_checks import not_ready
 from supervisor.router.upstream import Client, UpstreamError
 
 log = logging.getLogger("understudy")
@@ -67,6 +69,10 @@ class Checks:
             except OSError as e:
                 return HealthChecked(a.name, a.incarnation, f"{type(e).__name__}: {e}", out_of_descriptors())
             return HealthChecked(a.name, a.incarnation, problem, problem is not None and out_of_descriptors())
+        if a.what == "up":  # an external engine's daemon: its readiness check (engines.external.daemon_ready)
+            log_file = log_path(self.cfg.resolved_runtime_dir(), a.kind, a.name, a.incarnation)
+            problem = await not_ready(a.target, log_file)
+            return Pinged(a.name, a.incarnation, problem is None, problem or "")
         if a.what == "status":
             try:
                 return DaemonAnswered(a.name, a.incarnation, await asyncio.to_thread(daemon_status, a.target))
