@@ -1,8 +1,8 @@
 """Probe: one check of a child, its answer as an event. An engine's readiness (HTTP up, the canary
 through its real HTTP path, compared with the golden answer, which the first engine to pass records)
 and health (an external engine's own /health where it has one, then the canary again; an external engine's
-model id and continuation paths are learned before READY: supervisor/effects/abilities.py); a daemon's status while it loads and its pings once READY; a new spawn
-server's ping."""
+model id and continuation paths are learned before READY: supervisor/effects/abilities.py); a daemon's status while it loads and its pings once READY (an external engine's daemon: its
+readiness check, supervisor/effects/ready_checks.py); a new spawn server's ping."""
 from __future__ import annotations
 
 import asyncio
