@@ -45,33 +45,93 @@ class ModelSection(_Section):
     tp_size: int = Field(default=1, ge=1, le=64)
 
 
-def template_fields(port: int, model: str, name: str, model_name: str, gpu_ids: list[int]) -> dict[str, str]:
+def template_fields(port: int, model: str, name: str, model_name: str, gpu_ids: list[int],
+                    runtime_dir: str = "") -> dict[str, str]:
     """The placeholders an external engine's command and URL templates may use."""
     return {"port": str(port), "model": model, "name": name, "model_name": model_name,
-            "gpu_ids": ",".join(map(str, gpu_ids))}
+            "gpu_ids": ",".join(map(str, gpu_ids)), "runtime_dir": runtime_dir}
+
+
+def daemon_template_fields(rank: int, model: str, model_name: str, gpu_ids: list[int], tp_size: int,
+                           runtime_dir: str) -> dict[str, str]:
+    """The placeholders an external daemon's command and readiness check may use: ``gpu_id`` is the
+    rank's GPU (``gpu_ids[rank]``), ``gpu_ids`` every rank's."""
+    gpu = gpu_ids[rank] if rank < len(gpu_ids) else rank
+    return {"rank": str(rank), "gpu_id": str(gpu), "gpu_ids": ",".join(map(str, gpu_ids)), "tp_size": str(tp_size),
+            "model": model, "model_name": model_name, "runtime_dir": runtime_dir}
+
+
+def _fill_check(v: str, fields: dict[str, str]) -> list[str]:
+    """``v`` split as a command line and each part filled; ValueError names an unknown placeholder."""
+    import shlex
+    try:
+        return [part.format(**fields) for part in shlex.split(v)]
+    except KeyError as e:
+        raise ValueError(f"unknown placeholder {{{e.args[0]}}} (known: {', '.join(fields)}; "
+                         "write {{ and }} for literal braces)") from None
+    except (ValueError, IndexError) as e:
+        raise ValueError(f"not a valid template: {e}") from None
 
 
 class ExternalEngine(_Section):
-    """An engine we start by command template and talk to by URL (vLLM, SGLang, ...)."""
+    """An engine we start by command template and talk to by URL (vLLM, SGLang, ...), and optionally its
+    own weight cache daemon, which the supervisor runs and watches as it does its own daemons."""
 
-    command: str = Field(min_length=1, description="no shell; {port} {model} {name} {model_name} {gpu_ids} are filled")
+    command: str = Field(min_length=1, description="no shell; {port} {model} {name} {model_name} {gpu_ids} "
+                         "{runtime_dir} are filled")
     url: str = Field(default="http://127.0.0.1:{port}", description="base URL template")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="for the engines and the daemons")
+    daemon_command: str | None = Field(default=None, min_length=1, description="the engine's own weight cache "
+                                       "daemon (no shell; {rank} {gpu_id} {gpu_ids} {tp_size} {model} {model_name} "
+                                       "{runtime_dir} are filled): started before the engines, restarted with "
+                                       "backoff when it exits; null: none")
+    daemon_ready: str | None = Field(default=None, description="when the daemon is READY (engines start after "
+                                     "it): unix:PATH, tcp:HOST:PORT, http(s)://URL (200) or log:REGEX (a line of "
+                                     "its log); the daemon_command's placeholders are filled")
+    daemon_scope: Literal["node", "rank"] = Field(default="node", description="node: one daemon for all the "
+                                                  "model's ranks (vLLM's and SGLang's launchers start one process "
+                                                  "per GPU themselves); rank: one per rank (model.tp_size)")
 
     @field_validator("command", "url")
     @classmethod
     def _template(cls, v: str) -> str:
-        import shlex
-        fields = template_fields(1, "m", "n", "m", [0])
-        try:
-            for part in shlex.split(v):
-                part.format(**fields)
-        except KeyError as e:
-            raise ValueError(f"unknown placeholder {{{e.args[0]}}} (known: {', '.join(fields)}; "
-                             "write {{ and }} for literal braces)") from None
-        except ValueError as e:
-            raise ValueError(f"not a valid template: {e}") from None
+        _fill_check(v, template_fields(1, "m", "n", "m", [0], "/rt"))
         return v
+
+    @field_validator("daemon_command")
+    @classmethod
+    def _daemon_template(cls, v: str | None) -> str | None:
+        if v is not None and not _fill_check(v, daemon_template_fields(0, "m", "m", [0], 1, "/rt")):
+            raise ValueError("expected a command line, got none")
+        return v
+
+    @field_validator("daemon_ready")
+    @classmethod
+    def _ready(cls, v: str | None) -> str | None:
+        if v is not None:
+            from supervisor.ready_spec import parse_ready
+            parse_ready(_fill_one(v, daemon_template_fields(0, "m", "m", [0], 1, "/rt")))
+        return v
+
+    @model_validator(mode="after")
+    def _daemon_pair(self) -> "ExternalEngine":
+        if self.daemon_command is not None and self.daemon_ready is None:
+            raise ValueError("daemon_ready: required with daemon_command (when is the daemon READY: unix:PATH, "
+                             "tcp:HOST:PORT, http://URL or log:REGEX)")
+        if self.daemon_ready is not None and self.daemon_command is None:
+            raise ValueError("daemon_ready: given without daemon_command")
+        return self
+
+
+def _fill_one(v: str, fields: dict[str, str]) -> str:
+    """A template filled whole (not split as a command line: a readiness check is one string)."""
+    try:
+        return v.format(**fields)
+    except KeyError as e:
+        raise ValueError(f"unknown placeholder {{{e.args[0]}}} (known: {', '.join(fields)}; "
+                         "write {{ and }} for literal braces)") from None
+    except (ValueError, IndexError) as e:
+        raise ValueError(f"not a valid template: {e}") from None
 
 
 ENGINE_NAME = r"^[A-Za-z0-9_.-]{1,32}$"
@@ -340,6 +400,18 @@ class UnderstudyConfig(_Section):
         """The engines run on the daemons' shared KV pools (it needs our engines and our daemons)."""
         e = self.engines
         return e.shared_kv and e.kind == "builtin" and self.daemons.enabled and e.weight_cache_mode == "client"
+
+    def daemon_ranks(self) -> int:
+        """How many weight cache daemons the supervisor runs: ours, one per rank (engines in client mode);
+        an external engine's (engines.external.daemon_command), one per node or per rank; else none."""
+        if not self.daemons.enabled:
+            return 0
+        ext = self.engines.external
+        if self.engines.kind == "external":
+            if ext is None or ext.daemon_command is None:
+                return 0
+            return 1 if ext.daemon_scope == "node" else self.model.tp_size
+        return self.model.tp_size if self.engines.weight_cache_mode == "client" else 0
 
     def resolved_runtime_dir(self) -> Path:
         if self.runtime_dir:

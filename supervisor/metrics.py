@@ -48,6 +48,10 @@ class Metrics:
             self.gc_pause.labels(generation=generation)
         self.daemon_resident = Gauge("understudy_daemon_resident_bytes", "Bytes held by each rank's daemon",
                                      ["rank"], registry=r)
+        self.daemon_state = Gauge("understudy_daemon_state", "1 for the current state of each weight cache daemon "
+                                  "(ours, or an external engine's)", ["daemon", "state"], registry=r)
+        self.daemon_starts = Counter("understudy_daemon_starts", "Starts of each weight cache daemon (the first, "
+                                     "then its restarts)", ["daemon"], registry=r)
         self.engine_state = Gauge("understudy_engine_state", "1 for the current state of each engine slot",
                                   ["engine", "state"], registry=r)
         self.epoch = Gauge("understudy_epoch", "Primary epoch", registry=r)

@@ -81,7 +81,7 @@ class Supervisor:
     # ------------------------------------------------------------------ setup
     def prepare(self) -> None:
         """Everything that can fail before a child starts: dirs, ports, token, sockets."""
-        from daemon.runtime_dir import daemon_socket_path, ensure_private_dir
+        from daemon.runtime_dir import ensure_private_dir
         from supervisor.effects.stale import RuntimeDirInUse, check_and_clean
         try:
             ensure_private_dir(self.rd)
@@ -106,12 +106,11 @@ class Supervisor:
         cfg = self.cfg
         self.configs = ChildConfigs(cfg, self.model_path, self.device, self.rd, self.control.endpoint)
         spawn_server = not self.external and cfg.engines.spawn == "server"
-        ranks = cfg.model.tp_size if not self.external and cfg.daemons.enabled \
-            and cfg.engines.weight_cache_mode == "client" else 0
+        ranks = cfg.daemon_ranks()  # (ours, or an external engine's own: engines.external.daemon_command)
         engines = cfg.engines.slot_names()
         settings = Settings(cfg.failover.for_device(self.device), cfg.daemons.load_timeout_s, self.fingerprint,
                             cfg.model.tp_size, self.external, spawn_server, shared_kv=cfg.shares_kv())
-        self.node: Node = new_node(settings, engines, [str(daemon_socket_path(self.rd, r)) for r in range(ranks)],
+        self.node: Node = new_node(settings, engines, [self.configs.daemon_ready(r) for r in range(ranks)],
                                    self.configs.wanted(engines, ranks, spawn_server, self.fingerprint), records,
                                    now=time.monotonic())
         self.table.explain = lambda: not_ready_text(self.node.engines.values(), time.monotonic())
@@ -152,7 +151,7 @@ class Supervisor:
         return Effects(table=self.table, launcher=launcher, reaper=Reaper(launcher),
                        checks=Checks(self.cfg, self.model_name, self.http, self.golden, self.fingerprint,
                                      launcher.spawn_client),
-                       surveyor=Surveyor(self.rd, self.http, self.external),
+                       surveyor=Surveyor(self.rd, self.http, self.external, self.configs.daemon_ready),
                        publisher=Publisher(self.bus, self.metrics, self.notifier, ready, self.when_serving),
                        control=self.control,
                        notifier=self.notifier, record=self.record, answer=self.admin.answer,

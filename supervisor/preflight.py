@@ -47,6 +47,8 @@ def check(cfg: UnderstudyConfig, source: str, make_model: bool) -> Plan:
     _token_file(cfg, problems)
     if not problems:
         _child_configs(cfg, model_path or Path("unmade-preset"), device, problems)
+    if not problems and cfg.daemon_ranks() and external:
+        _daemon_program(cfg, problems)
     if problems:
         raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
     return Plan(model_path, device)
@@ -228,3 +230,16 @@ def _child_configs(cfg: UnderstudyConfig, model_path: Path, device: str, problem
                 problems.append(f"engines: engine {name!r} cannot be configured: {field}: {err['msg']}")
         except (KeyError, ValueError, IndexError) as e:  # (a template field external.command names)
             problems.append(f"engines{'.external' if external else ''}: engine {name!r}: {e}")
+
+
+def _daemon_program(cfg: UnderstudyConfig, problems: list[str]) -> None:
+    """An external engine's daemon command names a program that is there (as its start would find it)."""
+    import shlex
+    import shutil
+    ext = cfg.engines.external
+    program = shlex.split(ext.daemon_command)[0]
+    path = ext.env.get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(program, path=path) is None:
+        where = "no such executable file" if "/" in program else "not found on PATH"
+        problems.append(f"engines.external.daemon_command: expected a program that can run here, got {program!r} "
+                        f"({where})")

@@ -31,6 +31,9 @@ def test_empty_file_means_defaults():
     assert parse_config("", "x.yaml") == load_config(None)
 
 
+EXT = "engines:\n  kind: external\n  external:\n    command: vllm serve {model} --port {port}\n"
+
+
 @pytest.mark.parametrize("text, expected", [
     ("engines:\n  count: two\n", "config.yaml: engines.count: expected an integer >= 1 and <= 16, got 'two'"),
     ("engines:\n  count: 0\n", "config.yaml: engines.count: expected an integer >= 1 and <= 16, got 0"),
@@ -44,7 +47,23 @@ def test_empty_file_means_defaults():
     ("engines:\n  names: [x]\n", "config.yaml: engines.names: expected 2 names (engines.count), got 1"),
     ("engines:\n  kind: external\n  external: {command: 'vllm serve {modle} --port {port}'}\n",
      "config.yaml: engines.external.command: unknown placeholder {modle} (known: port, model, name, model_name, "
-     "gpu_ids; write {{ and }} for literal braces)"),
+     "gpu_ids, runtime_dir; write {{ and }} for literal braces)"),
+    (EXT + "    daemon_command: vllm preload --model {model}\n",
+     "config.yaml: engines.external.daemon_ready: required with daemon_command (when is the daemon READY: "
+     "unix:PATH, tcp:HOST:PORT, http://URL or log:REGEX)"),
+    (EXT + "    daemon_command: vllm preload --dir {socket_dir}\n    daemon_ready: unix:/x.sock\n",
+     "config.yaml: engines.external.daemon_command: unknown placeholder {socket_dir} (known: rank, gpu_id, gpu_ids, "
+     "tp_size, model, model_name, runtime_dir; write {{ and }} for literal braces)"),
+    (EXT + "    daemon_command: vllm preload\n    daemon_ready: 'socket:/x.sock'\n",
+     "config.yaml: engines.external.daemon_ready: expected unix:PATH, tcp:HOST:PORT, http://URL, https://URL or "
+     "log:REGEX, got 'socket:/x.sock'"),
+    (EXT + "    daemon_command: d\n    daemon_ready: 'log:ready ('\n",
+     "config.yaml: engines.external.daemon_ready: expected a regular expression after log:, got 'ready (' (missing "
+     "), unterminated subpattern at position 6)"),
+    (EXT + "    daemon_ready: 'tcp:127.0.0.1:8010'\n",
+     "config.yaml: engines.external.daemon_ready: given without daemon_command"),
+    (EXT + "    daemon_command: d\n    daemon_ready: unix:/x\n    daemon_scope: gpu\n",
+     "config.yaml: engines.external.daemon_scope: expected one of 'node', 'rank', got 'gpu'"),
     ("router:\n  port: 9000\nadmin:\n  port: 9000\n",
      "config.yaml: admin.port: expected a port other than router.port, got 9000"),
     ("engines:\n  kv_block_size: 3\n", "config.yaml: engines.kv_block_size: expected a power of two (1, 2, 4, ... "

@@ -150,8 +150,9 @@ class NextPrimary:
 @dataclass(frozen=True)
 class Probe:
     """One check of a child: ``what`` = "ready" (HTTP up, canary vs golden), "health" (canary of the
-    primary), "status" (a daemon loading), "ping" (a READY daemon, a starting spawn server).
-    ``target``: the engine's URL or the daemon's socket. ``detail`` (ready): what the golden answer's
+    primary), "status" (a daemon loading), "ping" (a READY daemon, a starting spawn server), "up" (an external
+    engine's daemon starting: its readiness check, engines.external.daemon_ready).
+    ``target``: the engine's URL, the daemon's socket or readiness check. ``detail`` (ready): what the golden answer's
     provenance is judged from. Reports ReadyChecked, HealthChecked, DaemonAnswered or Pinged."""
 
     kind: str

@@ -34,11 +34,16 @@ def boot(node: Node) -> None:
 
 def boot_error(node: Node) -> str | None:
     limit = node.settings.load_timeout_s
+    external = node.settings.external  # (its daemons run the operator's command: the errors name its keys)
     for d in node.daemons:
+        if gave_up(d) and external:
+            return f"engines.external.daemon_command: {d.name} stopped before it was ready " \
+                   f"({d.last_exit or d.reason}): {d.log_line}".rstrip(": ")
         if gave_up(d):
             return f"{d.name} stopped while loading the model ({d.last_exit or d.reason}): {d.log_line}"
     if node.daemons and node.now - node.boot_started > limit and not all(d.state == State.READY for d in node.daemons):
-        return f"daemons not loaded after {limit:g}s (daemons.load_timeout_s)"
+        what = "engines.external.daemon_ready not passed" if external else "daemons not loaded"
+        return f"{what} after {limit:g}s (daemons.load_timeout_s)"
     s = node.spawn
     if s is not None and gave_up(s):
         return f"{s.reason} ({s.last_exit}): {s.log_line}"

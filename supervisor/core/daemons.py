@@ -1,6 +1,8 @@
 """A weight cache daemon's lifecycle (supervisor/core/lifecycle.py) with its load (status polled until
 the arena is resident) and its pings once READY (a hung daemon is fenced and restarted). Engines
-keep serving from their mappings meanwhile: a daemon is never the last one standing."""
+keep serving from their mappings meanwhile: a daemon is never the last one standing. An external
+engine's own daemon (engines.external.daemon_command) has the same lifecycle; it is READY once its
+readiness check passes (``came_up``)."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +17,7 @@ from supervisor.core.states import State
 log = logging.getLogger("understudy")
 
 STATUS_POLL_S = 0.1
+EXTERNAL_POLL_S = 0.2  # an external daemon's readiness check (a connect, a GET, its log read)
 PING_INTERVAL_S = 2.0
 PING_FAILURES = 3  # a daemon that does not answer this many pings in a row is hung: fenced, restarted
 
@@ -39,14 +42,16 @@ def check(node: Node, d: Daemon) -> None:
     """A (re)started daemon must load within daemons.load_timeout_s; a READY one is pinged now and then."""
     now, limit = node.now, node.settings.load_timeout_s
     if d.state == State.STARTING and d.pid and now - d.started_at > limit:
-        lifecycle.transition(node, d, State.FAILED, f"not loaded within daemons.load_timeout_s={limit:g}s")
+        what = f"engines.external.daemon_ready ({d.socket_path}) not passed" if node.settings.external \
+            else "not loaded"
+        lifecycle.transition(node, d, State.FAILED, f"{what} within daemons.load_timeout_s={limit:g}s")
         node.emit(Fence(d.name, d.pid))
     elif d.checking or d.pid is None:
         return
     elif d.state == State.STARTING and now >= d.next_check_at:
         d.checking = True
-        node.emit(Probe("daemon", d.name, d.incarnation, "status", d.socket_path))
-    elif d.state == State.READY and now - d.last_check >= PING_INTERVAL_S:
+        node.emit(Probe("daemon", d.name, d.incarnation, "up" if node.settings.external else "status", d.socket_path))
+    elif d.state == State.READY and now - d.last_check >= PING_INTERVAL_S and not node.settings.external:
         d.checking, d.last_check = True, now
         node.emit(Probe("daemon", d.name, d.incarnation, "ping", d.socket_path))
 
@@ -89,10 +94,30 @@ def ready(node: Node, d: Daemon, info: dict[str, Any]) -> None:
                          f"load {info.get('load_seconds') or 0:.2f}s")
 
 
+def came_up(node: Node, d: Daemon, ev: Pinged) -> None:
+    """An external engine's daemon (engines.external.daemon_command): READY once its readiness check
+    (daemon_ready) passes; polled until then. Once READY it is watched by its process only (its
+    protocol is not ours: no pings), as the engines watch it themselves."""
+    if d.pid is None:
+        return
+    if not ev.ok:
+        d.next_check_at = node.now + EXTERNAL_POLL_S
+        log.debug("%s: not ready yet: %s", d.name, ev.error)
+        return
+    d.ever_ready = True
+    d.policy.record_success()
+    d.last_check = node.now
+    lifecycle.transition(node, d, State.READY, f"engines.external.daemon_ready passed ({d.socket_path}) after "
+                                               f"{node.now - d.started_at:.2f}s")
+
+
 def pinged(node: Node, d: Daemon, ev: Pinged) -> None:
     """A READY daemon that does not answer PING_FAILURES status requests in a row is hung (SIGSTOP,
     deadlock): FAILED and fenced; its exit restarts it."""
     d.checking = False
+    if d.state == State.STARTING:
+        came_up(node, d, ev)
+        return
     if ev.ok:
         d.check_failures = 0
         return

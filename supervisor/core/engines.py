@@ -52,6 +52,9 @@ def launch_if_due(node: Node, e: Engine) -> None:
     if e.state != State.STARTING:
         return
     s = node.settings
+    if s.external and daemon_coming(node):  # (it would load from disk, or refuse, without its daemon)
+        e.started_at = node.now  # its startup timeout counts from its launch
+        return
     if s.external:
         lifecycle.launch(node, e, "external")
     elif not s.spawn_server or node.spawn is None or node.spawn.state == State.FATAL:
@@ -61,6 +64,12 @@ def launch_if_due(node: Node, e: Engine) -> None:
     elif node.now - e.started_at >= s.spawn_wait_s:
         log.warning("%s: no spawn server within %gs; starting the engine directly", e.name, s.spawn_wait_s)
         lifecycle.launch(node, e, "direct")
+
+
+def daemon_coming(node: Node) -> bool:
+    """A daemon of the node is on its way up (starting, or restarting after an exit): an external engine
+    waits for it. One FATAL (flapping) or stopped is not waited for: the engine loads without it."""
+    return any(d.state not in (State.READY, State.FATAL, State.STOPPED) for d in node.daemons)
 
 
 def launched(node: Node, e: Engine, ev: Launched) -> None:

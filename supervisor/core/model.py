@@ -93,7 +93,7 @@ class Daemon(Child):
 
     kind: ClassVar[str] = "daemon"
     rank: int = 0
-    socket_path: str = ""
+    socket_path: str = ""                # its socket; an external daemon's readiness check (daemon_ready)
     resident_bytes: int | None = None
     fingerprint: dict[str, Any] | None = None
     weights_finite: bool | None = None  # the daemon checked every tensor of its arena finite

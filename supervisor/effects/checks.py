@@ -1,8 +1,8 @@
 """Probe: one check of a child, its answer as an event. An engine's readiness (HTTP up, the canary
 through its real HTTP path, compared with the golden answer, which the first engine to pass records)
 and health (an external engine's own /health where it has one, then the canary again; an external engine's
-model id and continuation paths are learned before READY: supervisor/effects/abilities.py); a daemon's status while it loads and its pings once READY; a new spawn
-server's ping."""
+model id and continuation paths are learned before READY: supervisor/effects/abilities.py); a daemon's status while it loads and its pings once READY (an external engine's daemon: its
+readiness check, supervisor/effects/ready_checks.py); a new spawn server's ping."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +20,9 @@ from supervisor.core.events import DaemonAnswered, Event, HealthChecked, Pinged,
 from supervisor.effects.abilities import ModelIdError, NotAnswered, learn_abilities, reported_model_id
 from supervisor.effects.canary import GoldenStore, compare, is_listening, run_canary, weights_provenance
 from supervisor.router.abilities import Abilities
+from supervisor.effects.launcher import log_path
 from supervisor.effects.processes import SpawnClient
+from supervisor.effects.ready_checks import not_ready
 from supervisor.router.upstream import Client, UpstreamError
 
 log = logging.getLogger("understudy")
@@ -67,6 +69,10 @@ class Checks:
             except OSError as e:
                 return HealthChecked(a.name, a.incarnation, f"{type(e).__name__}: {e}", out_of_descriptors())
             return HealthChecked(a.name, a.incarnation, problem, problem is not None and out_of_descriptors())
+        if a.what == "up":  # an external engine's daemon: its readiness check (engines.external.daemon_ready)
+            log_file = log_path(self.cfg.resolved_runtime_dir(), a.kind, a.name, a.incarnation)
+            problem = await not_ready(a.target, log_file)
+            return Pinged(a.name, a.incarnation, problem is None, problem or "")
         if a.what == "status":
             try:
                 return DaemonAnswered(a.name, a.incarnation, await asyncio.to_thread(daemon_status, a.target))

@@ -12,7 +12,7 @@ from wire.engine_config import EngineConfig
 from wire import node_secret
 from wire.guarded_http import ListenerLimits
 from wire.loopback import free_port
-from supervisor.config import UnderstudyConfig, template_fields
+from supervisor.config import UnderstudyConfig, daemon_template_fields, template_fields
 from supervisor.core.adoption_plan import Wanted
 from supervisor.core.records import config_key
 from supervisor.effects.processes import python_argv
@@ -60,16 +60,35 @@ class ChildConfigs:
     def external_engine(self, name: str, port: int) -> tuple[list[str], str, dict[str, str]]:
         """(argv, url, extra env) of an external engine listening on ``port``."""
         ext = self.cfg.engines.external
-        fields = template_fields(port, str(self.model_path), name, self.model_name, self.cfg.resolved_gpu_ids())
+        fields = template_fields(port, str(self.model_path), name, self.model_name, self.cfg.resolved_gpu_ids(),
+                                 str(self.rd))
         return [a.format(**fields) for a in shlex.split(ext.command)], ext.url.format(**fields).rstrip("/"), ext.env
 
     def daemon(self, rank: int) -> list[str]:
-        """A rank's daemon: the weights, and with shared KV the node's pool (kv_cache_bytes)."""
+        """A rank's daemon: the weights, and with shared KV the node's pool (kv_cache_bytes); with external
+        engines, their own daemon's command line (engines.external.daemon_command)."""
+        if self.external:
+            return [a.format(**self._daemon_fields(rank)) for a in shlex.split(self.cfg.engines.external.daemon_command)]
         m, e = self.cfg.model, self.cfg.engines
         gpu = self.cfg.resolved_gpu_ids()[rank] if self.device == "cuda" else None
         pool = e.kv_cache_bytes if self.cfg.shares_kv() else 0
         return daemon_argv(self.model_path, rank, m.tp_size, self.device, m.dtype, self.rd, gpu, pool,
                            e.kv_block_size, e.count)
+
+    def daemon_env(self) -> dict[str, str]:
+        """What a daemon gets beside our environment: an external engine's env (the same GPUs as its engines)."""
+        return dict(self.cfg.engines.external.env) if self.external else {}
+
+    def daemon_ready(self, rank: int) -> str:
+        """Where a rank's daemon is checked: our socket's path, or an external daemon's readiness check filled."""
+        if self.external:
+            return self.cfg.engines.external.daemon_ready.format(**self._daemon_fields(rank))
+        from daemon.runtime_dir import daemon_socket_path
+        return str(daemon_socket_path(self.rd, rank))
+
+    def _daemon_fields(self, rank: int) -> dict[str, str]:
+        return daemon_template_fields(rank, str(self.model_path), self.model_name, self.cfg.resolved_gpu_ids(),
+                                      self.cfg.model.tp_size, str(self.rd))
 
     def spawn_server(self) -> list[str]:
         return python_argv("engines.process.spawn_server", "--socket", str(self.rd / "spawn.sock"),

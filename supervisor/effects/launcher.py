@@ -43,13 +43,18 @@ class Launcher:
         try:
             if a.kind == "engine":
                 handle, url, port = await self._engine(a)
-            else:
-                argv = self.configs.daemon(int(a.name.removeprefix("daemon-rank"))) if a.kind == "daemon" \
-                    else self.configs.spawn_server()
+            elif a.kind == "daemon":
+                argv = self.configs.daemon(int(a.name.removeprefix("daemon-rank")))
                 handle, url, port = PopenHandle(argv, log_path(self.rd, a.kind, a.name, a.incarnation),
-                                                child_env()), "", 0
+                                                {**child_env(), **self.configs.daemon_env()}), "", 0
+            else:
+                handle, url, port = PopenHandle(self.configs.spawn_server(), log_path(self.rd, a.kind, a.name,
+                                                a.incarnation), child_env()), "", 0
         except Exception as e:  # spawn refused, bad template, fork failed...: a failure of this child
-            return LaunchFailed(a.name, a.incarnation, str(e) or type(e).__name__)
+            why = str(e) or type(e).__name__
+            if a.kind == "daemon" and self.configs.external:  # (its command line is the operator's: name the key)
+                why = f"engines.external.daemon_command: cannot run it: {why}"
+            return LaunchFailed(a.name, a.incarnation, why)
         self.record(Launched(a.name, a.incarnation, handle.pid, url, port, spawned=isinstance(handle, SpawnedHandle)))
         self.watch(a.name, a.incarnation, handle)
         return None

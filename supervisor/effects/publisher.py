@@ -29,6 +29,11 @@ class Publisher:
         kind = ev["type"]
         if kind == "transition" and ev.get("kind") == "engine":
             self.metrics.set_engine_state(ev["engine"], ev["to"], STATES)
+        elif kind == "transition" and ev.get("kind") == "daemon":
+            for state in STATES:
+                self.metrics.daemon_state.labels(daemon=ev["engine"], state=state).set(1 if state == ev["to"] else 0)
+            if ev["to"] == "STARTING":
+                self.metrics.daemon_starts.labels(daemon=ev["engine"]).inc()
         elif kind == "failover":
             self.metrics.failovers.labels(reason=ev["reason"]).inc()
         elif kind == "fatal_retry":

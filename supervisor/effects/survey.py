@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from supervisor.core.actions import AwaitGone, CheckAdoptable, Survey
 from supervisor.core.events import AdoptionChecked, GroupsGone, Surveyed
 from supervisor.core.records import ChildRecord, same_process
 from supervisor.effects.checks import daemon_status
+from supervisor.effects.launcher import log_path
+from supervisor.effects.ready_checks import not_ready
 from supervisor.effects.processes import SpawnClient
 from supervisor.effects.reaper import wait_groups_gone
 from supervisor.effects.records_file import create_time
@@ -26,8 +29,9 @@ STOP_WAIT_S = 10.0
 
 
 class Surveyor:
-    def __init__(self, rd: Path, http: Client, external: bool) -> None:
-        self.rd, self.http, self.external = rd, http, external
+    def __init__(self, rd: Path, http: Client, external: bool, ready_of: Callable[[int], str] | None = None) -> None:
+        """``ready_of``: a rank's daemon readiness check, for an external engine's daemons."""
+        self.rd, self.http, self.external, self.ready_of = rd, http, external, ready_of
 
     async def survey(self, a: Survey) -> Surveyed:
         try:
@@ -55,6 +59,9 @@ class Surveyor:
                     return f"pid {rec.pid} (or its HTTP front end) does not listen on port {rec.port}"
                 status, _ = await self.http.fetch("GET", rec.url, "/health", timeout_s=CHECK_TIMEOUT_S)
                 return None if status == 200 else f"GET {rec.url}/health answered {status}"
+            if rec.kind == "daemon" and self.external and self.ready_of is not None:  # its readiness check again
+                check = self.ready_of(int(rec.name.removeprefix("daemon-rank")))
+                return await not_ready(check, log_path(self.rd, "daemon", rec.name, rec.incarnation))
             if rec.kind == "daemon":
                 rank = int(rec.name.removeprefix("daemon-rank"))
                 reply = await asyncio.to_thread(daemon_status, str(daemon_socket_path(self.rd, rank)), CHECK_TIMEOUT_S)
