@@ -219,8 +219,6 @@ def test_the_fp8_product_kernel_computes_the_product_of_what_it_quantized(kind, 
         wq, ws = quantize_fp8(w, (32, 128))
         xq, xs = quantize_rows(x, 128)
         got = fp8_matmul(xq, xs, wq, ws, 32, 128, 128, torch.float32)
-        # quantizing inside the product gives quantize_rows' bits
-        assert torch.equal(fp8_matmul(x, None, wq, ws, 32, 128, 128, torch.float32), got)
         w_deq = wq.float() * ws.repeat_interleave(32, 0).repeat_interleave(128, 1)
         x_deq = xq.float() * xs.repeat_interleave(128, 1)
     else:

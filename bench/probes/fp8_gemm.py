@@ -1,8 +1,8 @@
 """FP8 products against bf16 at the 8B shape's linears (GPU): quantize + Triton FP8 product
 (engines/kernels/fp8.py, block-wise 128x128) beside torch's bf16 F.linear, by row count, each timed
 as 20 calls replayed from one CUDA graph (as the engine's decode runs them: no launch gaps).
-Columns: quantize alone, quantize + product, the product quantizing itself (fused); with --sweep,
-every candidate tile too (fused up to FUSED_ROWS rows), and the best per (shape, rows).
+Columns: quantize alone, quantize + product; with --sweep, every candidate tile of the product too,
+and the best per (shape, rows) (and any tile that gives other bits than the default's).
     python3 bench/probes/fp8_gemm.py [--sweep]"""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engines.kernels.fp8 import FUSED_ROWS, fp8_matmul, quantize_rows, tiles
+from engines.kernels.fp8 import fp8_matmul, quantize_rows, tiles
 from engines.models.make_model import quantize_fp8
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -54,7 +54,7 @@ def candidates(m: int) -> list[tuple[int, int, int, int]]:
 def main() -> None:
     sweep = "--sweep" in sys.argv
     budget = time.monotonic() + float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 1e18
-    print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'quant us':>8} {'fp8 us':>8} {'fused us':>8} {'ratio':>6}" +
+    print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'quant us':>8} {'fp8 us':>8} {'ratio':>6}" +
           (f" {'best us':>8} {'ratio':>6}  best tile (BM,BN,warps,stages)" if sweep else ""), flush=True)
     weights = {}
     for name, (n, k) in SHAPES.items():
@@ -66,13 +66,12 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x, 128)
 
-            def fp8(tile=None, fused: bool = m <= FUSED_ROWS) -> torch.Tensor:
-                q, s = (x, None) if fused else quantize_rows(x, 128)
-                return fp8_matmul(q, s, wq, ws, 128, 128, 128, torch.bfloat16, tile=tile)
+            def fp8(tile=None) -> torch.Tensor:
+                return fp8_matmul(*quantize_rows(x, 128), wq, ws, 128, 128, 128, torch.bfloat16, tile=tile)
             tb = graphed_us(lambda: F.linear(x, wb))
             tq = graphed_us(lambda: quantize_rows(x, 128))
-            tf, tfused = graphed_us(lambda: fp8(fused=False)), graphed_us(lambda: fp8(fused=True))
-            line = f"{name:8} {m:5} {tb:8.1f} {tq:8.1f} {tf:8.1f} {tfused:8.1f} {tb / min(tf, tfused):6.2f}"
+            tf = graphed_us(fp8)
+            line = f"{name:8} {m:5} {tb:8.1f} {tq:8.1f} {tf:8.1f} {tb / tf:6.2f}"
             if sweep and time.monotonic() < budget:
                 ref = fp8_matmul(xq, xs, wq, ws, 128, 128, 128, torch.float32)
                 best = (graphed_us(fp8, calls=10, reps=5), tiles(m, n))

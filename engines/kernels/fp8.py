@@ -6,8 +6,8 @@ per (row, group) (amax / 448); `quantize_static(x, scale)`: every row with one g
 `fp8_matmul(xq, xs, w, ws, scale_rows, scale_cols)`: `(xq * xs) @ (w * ws)^T` where `xs[m, k //
 group]` scales the activations and `ws[n // scale_rows, k // scale_cols]` the weight: block-wise
 weights (DeepSeek-V3's `weight_scale_inv`, scales applied at every K block) or per-row ones (one
-scale per output row, applied once at the end). Block-wise, it can also quantize the activations
-itself (`xs` None): one launch instead of two, for the small products of decode.
+scale per output row, applied once at the end). (Quantizing the activations inside the product, one
+launch instead of two, was measured slower at every row count on an H100: bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
 def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                 stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
                 A_GROUP: tl.constexpr, W_ROWS: tl.constexpr, W_COLS: tl.constexpr, SCALE_EACH_K: tl.constexpr,
-                HAS_BIAS: tl.constexpr, QUANT_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -87,13 +87,7 @@ def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
         # each K block's product added in float32 here (FP8 tensor cores accumulate inside one product
         # in less precision, and how depends on the tile: a chained accumulator would make a row's bits
         # depend on the row count, and a CUDA graph's padded rows on its tokens)
-        if QUANT_A:  # the activations' K block is one quantization group: quantize_rows' arithmetic here
-            a = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(a), 1), 1e-12) / 448.0
-            a = (a / a_s[:, None]).to(b_ptr.dtype.element_ty)
-            b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn + (k0 // W_COLS) * stride_bsk, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        elif SCALE_EACH_K:
+        if SCALE_EACH_K:
             a_s = tl.load(as_ptr + offs_m * stride_asm + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
             b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn + (k0 // W_COLS) * stride_bsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
@@ -112,7 +106,6 @@ def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
 
 
 Tile = tuple[int, int, int, int]  # (BM, BN, warps, stages)
-FUSED_ROWS = 256  # up to this many rows, block-wise activations are quantized inside the product
 
 
 def tiles(m: int, n: int) -> Tile:
@@ -126,14 +119,11 @@ def tiles(m: int, n: int) -> Tile:
     return 128, 128, 8, 3
 
 
-def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor, scale_rows: int,
+def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, scale_rows: int,
                scale_cols: int, group: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                tile: Tile | None = None) -> torch.Tensor:
     """`xq [M, K]` (scales `xs [M, K / group]`) times `w [N, K]^T` (scales `ws [N / scale_rows, K /
-    scale_cols]`): `[M, N]` in `out_dtype`. Block-wise when `scale_cols` < K, else per row. With `xs`
-    None, `xq` is unquantized and each K block of `group` columns is quantized inside the product
-    (block-wise only, `group` = the weight's `scale_cols` <= 128): the bits of `quantize_rows`, one
-    launch and no FP8 copy of the activations."""
+    scale_cols]`): `[M, N]` in `out_dtype`. Block-wise when `scale_cols` < K, else per row."""
     m, k = xq.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -141,15 +131,10 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: t
         return out
     each_k = scale_cols < k
     bk = min(128, scale_cols, group) if each_k else 128
-    if xs is None and not (each_k and group == scale_cols == bk):
-        raise ValueError(f"quantizing inside the product needs block-wise scales of <= 128 columns, "
-                         f"not a group of {group} over blocks of {scale_cols}")
     bm, bn, warps, stages = tile or tiles(m, n)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    scales = xq if xs is None else xs
-    _fp8_matmul[grid](xq, scales, w, ws, bias if bias is not None else out, out, m, n, k,
-                      xq.stride(0), w.stride(0), out.stride(0), scales.stride(0), scales.stride(1), ws.stride(0),
+    _fp8_matmul[grid](xq, xs, w, ws, bias if bias is not None else out, out, m, n, k,
+                      xq.stride(0), w.stride(0), out.stride(0), xs.stride(0), xs.stride(1), ws.stride(0),
                       ws.stride(1), A_GROUP=group, W_ROWS=scale_rows, W_COLS=scale_cols, SCALE_EACH_K=each_k,
-                      HAS_BIAS=bias is not None, QUANT_A=xs is None, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                      num_warps=warps, num_stages=stages)
+                      HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out

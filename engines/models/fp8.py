@@ -80,14 +80,12 @@ class Fp8Linear(nn.Module):
         """x @ weight^T on this rank, before any cross-rank sum or bias."""
         if self.scheme.activations == "none" or not has_fp8_cores(x.device):
             return F.linear(x, self.dequantized(x.dtype))
-        from engines.kernels.fp8 import FUSED_ROWS, fp8_matmul, quantize_rows, quantize_static
+        from engines.kernels.fp8 import fp8_matmul, quantize_rows, quantize_static
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         group = self.scale_cols if self.scheme.kind == "block" else shape[-1]
         if self.scheme.activations == "static":
             xq, xs = quantize_static(x, self.input_scale)
-        elif self.scheme.kind == "block" and group <= 128 and x.shape[0] <= FUSED_ROWS:
-            xq, xs = x, None  # quantized inside the product (the same bits, one launch)
         else:
             xq, xs = quantize_rows(x, group)
         y = fp8_matmul(xq, xs, self.weight, self.scale.view(self.scale.shape[0], -1), self.scale_rows,
