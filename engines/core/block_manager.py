@@ -177,38 +177,45 @@ class BlockManager:
                     break
                 self._hit(seq, block, key)
                 prev = key
+        self._verify([seq])
         self._matched(seq)
 
     def _matched(self, seq: Sequence) -> None:
-        """A sequence's cached prefix is found (and a continuation's tail, if the pool named it): its counts."""
-        self._verify(seq)
+        """A sequence's cached prefix is found and verified (and a continuation's tail, if the pool named
+        it): its counts."""
         self.queried_tokens += len(seq.prompt_ids)
         seq.num_computed = seq.num_cached = len(seq.block_table) * self.block_size + self._take_tail(seq)
         self.hit_tokens += seq.num_cached
         if seq.replayed and seq.first_scheduled is None and self.on_continuation is not None:
             self.on_continuation(seq.num_cached, len(seq.prompt_ids) - seq.num_cached)
 
-    def _verify(self, seq: Sequence) -> None:
-        """Keep the blocks `seq` matched up to the first whose bytes changed since it was sealed (if
-        one did): every changed one is dropped from the cache (freed in the index once no sequence
-        holds it), and `seq` recomputes from the first."""
-        if self.integrity is None or self.integrity.expected is None or not seq.block_table:
+    def _verify(self, seqs: list[Sequence]) -> None:
+        """Keep the blocks each of `seqs` matched up to the first whose bytes changed since it was
+        sealed (if one did): every changed one is dropped from the cache (freed in the index once no
+        sequence holds it), and its sequences recompute from there. One digest call for all of them
+        (a failover's continuations: one per layer per call, not per sequence)."""
+        if self.integrity is None or self.integrity.expected is None:
             return
-        bad = self.integrity.check(seq.block_table)
+        seqs = [s for s in seqs if s.block_table]
+        blocks = list(dict.fromkeys(b for s in seqs for b in s.block_table))
+        bad = set(self.integrity.check(blocks)) if blocks else set()
         if not bad:
             return
         for block in bad:
             if self.block_of.get(int(self.key_lo[block])) == block:
                 del self.block_of[int(self.key_lo[block])]
             self.key_lo[block] = self.key_hi[block] = 0
-        good = seq.block_table.index(bad[0])
-        for block in reversed(seq.block_table[good:]):
-            self._unref(block)
-        del seq.block_table[good:]
-        last = seq.block_table[-1] if good else None
-        seq.keyed = good
-        seq.last_key = None if last is None else \
-            int(self.key_lo[last]).to_bytes(8, "little") + int(self.key_hi[last]).to_bytes(8, "little")
+        for seq in seqs:
+            good = next((i for i, b in enumerate(seq.block_table) if b in bad), None)
+            if good is None:
+                continue
+            for block in reversed(seq.block_table[good:]):
+                self._unref(block)
+            del seq.block_table[good:]
+            last = seq.block_table[-1] if good else None
+            seq.keyed = good
+            seq.last_key = None if last is None else \
+                int(self.key_lo[last]).to_bytes(8, "little") + int(self.key_hi[last]).to_bytes(8, "little")
 
     def match_many(self, seqs: list[Sequence]) -> None:
         """`match_prefix` for continued sequences with no blocks yet, with one lookup for all, or for
@@ -243,6 +250,8 @@ class BlockManager:
         for seq, start, run in zip(seqs, starts.tolist(), runs.tolist()):
             self._give_adopted(seq, blocks[start:start + run], los[start:start + run],
                                seq.prefix_keys[16 * run - 16:16 * run])
+        self._verify(seqs)
+        for seq in seqs:
             self._matched(seq)
 
     def _take_tail(self, seq: Sequence) -> int:

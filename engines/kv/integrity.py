@@ -98,8 +98,8 @@ class KVIntegrity:
         return out
 
     def check(self, blocks: list[int]) -> list[int]:
-        """Those of `blocks` (a sequence's reused blocks, in order) that no longer hold what they held
-        when sealed, counted and logged (the caller drops them; the sequence recomputes from the first)."""
+        """Those of `blocks` (blocks about to be reused) that no longer hold what they held when sealed,
+        counted and logged (the caller drops them; their sequences recompute from the first they hold)."""
         ids = np.asarray(blocks)
         expected = self.expected[ids]
         known = ids[expected != 0].tolist()
@@ -110,7 +110,7 @@ class KVIntegrity:
         if bad:
             self.mismatches += len(bad)
             log.error("KV blocks %s changed since they were sealed (their digests differ): dropped from the cache "
-                      "and the index; their sequence recomputes from block %d", bad, bad[0])
+                      "and the index; the sequences holding them recompute from there", bad)
         return bad
 
     def _digest(self, blocks: list[int]) -> torch.Tensor:
