@@ -6,7 +6,7 @@
 #   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart,
 #                                    # the failover of record on the FP8 8b (64 streams, 20 kills)
 #   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: restart, failover (RUNS kills, 6); the 1b's nano in bf16
-#                                    # and FP8; memory; beside it, where per-tensor FP8's graph tokens leave eager
+#                                    # and FP8; memory
 #   bash bench/gpu_fp8_moe.sh moefo  # moe-30b-a3b in FP8: the failover alone (RUNS kills, 3)
 #   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano
 # Everything under $OUT comes back as one logs.tgz.
@@ -83,9 +83,8 @@ fp8)
   ;;
 moe)  # most telling first: restart (the numerics check at 128 experts), the failover, then the 1b's nano in
   # bf16 and FP8 (this tree's FP8 product), memory last
-  timeout 100 python3 bench/probes/fp8_graph_diff.py fp8-tensor > "$OUT/fp8_graph_diff.txt" 2>&1 &
-  made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block; wait
-  du -sh /tmp/moe30 | tee "$OUT/sizes.txt"; tail -20 "$OUT/fp8_graph_diff.txt"
+  made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
+  du -sh /tmp/moe30 | tee "$OUT/sizes.txt"
   timeout 130 $U bench restart /tmp/moe30 --runs 2 --device cuda 2>&1 | tee "$OUT/restart_moe30.txt" | tail -8
   RUNS=${RUNS:-6} FAILOVER_S=150 failover_on /tmp/moe30 moe30_fp8
   made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
