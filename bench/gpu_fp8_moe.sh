@@ -7,7 +7,7 @@
 #                                    # the failover of record on the FP8 8b (64 streams, 20 kills)
 #   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: restart, failover (RUNS kills, 6); the 1b's nano in bf16
 #                                    # and FP8; memory
-#   bash bench/gpu_fp8_moe.sh moefo  # moe-30b-a3b in FP8: the failover alone (RUNS kills, 3)
+#   MODEL=moe30|m1b bash bench/gpu_fp8_moe.sh fo  # the failover alone (RUNS kills, 3)
 #   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano
 # Everything under $OUT comes back as one logs.tgz.
 # Expects wheels of the packages the GPU image lacks in .whl/ (see README): fastapi, uvicorn, pyzmq, pydantic
@@ -91,9 +91,9 @@ moe)  # most telling first: restart (the numerics check at 128 experts), the fai
   for m in m1b m1b-fp8; do NANO_S=45 nano /tmp/$m $m; done
   timeout 100 bash -c "$(declare -f memory_on); memory_on /tmp/moe30 moe30"
   ;;
-moefo)  # moe-30b-a3b in FP8: the failover alone (RUNS kills, 3)
-  made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
-  RUNS=${RUNS:-3} FAILOVER_S=${FAILOVER_S:-110} failover_on /tmp/moe30 moe30_fp8
+fo)  # the failover alone (RUNS kills, 3) on $MODEL (moe30: moe-30b-a3b in FP8; m1b: the 1b in bf16)
+  case "${MODEL:-moe30}" in moe30) made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block;; m1b) made /tmp/m1b --preset 1b;; esac
+  RUNS=${RUNS:-3} FAILOVER_S=${FAILOVER_S:-110} failover_on /tmp/${MODEL:-moe30} ${MODEL:-moe30}
   ;;
 moea1b)
   made /tmp/moea1b --preset moe-a1b; made /tmp/moea1b-fp8 --preset moe-a1b --quant fp8-block
