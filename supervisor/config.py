@@ -65,12 +65,10 @@ def _fill_check(v: str, fields: dict[str, str]) -> list[str]:
     """``v`` split as a command line and each part filled; ValueError names an unknown placeholder."""
     import shlex
     try:
-        return [part.format(**fields) for part in shlex.split(v)]
-    except KeyError as e:
-        raise ValueError(f"unknown placeholder {{{e.args[0]}}} (known: {', '.join(fields)}; "
-                         "write {{ and }} for literal braces)") from None
-    except (ValueError, IndexError) as e:
+        parts = shlex.split(v)
+    except ValueError as e:
         raise ValueError(f"not a valid template: {e}") from None
+    return [_fill_one(part, fields) for part in parts]
 
 
 class ExternalEngine(_Section):
