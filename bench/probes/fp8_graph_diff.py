@@ -1,4 +1,4 @@
-"""Where per-tensor FP8's CUDA-graph tokens leave the eager ones (tests/test_fp8_moe_gpu.py): each FP8
+"""Where per-tensor FP8's CUDA-graph tokens leave the eager ones (tests/engines/models/test_fp8_moe_gpu.py): each FP8
 product, the activations' quantization and the bf16 LM head at 3 rows against the same 3 rows among 4
 (a graph's padding) and 8, bit for bit; then the greedy tokens per batch, eager against graphs."""
 from __future__ import annotations
