@@ -1,4 +1,4 @@
-"""A stream that stalls mid-way is never silent (wire/stalls.py), with real processes: a node on
+"""A stream that stalls mid-way is never silent (wire/stream_timing.py), with real processes: a node on
 the tiny model (CPU), a stream read until its tokens flow, then the primary's core stopped (SIGSTOP)
 for longer than STALL_LOG_S and let go on (SIGCONT). The engine's front end logs that the stream
 waited between outputs from the core, the router that it waited for the engine's bytes, each as the
@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from wire.stalls import STALL_LOG_S
+from wire.stream_timing import STALL_LOG_S
 from harness.node import running
 
 CONFIG = """

@@ -1,5 +1,5 @@
-"""The streaming events the front end writes (wire/stream_chunks.py) are byte for byte what the
-protocol's pydantic models dump, for every combination of the client's options."""
+"""The streaming events the front end writes (engines/frontend/stream_chunks.py) are byte for byte
+what the protocol's pydantic models dump, for every combination of the client's options."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import pytest
 
 from wire.protocol import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, Delta,
                               Usage)
-from wire.stream_chunks import ChunkWriter
+from engines.frontend.stream_chunks import ChunkWriter
 
 TEXTS = ["", " plain", 'quote " back \\ slash', "tab\tnl\ncr\r ctrl\x01\x1f del\x7f", "héllo wörld ✓ 😀 \u2028",
          None]

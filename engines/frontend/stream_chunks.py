@@ -1,9 +1,9 @@
 """The events of a streaming answer, serialised without building pydantic models: a chunk per
 stream per step is the front end's most frequent write, and `ChatCompletionChunk(...)
 .model_dump_json(exclude=...)` cost more than the rest of a chunk's path. The bytes are exactly
-what those models dump (wire/protocol.py stays the format's definition; tests/wire/test_stream_chunks.py
-holds the two to each other): the request's fixed fields are serialised once, each chunk adds
-its choice."""
+what those models dump (wire/protocol.py stays the format's definition;
+tests/engines/process/test_stream_chunks.py holds the two to each other): the request's fixed
+fields are serialised once, each chunk adds its choice."""
 from __future__ import annotations
 
 import orjson
