@@ -145,7 +145,7 @@ def batched(request, monkeypatch):
 
 def stand_in_engines(tmp_path, monkeypatch, n: int):
     """Stand-in engines u1..un (a fresh set per test: they die), killed after it."""
-    import tests.test_supervisor_router as tsr
+    import tests.supervisor.router.test_supervisor_router as tsr
     monkeypatch.setattr(tsr, "UPSTREAM", ENGINE)
     procs = [start_upstream(tmp_path, f"u{i}") for i in range(1, n + 1)]
     yield procs
