@@ -8,12 +8,12 @@ source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi_start.csv"
 case "${1:-weights}" in
 weights)
-  timeout 120 python3 -m pytest -q -m gpu tests/test_daemon_gpu.py tests/test_engine_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  timeout 120 python3 -m pytest -q -m gpu tests/daemon/test_daemon_gpu.py tests/engines/process/test_engine_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
   timeout 220 python3 -m harness.gpu_check --model $M --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log" | tail -30
   timeout 190 python3 -m harness.bench.engine validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -30
   ;;
 kernels)
-  timeout 200 python3 -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  timeout 200 python3 -m pytest -q tests/engines/process/test_engine_gpu.py tests/engines/models/test_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
   timeout 300 python3 -m harness.bench.engine validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -32
   for i in 2 3; do  # two more batch-1 decode runs: the median of three goes to RESULTS.md
     timeout 120 python3 -m harness.bench.engine decode $M --device cuda --batches 1 --json 2>&1 | tee "$OUT/decode_$i.log" | tail -3

@@ -5,7 +5,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from wire.latency_buckets import FIRST_OUTPUT_BUCKETS
+from wire.stream_timing import FIRST_OUTPUT_BUCKETS
 
 _FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)

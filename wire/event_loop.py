@@ -1,6 +1,6 @@
 """The event loop of every serving process (the engine's HTTP front end, the supervisor and its
 router, the load generator): uvloop, whose callbacks, timers and socket transports cost less per
-stream chunk than asyncio's own loop (bench/RESULTS.md, the HTTP hop probe)."""
+stream chunk than asyncio's own loop (bench/HISTORY.md, "The loops themselves")."""
 from __future__ import annotations
 
 import asyncio

@@ -163,7 +163,8 @@ def guarded_protocol(limits: ListenerLimits, stats: ConnectionStats, gate: Gate 
     """uvicorn's httptools protocol enforcing ``limits`` and ``gate`` (uvicorn.Config(http=...) takes a class).
 
     httptools (llhttp, C) rather than h11: every chunk of every streamed answer goes through this
-    class, and with h11 the router spent a quarter more CPU per chunk (bench/probes/http_chunks.py).
+    class, and with h11 the router spent a quarter more CPU per chunk (bench/HISTORY.md,
+    "HTTP cost per stream chunk").
     llhttp does not bound a request head, so this class does (``max_head_bytes``, 431), as h11 did."""
     occupancy = stats.occupancy = Occupancy(limits.max_connections, limits.peer_share)
 

@@ -1,4 +1,4 @@
-"""The core's side of the stall logs (wire/stalls.py): every STALL_LOG_S, a sequence that the
+"""The core's side of the stall logs (wire/stream_timing.py): every STALL_LOG_S, a sequence that the
 scheduler has not moved since the last look (its computed positions unchanged) while the engine
 stepped is logged with where it was: running (what it waits for) or waiting (in which queue, with the
 room the scheduler had). Only sequences whose client has tokens already count: a new request queued
@@ -12,7 +12,7 @@ import time
 from .block_manager import BlockManager
 from .scheduler import Scheduler
 from .sequence import Sequence
-from wire.stalls import STALL_LOG_S
+from wire.stream_timing import STALL_LOG_S
 
 log = logging.getLogger("engines.core.engine")
 SHOWN = 4  # sequences described per line

@@ -54,7 +54,7 @@ class _Recorded:
 class TailPublisher:
     """The writer's side: record each launched step's positions, publish them once it completed.
     Per step, not per row: a decode step of 256 rows took 53-94 us of the scheduler thread on the
-    dev VM, a third of what its seal loop took (bench/probes/tail_cost.py)."""
+    dev VM, a third of what its seal loop took (bench/HISTORY.md, "The writer's cost per step")."""
 
     def __init__(self, blocks: BlockManager) -> None:
         self.blocks = blocks

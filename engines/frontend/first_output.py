@@ -14,7 +14,7 @@ from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from wire.latency_buckets import FIRST_OUTPUT_BUCKETS
+from wire.stream_timing import FIRST_OUTPUT_BUCKETS
 from engines.core.sequence import Output
 
 ARRIVED: ContextVar[float | None] = ContextVar("understudy_request_arrived", default=None)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from wire import sse
 from wire.interrupt import unless_client_leaves
 from engines.core.sequence import Output
-from wire.stalls import STALL_LOG_S
-from wire.stream_chunks import ChunkWriter
+from wire.stream_timing import STALL_LOG_S
+from engines.frontend.stream_chunks import ChunkWriter
 
 if TYPE_CHECKING:
     from .engine_client import EngineClient
@@ -122,7 +122,7 @@ class StreamEvents:
 
     def __init__(self, running: Running, kind: str, rid: str, created: int, model: str, prompt_tokens: int,
                  include_usage: bool, ids: bool, first_prompts: list | None = None) -> None:
-        """``kind``: "completions" or "chat" (wire/stream_chunks.py); ``first_prompts``: each
+        """``kind``: "completions" or "chat" (engines/frontend/stream_chunks.py); ``first_prompts``: each
         choice's prompt ids, for its first chunk (a client's request with ids; None for a
         continuation, whose client had them already)."""
         self.running, self.chat, self.ids = running, kind == "chat", ids
@@ -132,7 +132,7 @@ class StreamEvents:
         self._unsent = set(range(len(running.keys))) if first_prompts is not None and not self.chat else set()
         self._completion = [0] * len(running.keys)
         self.ended = False
-        self.rid, self._fed_at = rid, 0.0  # (the last outputs taken: wire/stalls.py)
+        self.rid, self._fed_at = rid, 0.0  # (the last outputs taken: wire/stream_timing.py)
 
     def opening(self) -> list[bytes]:
         if not self.chat:

@@ -29,7 +29,8 @@ row's bits if it is the same tile: deterministic engines give prefill rows decod
 GPU at hand, at engine start.
 
 Tiles of 128 keys with a two-stage pipeline (the block-table gather of the next tile overlaps this
-tile's products) came out of bench/probes/attention_tune.py on an H200 (timed inside CUDA graphs):
+tile's products) came out of a tuning probe on an H200 (timed inside CUDA graphs; bench/HISTORY.md,
+"Paged attention's tuning"):
 at 32 sequences of 1.6k shared-prefix tokens 36.2 -> 27.8 µs a layer, at 256 sequences of 100-2048
 tokens 213 -> 176 µs (bench/RESULTS.md).
 """
@@ -219,7 +220,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `cu_q [B+1]`, `seq_lens [B]`, `block_tables [B, max_blocks]`; `cu_qblocks [B+1]` the running
     count of `block_q`-token query blocks per sequence, `num_programs` (host) at least its last
     value. `search_steps` (default: enough for B) is fixed per engine so the kernel compiles once.
-    The keyword arguments are the kernel's tuning (bench/probes/attention_tune.py); `merge_splits`
+    The keyword arguments are the kernel's tuning (see the module docstring); `merge_splits`
     gives every row the splits of a decode row's keys, merged in order (deterministic engines: see
     the module docstring). Returns `[T, heads, D]`."""
     t, heads, d = q.shape

@@ -1,7 +1,7 @@
 """One pass: take in the events recorded since the last one, then turn the observed and the wanted
 state into actions (supervisor/core/actions.py) for supervisor/effects/ to carry out. Deterministic
 and free of I/O: the node is data and the clock is given, so table tests drive it with events and
-read the actions (tests/test_supervisor_decisions.py). Re-adoption is the first pass's work."""
+read the actions (tests/supervisor/decisions/test_supervisor_decisions.py). Re-adoption is the first pass's work."""
 from __future__ import annotations
 
 import logging

@@ -3,7 +3,7 @@ bytes it relays, in one observer the loop calls at three points of each chunk: i
 engine (`came`), it was parsed (`fed`), it went to our client (`relayed`).
 
 - a stall: no bytes from the engine for STALL_LOG_S after the first token, or our client taking
-  that long to take a chunk (a WARNING each, wire/stalls.py);
+  that long to take a chunk (a WARNING each, wire/stream_timing.py);
 - the first token's latency at the router (`understudy_router_first_token_seconds`, first attempts);
 - a continuation's first new token (or its end): its timeline's `token` moment, and the migration
   counted as continued, with the stall the client saw."""
@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from wire.stalls import STALL_LOG_S
+from wire.stream_timing import STALL_LOG_S
 
 if TYPE_CHECKING:
     from supervisor.router.migrating import _Call
