@@ -11,21 +11,35 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from wire.stream_timing import STALL_LOG_S
 
 if TYPE_CHECKING:
-    from supervisor.router.migrating import _Call
+    from supervisor.router.continuation import Tracked
     from supervisor.router.routing import Upstream
 
 log = logging.getLogger("understudy.router")
 
 
+class WatchedCall(Protocol):
+    """What the watch reads and records of the call it observes (supervisor/router/migrating.py `_Call`)."""
+
+    req: Tracked
+    m: Any  # its Migrator: the router's metrics and the migrations' counts
+    migrations: int
+    migrating_since: float | None
+    replayed: int
+    chunks_before: int
+    timeline: dict[str, float]
+
+    def _moment(self, name: str, now: float) -> None: ...
+
+
 class RelayWatch:
     """One attempt's relay loop, observed."""
 
-    def __init__(self, call: _Call, up: Upstream) -> None:
+    def __init__(self, call: WatchedCall, up: Upstream) -> None:
         self.call, self.up = call, up
         self.waited_from = 0.0  # when the engine's last chunk was relayed (from the first token on; 0: not timed)
         self.had_tokens = 0
