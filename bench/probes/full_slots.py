@@ -35,14 +35,17 @@ from supervisor.config import FailoverSection
 PROBE_LINES = ("probe failed", "probe unanswered", "probe not made", ": READY -> FAILED", "is primary (epoch")
 
 
-def node_config(workdir: Path) -> str:
-    """The embedded default with a private runtime dir and free ports: nothing else changed."""
+def node_config(workdir: Path, max_model_len: int | None = None) -> str:
+    """The embedded default with a private runtime dir and free ports (and `max_model_len`, for
+    streams longer than its 512 tokens): nothing else changed."""
     from supervisor.config_load import load_config
     cfg = load_config(None).model_dump()
     cfg["runtime_dir"] = str(workdir / "rt")
     cfg["router"]["port"] = cfg["admin"]["port"] = 0
     cfg["admin"]["token_file"] = None
     cfg["device"] = "cpu"
+    if max_model_len:
+        cfg["engines"]["max_model_len"] = max_model_len
     return yaml.safe_dump(cfg)
 
 
@@ -62,9 +65,9 @@ def log_lines(h: Harness) -> dict[str, int]:
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.busy)]
-    out: dict[str, Any] = {"busy_loops": args.busy, "duration_s": args.duration}
+    out: dict[str, Any] = {"busy_loops": args.busy, "duration_s": args.duration, "max_model_len": args.max_model_len}
     try:
-        with running(work, node_config(work), ready_timeout_s=300) as h:
+        with running(work, node_config(work, args.max_model_len), ready_timeout_s=300) as h:
             st = h.wait_all_ready()
             model = httpx.get(h.router_url + "/v1/models", timeout=30).json()["data"][0]["id"]
             slots = int(yaml.safe_load(h.config.read_text())["engines"]["max_num_seqs"])
@@ -126,6 +129,8 @@ def main() -> None:
     p.add_argument("--busy", type=int, default=2, help="spinning processes beside the node (%(default)s)")
     p.add_argument("--clients", type=int, default=0, help="streaming clients (default: max_num_seqs + 4)")
     p.add_argument("--max-tokens", type=int, default=480, help="tokens a stream asks, ignore_eos (%(default)s)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="engines.max_model_len (default: the config's, 512), for longer streams")
     p.add_argument("--out", help="folder for summary.json and supervisor.log")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="full-slots-") as tmp:
