@@ -7,6 +7,7 @@ beside, for `duration` seconds. Then the primary is SIGSTOPped under the same lo
 the stop to the supervisor's detection of the hang is read from its failover event.
 
     python bench/probes/full_slots.py [--duration 600] [--busy 2] [--out DIR]
+    python bench/probes/full_slots.py --clients 16 --max-model-len 1024 --max-tokens 1000  # streams in step
 
 Prints (and writes to DIR/summary.json) failovers, engine (re)starts, the supervisor's probe lines
 and the load's outcomes; DIR/supervisor.log is the supervisor's log."""
