@@ -233,6 +233,39 @@ def test_sigstop_daemon_is_detected_and_replaced_while_engines_serve(sup):
     assert st2["daemons"][0]["pid"] != d["pid"] and st2["epoch"] == st["epoch"]
 
 
+def test_a_standby_that_came_up_while_the_daemon_hung_is_healed_onto_its_weights_and_pool(sup):
+    """Issue 52 (B), real processes: the daemon SIGSTOPped (fenced after its unanswered pings, then
+    restarted) and the standby SIGKILLed at once, so that its replacement starts while the daemon is
+    away: it comes up degraded (weights from disk, a KV cache of its own). Once the daemon is READY
+    again the supervisor replaces it with a standby on the daemon's weights and pool, within 30 s of
+    the hang, and no request of the light load beside fails. (Without supervisor/core/healing.py the
+    degraded standby stays as it is and this fails.)"""
+    st = sup.wait_all_ready()
+    d, standby = st["daemons"][0], sup.standby()
+    assert standby["weights_source"] == "cache_hit" and standby["kv_source"] == "shared", standby
+    mark = len(sup.events)
+    with Load(sup.router_url, "model", threads=2, stream=True) as load:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.kill(d["pid"], signal.SIGSTOP)
+        os.kill(standby["pid"], signal.SIGKILL)
+        sup.wait_event(lambda e: e["engine"] == "daemon-rank0" and e["to"] == "READY", since=mark, timeout_s=60)
+        t_daemon = time.monotonic()
+        heal = sup.wait_event(lambda e: e["type"] == "healing", since=mark, timeout_s=60)
+        back = sup.wait_for(lambda s: any(e["name"] == standby["name"] and e["state"] == "READY"
+                                          and e["weights_source"] == "cache_hit" and e["kv_source"] == "shared"
+                                          for e in s["engines"]), 60, "the standby back on the daemon")
+        t_back = time.monotonic()
+        time.sleep(0.5)
+    assert heal["engine"] == standby["name"] and heal["degraded"].startswith(("weights disk:", "KV own")), heal
+    assert back["primary"] != standby["name"] and back["epoch"] == st["epoch"]  # no failover on the way
+    assert load.failures == [] and len(load.results) > 5, load.failures[:5]
+    assert t_back - t0 < 30, (t_daemon - t0, t_back - t0)
+    print(f"\nself-heal: daemon READY {t_daemon - t0:.2f} s after its SIGSTOP; standby back on its weights and pool "
+          f"{t_back - t0:.2f} s after it ({t_back - t_daemon:.2f} s after the daemon); degraded: {heal['degraded']}; "
+          f"{len(load.results)} requests, {len(load.failures)} failed")
+
+
 def test_sigstop_primary_is_detected_by_heartbeat_and_failed_over(sup):
     old, new, mark = _kill_and_wait_failover(sup, signal.SIGSTOP, "hang")
     st = sup.wait_all_ready()
@@ -362,9 +395,10 @@ def test_changed_checkpoint_is_a_miss_with_reason_and_never_promoted(sup, make_t
         m = sup.metrics()
         miss = [ln for ln in m.splitlines() if ln.startswith("understudy_weight_cache_requests_total")
                 and 'result="miss"' in ln]
-        assert [ln.rsplit(" ", 1)[0] for ln in miss] == [  # (>= 1: its restart may have missed again by now)
-            'understudy_weight_cache_requests_total{reason="mismatch",result="miss"}'], miss
-        assert float(miss[0].rsplit(" ", 1)[1]) >= 1.0, miss
+        # (the self-healing test before this one left a protocol_error miss; >= 1: its restart may have
+        # missed again by now)
+        mismatch = [ln for ln in miss if ln.startswith('understudy_weight_cache_requests_total{reason="mismatch"')]
+        assert len(mismatch) == 1 and float(mismatch[0].rsplit(" ", 1)[1]) >= 1.0, miss
         assert httpx.post(sup.router_url + "/v1/completions", timeout=30,
                           json={"model": "model", "prompt": "x", "max_tokens": 2}).status_code == 200
     finally:
