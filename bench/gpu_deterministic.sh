@@ -4,7 +4,7 @@
 #                                          #     prefill vs decode vs chunks, the model's logits alone vs in
 #                                          #     batches of 2..256: bit-identical yes/no and max |diff| per case,
 #                                          #     deterministic vs default; (2) the deterministic tests natively
-#                                          #     (tests/engines/models/test_invariant_ops.py, test_deterministic_model.py,
+#                                          #     (tests/models/test_invariant_ops.py, test_deterministic_model.py,
 #                                          #     -m gpu included); (3) understudy bench determinism: 32 prompts
 #                                          #     greedy + seeded alone, then 32 streaming clients for DURATION s
 #                                          #     (45) without and with KILLS (15) SIGKILLs of the primary
@@ -27,8 +27,8 @@ check() {
   echo "== (1) probe"
   timeout 200 python3 bench/probes/deterministic.py $M --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt"
   echo "== (2) tests"
-  timeout 150 python3 -m pytest -q tests/engines/models/test_invariant_ops.py \
-    tests/engines/models/test_deterministic_model.py 2>&1 | tail -8 \
+  timeout 150 python3 -m pytest -q tests/models/test_invariant_ops.py \
+    tests/models/test_deterministic_model.py 2>&1 | tail -8 \
     | tee "$OUT/gpu_tests.log"
   echo "== (3) bench determinism"
   config det 8000 true 34359738368

@@ -40,17 +40,17 @@ memory_on() {  # memory_on MODEL LABEL: GPU memory per process, the node READY (
 gpu_tests() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   timeout "${1:-420}" python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-    tests/engines/models/test_fp8_moe_gpu.py tests/engines/models/test_fp8.py tests/engines/models/test_moe.py \
-    tests/engines/models/test_invariant_ops.py tests/engines/models/test_kernels.py tests/daemon/test_daemon_gpu.py \
-    tests/engines/models/test_deterministic_model.py tests/engines/process/test_engine_gpu.py \
+    tests/models/test_fp8_moe_gpu.py tests/models/test_fp8.py tests/models/test_moe.py \
+    tests/models/test_invariant_ops.py tests/models/test_kernels.py tests/daemon/test_daemon_gpu.py \
+    tests/models/test_deterministic_model.py tests/engines/process/test_engine_gpu.py \
     tests/engines/kv/test_shared_kv_engine.py tests/supervisor/processes/test_supervisor_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
 }
 
 case "${1:-tests}" in
 new)  # this tree's new CUDA paths only (FP8, MoE), and the FP8 products' speed
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-  timeout 200 python3 -m pytest -q -rs -s -p no:cacheprovider -m gpu tests/engines/models/test_fp8_moe_gpu.py \
-    tests/engines/models/test_fp8.py tests/engines/models/test_moe.py 2>&1 | tee "$OUT/gpu_tests_new.txt" | tail -30
+  timeout 200 python3 -m pytest -q -rs -s -p no:cacheprovider -m gpu tests/models/test_fp8_moe_gpu.py \
+    tests/models/test_fp8.py tests/models/test_moe.py 2>&1 | tee "$OUT/gpu_tests_new.txt" | tail -30
   timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
   ;;
 min)  # the CUDA paths only: every GPU-marked test file, the FP8 products' speed with a sweep of tiles,
@@ -70,7 +70,7 @@ first)
   ;;
 tests)
   gpu_tests 420
-  timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/engines/models/test_fp8_moe_gpu.py -k numerics 2>&1 \
+  timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_fp8_moe_gpu.py -k numerics 2>&1 \
     | grep -E "^(fp8|moe)" | tee "$OUT/numerics_tiny.txt"
   timeout 120 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
   ;;

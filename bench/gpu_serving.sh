@@ -30,7 +30,7 @@ stop_serve() {
 
 case "${1:-engine}" in
 engine)
-  timeout 200 python3 -m pytest -q tests/engines/models/test_kernels.py tests/engines/process/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+  timeout 200 python3 -m pytest -q tests/models/test_kernels.py tests/engines/process/test_engine_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
   timeout 200 python3 -m harness.bench.engine validate --device cuda --runs 1 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -20
   timeout 150 python3 -m harness.bench.engine decode $M --device cuda --batches 1,8,32,64,128,256 --prompt-len 256 --tokens 128 --json \
     2>&1 | tee "$OUT/decode.log" | tail -12

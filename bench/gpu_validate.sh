@@ -13,7 +13,7 @@ weights)
   timeout 190 python3 -m harness.bench.engine validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -30
   ;;
 kernels)
-  timeout 200 python3 -m pytest -q tests/engines/process/test_engine_gpu.py tests/engines/models/test_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  timeout 200 python3 -m pytest -q tests/engines/process/test_engine_gpu.py tests/models/test_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
   timeout 300 python3 -m harness.bench.engine validate --device cuda --runs 3 --model-dir $M 2>&1 | tee "$OUT/engine_validate.log" | tail -32
   for i in 2 3; do  # two more batch-1 decode runs: the median of three goes to RESULTS.md
     timeout 120 python3 -m harness.bench.engine decode $M --device cuda --batches 1 --json 2>&1 | tee "$OUT/decode_$i.log" | tail -3

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from engines.models import CheckpointError
+from models import CheckpointError
 
 from .quant import quant_of
 

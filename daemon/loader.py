@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engines.models import CheckpointError
-from engines.models.checkpoint_check import SCALES
+from models import CheckpointError
+from models.checkpoint_check import SCALES
 
 from .protocol import Progress
 from .safetensors_index import TensorLocation, locate

@@ -1,5 +1,5 @@
 """A checkpoint's quantization as the fingerprint names it: the method, a hash of its config, and the
-version of the post-load processing the daemon ran (engines/models/quant.py says what is computed;
+version of the post-load processing the daemon ran (models/quant.py says what is computed;
 anything else is refused when config.json is read, in every weight_cache_mode)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import hashlib
 import json
 from typing import Any
 
-from engines.models.quant import PROCESSING_VERSION
+from models.quant import PROCESSING_VERSION
 
 
 def quant_of(config: dict[str, Any]) -> tuple[str | None, str, str]:

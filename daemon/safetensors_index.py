@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from engines.models import CheckpointError
-from engines.models.safetensors_header import raw_header, tensor_entries
+from models import CheckpointError
+from models.safetensors_header import raw_header, tensor_entries
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

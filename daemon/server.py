@@ -265,7 +265,7 @@ class WeightDaemon:
             self.stop(1)
 
     def _load(self) -> None:
-        from engines.models import build_model, read_model_args, torch_dtype  # daemon → engines, meta only
+        from models import build_model, read_model_args, torch_dtype  # daemon → engines, meta only
 
         cfg = self.cfg
         device = torch.device(cfg.torch_device)

@@ -27,7 +27,7 @@ CLIENT_SCRIPT = r"""
 import hashlib, json, sys, torch
 from daemon.client import attach_or_load
 from daemon.fingerprint import make_cache_config
-from engines.models import build_model, read_model_args, torch_dtype
+from models import build_model, read_model_args, torch_dtype
 model_dir, runtime_dir, mode, device, dtype = sys.argv[1:6]
 torch.cuda.set_device(torch.device(device)) if device.startswith("cuda") else None
 model = build_model(read_model_args(model_dir), dtype=torch_dtype(dtype), device="meta")
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from engines.models.make_model import make_model
+        from models.make_model import make_model
 
         made = Path(tempfile.mkdtemp(prefix="understudy-1b-"))
         model = make_model(made / "1b", "1b", "llama", seed=0)

@@ -14,7 +14,7 @@ from supervisor.arg_types import bounded_int
 
 DELEGATED = {
     "chaos": "harness.chaos.cli",
-    "make-model": "engines.models.make_model",
+    "make-model": "models.make_model",
     "daemon": "daemon.cli",
 }
 BENCH = {"attach": "harness.bench.weights", "load": "harness.bench.weights", "decode": "harness.bench.engine",

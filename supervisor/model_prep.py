@@ -1,5 +1,5 @@
 """Resolve the checkpoint to serve: the configured folder (checked), or the built-in preset made on
-first run under the cache dir with ``engines.models.make_model``."""
+first run under the cache dir with ``models.make_model``."""
 from __future__ import annotations
 
 import logging
@@ -58,7 +58,7 @@ def resolve_model(cfg: UnderstudyConfig) -> Path:
 def make_preset(cfg: UnderstudyConfig) -> Path:
     """Make the built-in preset model under cache_dir/models/<preset> (its folder is returned)."""
     path = preset_dir(cfg)
-    from engines.models.make_model import main as make_model  # lazy: imports torch
+    from models.make_model import main as make_model  # lazy: imports torch
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ def check(cfg: UnderstudyConfig, source: str, make_model: bool) -> Plan:
         if model_path is not None and not problems:
             _model_fits(cfg, model_path, problems)
         elif model_path is None and not problems:  # the built-in preset, made on first run: its shapes are known
-            from engines.models.presets import preset_args
+            from models.presets import preset_args
             _args_fit(cfg, preset_args(cfg.model.preset), f"the built-in {cfg.model.preset} model", problems)
     if problem := cfg.heartbeat_problem(device):  # (the schema checked it where the device was known without torch)
         problems.append(problem)
@@ -106,9 +106,9 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
     """config.json readable, the model's shapes whole at tp_size, and the KV budget holding one
     sequence of max_model_len (the engine's and the daemon's own checks, made before anything
     starts, without torch: a restarted supervisor serves again the sooner)."""
-    from engines.models import CheckpointError, UnknownArchError, read_model_args
-    from engines.models.args import block_problem
-    from engines.models.checkpoint_check import quant_problem
+    from models import CheckpointError, UnknownArchError, read_model_args
+    from models.args import block_problem
+    from models.checkpoint_check import quant_problem
     try:
         args = read_model_args(model_path)
     except (CheckpointError, UnknownArchError, ValueError) as e:
@@ -131,7 +131,7 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
 
 def _args_fit(cfg: UnderstudyConfig, args, name: str, problems: list[str]) -> None:  # noqa: ANN001 (ModelArgs)
     """The model's shapes against the config: deterministic mode, tp_size, the KV budget."""
-    from engines.models.args import deterministic_refusal, kv_bytes_per_block, tp_problem
+    from models.args import deterministic_refusal, kv_bytes_per_block, tp_problem
     m, e = cfg.model, cfg.engines
     if e.deterministic and (beyond := args.beyond_plain()) is not None:
         problems.append(deterministic_refusal(beyond))

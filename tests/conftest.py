@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.models.make_model import make_model
+from models.make_model import make_model
 
 _CACHE_VARS = {"UNDERSTUDY_CACHE_DIR": "understudy", "XDG_CACHE_HOME": "xdg", "TRITON_CACHE_DIR": "triton"}
 _session_cache: str | None = None

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from daemon.loader import load_checkpoint_into
-from engines.models import build_model, read_model_args
-from engines.models.paged import sequence_meta
+from models import build_model, read_model_args
+from models.paged import sequence_meta
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [1, 300, 22, 47, 3, 3, 9, 120, 64], [200, 11]]
 

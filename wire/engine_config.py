@@ -57,7 +57,7 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     deterministic: bool = Field(default=False, description="batch-invariant ops: a request's text does not depend "
-                                "on the other requests, prefill chunks or prefix-cache hits (engines/models/invariant.py)")
+                                "on the other requests, prefill chunks or prefix-cache hits (models/invariant.py)")
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     dist_port: int = Field(default=0, ge=0, le=65535)
     limits: RequestLimits = Field(default_factory=RequestLimits, description="per-request limits (400/413)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.models.make_model import make_model
+from models.make_model import make_model
 from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
 from wire.batch_wire import encode_member

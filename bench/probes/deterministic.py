@@ -12,7 +12,7 @@ for each case, is a row bit-identical alone and inside batches (yes/no), and the
     python3 bench/probes/deterministic.py MODEL_DIR [--json FILE] [--device cpu]
 
 `--device cpu` is a smoke run of the probe itself (a tiny model; the attention kernel skipped, few
-batches): CPU has its own deterministic path (engines/models/invariant.py).
+batches): CPU has its own deterministic path (models/invariant.py).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from daemon.loader import load_checkpoint_into
-from engines.kernels.paged_attention import paged_attention, query_block
-from engines.models import build_model, read_model_args
-from engines.models.fused_decode import fused_decode_unavailable
-from engines.models.invariant import linear, rms_norm, silu_mul
-from engines.models.paged import packed_meta
+from models.kernels.paged_attention import paged_attention, query_block
+from models import build_model, read_model_args
+from models.fused_decode import fused_decode_unavailable
+from models.invariant import linear, rms_norm, silu_mul
+from models.paged import packed_meta
 
 DEV = torch.device("cuda")
 BATCHES = (1, 7, 31, 63, 127, 255)

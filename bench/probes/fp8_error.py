@@ -9,10 +9,10 @@ import sys
 import torch
 
 from daemon.loader import load_checkpoint_into
-from engines.models import build_model, read_model_args
-from engines.models.fp8 import Fp8Linear
-from engines.models.numerics import check_numerics
-from engines.models.paged import sequence_meta
+from models import build_model, read_model_args
+from models.fp8 import Fp8Linear
+from models.numerics import check_numerics
+from models.paged import sequence_meta
 
 model_dir = sys.argv[1]
 args = read_model_args(model_dir)

@@ -1,5 +1,5 @@
 """FP8 products against bf16 at the 8B shape's linears (GPU): quantize + Triton FP8 product
-(engines/kernels/fp8.py, block-wise 128x128) beside torch's bf16 F.linear, by row count, each timed
+(models/kernels/fp8.py, block-wise 128x128) beside torch's bf16 F.linear, by row count, each timed
 as 20 calls replayed from one CUDA graph (as the engine's decode runs them: no launch gaps).
 Columns: quantize alone, quantize + product; with --sweep, every candidate tile of the product too,
 and the best per (shape, rows) (and any tile that gives other bits than the default's).
@@ -13,8 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engines.kernels.fp8 import fp8_matmul, quantize_rows, tiles
-from engines.models.make_model import quantize_fp8
+from models.kernels.fp8 import fp8_matmul, quantize_rows, tiles
+from models.make_model import quantize_fp8
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 16, 64, 256, 2048, 8192)

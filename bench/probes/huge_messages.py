@@ -26,7 +26,7 @@ import psutil
 
 from wire.engine_config import EngineConfig
 from harness.engine_process import EngineProcess
-from engines.models.make_model import make_model
+from models.make_model import make_model
 
 
 def frontend_pid(engine_pid: int, name: str) -> int:

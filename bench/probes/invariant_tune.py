@@ -23,12 +23,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engines.kernels.gemv import fused_gemv
-from engines.kernels.invariant_matmul import LARGE, MEDIUM, MEDIUM_WIDE, SMALL, SMALL_ROWS, SMALL_WIDE, Tiles, \
+from models.kernels.gemv import fused_gemv
+from models.kernels.invariant_matmul import LARGE, MEDIUM, MEDIUM_WIDE, SMALL, SMALL_ROWS, SMALL_WIDE, Tiles, \
     invariant_matmul
-from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
-from engines.models import read_model_args
-from engines.models.invariant import linear
+from models.kernels.row_ops import rms_norm_rows, silu_mul_rows
+from models import read_model_args
+from models.invariant import linear
 
 import step_profile  # bench/probes/step_profile.py (this script's folder is on sys.path)
 

@@ -31,7 +31,7 @@ from daemon.kv_pool import KVPool
 from wire.block_keys import ROOT, block_key, prompt_keys
 from engines.core.block_manager import BlockManager, halves
 from engines.kv.publish import Publisher
-from engines.models.make_model import make_model
+from models.make_model import make_model
 from engines.core.sampling import SamplingParams
 from engines.core.sequence import Sequence
 from engines.core.tokenizer import Tokenizer

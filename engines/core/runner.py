@@ -29,10 +29,10 @@ from daemon.kv_attach import KVPoolMapping
 
 from .block_manager import PAD_BLOCK
 from .device_upload import to_device
-from engines.models import AttnMeta, CausalLM
-from engines.models.paged import query_blocks
-from engines.models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
-from engines.models.args import deterministic_refusal
+from models import AttnMeta, CausalLM
+from models.paged import query_blocks
+from models.fused_decode import FUSED_MAX_BATCH, fused_decode_unavailable
+from models.args import deterministic_refusal
 from .sample_guard import greedy_picks
 from .scheduler import Scheduled
 
@@ -135,17 +135,17 @@ class ModelRunner:
         self.model, self.device, self.rank, self.tp_size = model, device, rank, tp_size
         self.ctrl_group = ctrl_group
         self.fused_kernels = fused_kernels and not deterministic  # batch-1 kernels sum in another order
-        self.deterministic = model.deterministic = deterministic  # batch-invariant ops (engines/models/invariant.py)
+        self.deterministic = model.deterministic = deterministic  # batch-invariant ops (models/invariant.py)
         attn = model.model.layers[0].self_attn
         self.deterministic_status = "on" if deterministic else "off"
         if deterministic and device.type == "cpu":
-            from engines.models.invariant import check_cpu_tiles
+            from models.invariant import check_cpu_tiles
             tiles = check_cpu_tiles(model)
             self.deterministic_status = ("on (CPU: torch on fixed tiles, checked bit-identical at every place)" if tiles
                                          else "on (CPU: rows one by one: this BLAS sums a row by its place in a tile)")
         if deterministic and device.type == "cuda":
-            from engines.kernels.paged_attention import check_query_tiles
-            from engines.models.invariant_forward import check_product_tiles
+            from models.kernels.paged_attention import check_query_tiles
+            from models.invariant_forward import check_product_tiles
             products = check_product_tiles(model)
             attention = check_query_tiles(attn.heads, attn.kv_heads, attn.head_dim, model.dtype, device)
             self.deterministic_status = (f"on (tiles by the batch, checked bit-identical: products {products}, "

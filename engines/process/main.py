@@ -28,8 +28,8 @@ from .forked import fork_into
 from engines.core import first_use, heap
 from wire import gc_pauses
 from wire.loopback import free_port
-from engines.models import CheckpointError, read_model_args
-from engines.models.numerics import check_numerics
+from models import CheckpointError, read_model_args
+from models.numerics import check_numerics
 from engines.core.runner import KVBudgetError, ModelRunner, init_distributed
 from engines.core.core_link import CoreLink, endpoints
 from wire.link_sockets import remove_sockets

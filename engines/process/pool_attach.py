@@ -11,7 +11,7 @@ from daemon.fingerprint import CacheConfig
 from daemon.kv_attach import KVPoolMapping, attach_kv_pool
 
 from wire.engine_config import EngineConfig
-from engines.models import CausalLM
+from models import CausalLM
 from .weights import engine_source, gather_sources
 
 log = logging.getLogger("engines.core.shared_pool")

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     try:  # the decode kernels, and Triton's per-process hashing: none of it touches CUDA
-        from engines.kernels import preload
+        from models.kernels import preload
         preload()
     except ImportError:  # no triton: engines decode through torch
         pass

@@ -8,7 +8,7 @@ import torch
 from daemon.fingerprint import CacheConfig, make_cache_config
 
 from wire.engine_config import EngineConfig
-from engines.models import CausalLM, ModelArgs, build_model, torch_dtype
+from models import CausalLM, ModelArgs, build_model, torch_dtype
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from daemon.arena import bind, build_views, layout
 from daemon.loader import default_threads, load_checkpoint_into
-from engines.models import build_model, read_model_args, torch_dtype
+from models import build_model, read_model_args, torch_dtype
 from harness.bench.attach import allocate
 
 

@@ -10,8 +10,8 @@ import torch
 
 from wire.engine_config import EngineConfig, step_token_budget
 from engines.core.engine import LLMEngine
-from engines.models import read_model_args
-from engines.models.paged import sequence_meta
+from models import read_model_args
+from models.paged import sequence_meta
 from engines.core.runner import ModelRunner
 from engines.core.sampling import SamplingParams
 from engines.core.sequence import Sequence

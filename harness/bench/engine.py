@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def validate(ns: argparse.Namespace) -> dict:
-    from engines.models.make_model import make_model
+    from models.make_model import make_model
 
     model_dir = ns.model_dir
     if model_dir is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from wire.engine_config import EngineConfig
-from engines.models import read_model_args
+from models import read_model_args
 from engines.process.spawn_client import SpawnClient
 from engines.process.startup import PHASES
 from harness import ROOT

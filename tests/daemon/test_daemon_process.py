@@ -21,7 +21,7 @@ from daemon.client import CacheMiss, WeightCacheError, attach, attach_or_load, l
 from daemon.fingerprint import make_cache_config
 from daemon.framing import FrameError, recv_frame, send_frame
 from daemon.runtime_dir import daemon_socket_path
-from engines.models import CheckpointError, build_model, read_model_args
+from models import CheckpointError, build_model, read_model_args
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -30,7 +30,7 @@ CLIENT = r"""
 import hashlib, json, sys, torch
 from daemon.client import attach_or_load
 from daemon.fingerprint import make_cache_config
-from engines.models import CheckpointError, build_model, read_model_args
+from models import CheckpointError, build_model, read_model_args
 model_dir, runtime_dir = sys.argv[1], sys.argv[2]
 model = build_model(read_model_args(model_dir), device="meta")
 res = attach_or_load(model, make_cache_config(model_dir), "client", runtime_dir, 0, "cpu")
@@ -74,7 +74,7 @@ def disk_digest(model_dir: Path) -> str:
 # imports everything it will need, then drops to the uid before serving.
 AS_UID = r"""
 import os, sys
-import daemon.cli, daemon.server, daemon.loader, daemon.transport_cpu, engines.models
+import daemon.cli, daemon.server, daemon.loader, daemon.transport_cpu, models
 uid = int(sys.argv[1]); os.setgroups([]); os.setgid(uid); os.setuid(uid)
 daemon.cli.main(sys.argv[2:])
 """

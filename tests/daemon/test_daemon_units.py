@@ -18,9 +18,9 @@ from daemon.fingerprint import content_digest, make_cache_config
 from daemon.framing import MAX_FRAME_BYTES, FrameError, PeerClosed, recv_frame, send_frame
 from daemon.loader import load_checkpoint_into
 from daemon.quant import quant_of
-from engines.models.quant import PROCESSING_VERSION
+from models.quant import PROCESSING_VERSION
 from daemon.runtime_dir import RuntimeDirError, ensure_private_dir
-from engines.models import CheckpointError, build_model, read_model_args, torch_dtype
+from models import CheckpointError, build_model, read_model_args, torch_dtype
 
 
 # ---- framing ---------------------------------------------------------------------------------

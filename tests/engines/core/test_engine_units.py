@@ -8,7 +8,7 @@ import torch
 
 from daemon.loader import load_checkpoint_into
 from engines.core.engine import LLMEngine
-from engines.models import build_model, read_model_args
+from models import build_model, read_model_args
 from engines.core.runner import KVBudgetError, ModelRunner
 from engines.core.sampling import Sampler, SamplingParams, ensure_seed
 from engines.core.sequence import Sequence
@@ -278,12 +278,12 @@ def test_a_continued_sequence_emits_what_the_uninterrupted_one_would_at_every_cu
 
 
 def test_the_preflights_shape_arithmetic_agrees_with_building_the_model(tiny_model):
-    """supervisor/preflight.py checks TP shapes and KV bytes without torch (engines/models/args.py):
+    """supervisor/preflight.py checks TP shapes and KV bytes without torch (models/args.py):
     what it says must be what building the model says."""
     import torch
 
-    from engines.models import build_model, read_model_args
-    from engines.models.args import kv_bytes_per_block, tp_problem
+    from models import build_model, read_model_args
+    from models.args import kv_bytes_per_block, tp_problem
     base = read_model_args(tiny_model)
     for changes in ({}, {"num_key_value_heads": 1, "num_attention_heads": 4}, {"intermediate_size": 30},
                     {"vocab_size": 511}):

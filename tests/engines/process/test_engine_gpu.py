@@ -16,7 +16,7 @@ import torch
 from daemon.loader import load_checkpoint_into
 from harness.bench.decode import fused_as_accurate, fused_logit_error, graphs_match_eager
 from wire.engine_config import EngineConfig
-from engines.models import build_model, read_model_args
+from models import build_model, read_model_args
 from engines.core.runner import ModelRunner
 from harness.engine_process import EngineProcess, wait_for_ready_line
 from engines.process.spawn_client import SpawnClient

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from engines.models.make_model import make_model
+from models.make_model import make_model
 from harness.node import running
 from tests.supervisor.router.test_migration_failover import CONFIG
 

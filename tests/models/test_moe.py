@@ -1,6 +1,6 @@
 """Mixture-of-Experts decoders (issue 55), on CPU: Qwen3-MoE and Mixtral against transformers, the
 fused MoE kernels through Triton's interpreter against the plain path, and the refusals of bad
-configs and checkpoints, one line each. On a GPU: tests/engines/models/test_fp8_moe_gpu.py."""
+configs and checkpoints, one line each. On a GPU: tests/models/test_fp8_moe_gpu.py."""
 from __future__ import annotations
 
 import os
@@ -13,10 +13,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the kernels on CPU: Triton's interpreter (set before triton runs)
 
 from daemon.arena import layout
-from engines.models import CheckpointError, build_model, read_model_args
-from engines.models.make_model import make_model
-from engines.models.moe import route
-from engines.models.numerics import check_numerics
+from models import CheckpointError, build_model, read_model_args
+from models.make_model import make_model
+from models.moe import route
+from models.numerics import check_numerics
 from tests.tiny_checkpoints import PROMPTS, edited_copy, load, logits  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -67,8 +67,8 @@ def test_the_arena_holds_a_few_tensors_per_layer_whatever_the_expert_count(moe) 
 def test_fused_experts_match_the_plain_path(moe, quant, rows) -> None:
     """The grouped Triton products (interpreter here, natively on a GPU) against the per-expert loop;
     with FP8 experts, on the same quantized activations (the kernel's quantizer, dequantized)."""
-    from engines.kernels.fp8 import quantize_rows
-    from engines.kernels.moe import fused_experts
+    from models.kernels.fp8 import quantize_rows
+    from models.kernels.moe import fused_experts
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = load(moe["qwen3_moe", quant], device=dev)
     block = model.model.layers[1].ffn
@@ -97,7 +97,7 @@ def test_fused_experts_match_the_plain_path(moe, quant, rows) -> None:
 
 @pytest.mark.gpu
 def test_grouping_by_expert_pads_each_experts_rows_to_whole_blocks() -> None:
-    from engines.kernels.moe import group_by_expert
+    from models.kernels.moe import group_by_expert
     ids = torch.tensor([[0, 3], [3, 1], [3, 0]])  # rows 0..5 = token * 2 + choice
     rows, block_expert = group_by_expert(ids, 4, 4)
     pad = 6

@@ -1,6 +1,6 @@
 """FP8 checkpoints served right or refused (issue 54), on CPU: the engine's model in both HF layouts
 against transformers on the dequantized twin, the loader's processing and checks, and every refusal
-as one line from `serve --check`. The FP8 kernels themselves run on a GPU (tests/engines/models/test_fp8_moe_gpu.py)."""
+as one line from `serve --check`. The FP8 kernels themselves run on a GPU (tests/models/test_fp8_moe_gpu.py)."""
 from __future__ import annotations
 
 import json
@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines.models import CheckpointError
-from engines.models.fp8 import Fp8Linear
-from engines.models.make_model import make_model
-from engines.models.numerics import check_numerics
+from models import CheckpointError
+from models.fp8 import Fp8Linear
+from models.make_model import make_model
+from models.numerics import check_numerics
 from tests.tiny_checkpoints import PROMPTS, edited_copy, load, logits
 
 transformers = pytest.importorskip("transformers")
@@ -208,10 +208,10 @@ def test_a_good_fp8_checkpoint_passes_serve_check(fp8, tmp_path) -> None:
 @pytest.mark.parametrize("kind", ["block", "rows", "static"])
 @pytest.mark.parametrize("m", [1, 17, 130])
 def test_the_fp8_product_kernel_computes_the_product_of_what_it_quantized(kind, m) -> None:
-    """engines/kernels/fp8.py (interpreter here, natively on a GPU: tests/engines/models/test_fp8_moe_gpu.py): the
+    """models/kernels/fp8.py (interpreter here, natively on a GPU: tests/models/test_fp8_moe_gpu.py): the
     product of the quantized activations and the FP8 weight, scales applied, to float32 rounding."""
-    from engines.kernels.fp8 import fp8_matmul, quantize_rows, quantize_static
-    from engines.models.make_model import quantize_fp8
+    from models.kernels.fp8 import fp8_matmul, quantize_rows, quantize_static
+    from models.make_model import quantize_fp8
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 256, generator=g).to(dev), torch.randn(96, 256, generator=g).to(dev)

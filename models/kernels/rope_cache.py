@@ -49,7 +49,7 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                    slot_mapping: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """`qkv [T, heads + 2 * kv_heads, D]` (rows contiguous in D); `cos`/`sin` as engines.models.rope
+    """`qkv [T, heads + 2 * kv_heads, D]` (rows contiguous in D); `cos`/`sin` as models.rope
     `rope_factors` makes them (`[T, 1, D]`, halves equal); `cache [2, blocks, block_size, kv_heads, D]`
     contiguous. Writes each row's rotated key and its value at cache row `slot_mapping[t]`; returns
     the rotated queries `[T, heads, D]`, as `apply_rope` then `write_kv` would."""

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from engines.models import CheckpointError, UnknownArchError, read_model_args
+from models import CheckpointError, UnknownArchError, read_model_args
 
 DROP = object()  # the key removed from config.json
 

@@ -14,7 +14,7 @@ tensor cores sum an output's K products in the same order whatever the tile (eac
 instruction on the accumulator, in order: all 14 candidates gave the same bits there):
 `check_tiles` verifies it on the GPU at hand, at engine start, on the model's weights; where it
 does not hold, every call from then on takes one tile (LARGE), whatever its rows.
-RMSNorm and silu(gate) * up of the input run before it (engines/kernels/row_ops.py).
+RMSNorm and silu(gate) * up of the input run before it (models/kernels/row_ops.py).
 """
 from __future__ import annotations
 

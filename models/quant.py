@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import CheckpointError
 
-PROCESSING_VERSION = "fp8-rows-v1"  # the daemon's post-load processing (engines/models/fp8.py); in the fingerprint
+PROCESSING_VERSION = "fp8-rows-v1"  # the daemon's post-load processing (models/fp8.py); in the fingerprint
 SUPPORTED = "fp8 (block-wise or per-tensor/per-channel), compressed-tensors FP8"
 
 

@@ -1,4 +1,4 @@
-"""FP8 linear layers (engines/models/quant.py says which checkpoints): a sharded linear whose weight is
+"""FP8 linear layers (models/quant.py says which checkpoints): a sharded linear whose weight is
 float8_e4m3fn with its scales beside it in the arena.
 
 Parameters, named as the checkpoint names them so that a key is a parameter name:
@@ -9,7 +9,7 @@ Parameters, named as the checkpoint names them so that a key is a parameter name
   shared through the daemon like any other weight); static activations: `input_scale [parts]`,
   which the load's processing sets to the largest part's (one quantization of the shared input).
 Forward: on GPUs with FP8 tensor cores (sm_89+) the activations are quantized at run time and one
-Triton product accumulates in float32 (engines/kernels/fp8.py); elsewhere (CPU, older GPUs) the
+Triton product accumulates in float32 (models/kernels/fp8.py); elsewhere (CPU, older GPUs) the
 weight is dequantized to the compute dtype first (weight-only: the tests' reference path).
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Fp8Linear(nn.Module):
         """x @ weight^T on this rank, before any cross-rank sum or bias."""
         if self.scheme.activations == "none" or not has_fp8_cores(x.device):
             return F.linear(x, self.dequantized(x.dtype))
-        from engines.kernels.fp8 import fp8_matmul, quantize_rows, quantize_static
+        from models.kernels.fp8 import fp8_matmul, quantize_rows, quantize_static
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         group = self.scale_cols if self.scheme.kind == "block" else shape[-1]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from daemon.loader import load_checkpoint_into
-from engines.models import build_model, read_model_args
-from engines.models.fp8 import Fp8Linear, has_fp8_cores
-from engines.models.make_model import make_model
-from engines.models.numerics import FP8_TOLERANCE, check_numerics
+from models import build_model, read_model_args
+from models.fp8 import Fp8Linear, has_fp8_cores
+from models.make_model import make_model
+from models.numerics import FP8_TOLERANCE, check_numerics
 from wire.engine_config import EngineConfig
 from harness.bench.decode import graphs_match_eager
 from harness.engine_process import EngineProcess

@@ -1,4 +1,4 @@
-"""The inputs of the batch-invariant product (engines/kernels/invariant_matmul.py), one row at a time
+"""The inputs of the batch-invariant product (models/kernels/invariant_matmul.py), one row at a time
 in Triton: RMSNorm and silu(gate) * up, rounded to the input's dtype.
 
 Batch-invariant by construction: a row is read, reduced and written by one program whose launch

@@ -6,7 +6,7 @@ keys and values live in the blocks `block_tables[b]` of the cache `[num_blocks, 
 kv_heads, head_dim]`; `slot_mapping[t]` is the flat cache row (block * block_size + offset) that
 row t writes. Every query attends to exactly the positions its sequence has, up to its own.
 
-On CUDA the Triton kernel (engines/kernels/paged_attention.py) runs; elsewhere a torch reference
+On CUDA the Triton kernel (models/kernels/paged_attention.py) runs; elsewhere a torch reference
 that loops over the sequences (CPU tests, tiny models).
 """
 from __future__ import annotations
@@ -48,11 +48,11 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, deterministic: bool = False) -> torch.Tensor:
     """`q [T, heads, d]` against the cache (after `write_kv` of this step); returns `[T, heads, d]`.
-    `deterministic`: batch-invariant (engines/models/invariant.py): on CUDA every row's keys split
-    as a decode row's and merged in order, in decode's query tile (engines/kernels/paged_attention.py),
+    `deterministic`: batch-invariant (models/invariant.py): on CUDA every row's keys split
+    as a decode row's and merged in order, in decode's query tile (models/kernels/paged_attention.py),
     on CPU `chunked_attention`."""
     if q.is_cuda:
-        from engines.kernels.paged_attention import deterministic_attention, paged_attention as kernel
+        from models.kernels.paged_attention import deterministic_attention, paged_attention as kernel
         return kernel(q, cache[0], cache[1], meta.cu_q, meta.seq_lens, meta.block_tables, meta.cu_qblocks,
                       meta.num_programs, meta.block_q, meta.search_steps,
                       **(deterministic_attention(q.device) if deterministic else {}))

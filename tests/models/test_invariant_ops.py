@@ -1,4 +1,4 @@
-"""Batch invariance of the deterministic ops (engines/models/invariant.py, engines/kernels/
+"""Batch invariance of the deterministic ops (models/invariant.py, models/kernels/
 invariant_matmul.py and row_ops.py): a row's output is bit-identical alone and inside batches of many sizes with
 random other rows, in float32 and bfloat16 on the torch path (CPU). The Triton kernels' bit-identity is
 a property of the GPU's products, checked on a GPU (`-m gpu`); through Triton's interpreter on CPU
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.models.invariant import TILE, chunked_attention, linear, per_row, per_tile, rms_norm, tiles_agree
+from models.invariant import TILE, chunked_attention, linear, per_row, per_tile, rms_norm, tiles_agree
 from engines.core.sampling import SamplingParams, filter_logits
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # as tests/engines/models/test_kernels.py: set before triton runs a kernel
+    os.environ["TRITON_INTERPRET"] = "1"  # as tests/models/test_kernels.py: set before triton runs a kernel
 import triton  # noqa: E402, F401  (scripts/install pins it: the kernels' tests run, never skip)
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -136,9 +136,9 @@ KERNEL_DTYPES = [torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.flo
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("variant", ["plain", "norm+bias", "gated+residual"])
 def test_invariant_kernels_compute_their_product_through_every_tile(dtype: torch.dtype, variant: str) -> None:
-    """The Triton path of `linear` (engines/kernels/row_ops.py, then the product), through each tile:
+    """The Triton path of `linear` (models/kernels/row_ops.py, then the product), through each tile:
     the product it claims, alone and in batches of 3 and 70 rows (interpreter or GPU)."""
-    from engines.kernels.invariant_matmul import LARGE, MEDIUM, SMALL
+    from models.kernels.invariant_matmul import LARGE, MEDIUM, SMALL
     case = _kernel_case(dtype, variant)
     for tiles in (SMALL, MEDIUM, LARGE):
         case.close_to_reference(case.call(case.row[None], tiles)[0])
@@ -153,7 +153,7 @@ def test_invariant_kernels_compute_their_product_through_every_tile(dtype: torch
 def test_invariant_kernels_rows_do_not_depend_on_the_batch_or_the_tile(dtype: torch.dtype, variant: str) -> None:
     """A row alone and in batches of 3 and 70 rows, through each tile and through the tile chosen by
     the rows (SMALL alone and for 3, MEDIUM for 70): the same bits."""
-    from engines.kernels.invariant_matmul import LARGE, MEDIUM, SMALL
+    from models.kernels.invariant_matmul import LARGE, MEDIUM, SMALL
     case = _kernel_case(dtype, variant)
     by_tile = {}
     for tiles in (SMALL, MEDIUM, LARGE, None):
@@ -183,8 +183,8 @@ class _kernel_case:
         self.want = self.w.float() @ a + (self.bias.float() if self.normed else 0) + (self.res_row.float() if self.gated else 0)
 
     def call(self, x: torch.Tensor, tiles) -> torch.Tensor:  # noqa: ANN001
-        from engines.kernels.invariant_matmul import invariant_matmul
-        from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
+        from models.kernels.invariant_matmul import invariant_matmul
+        from models.kernels.row_ops import rms_norm_rows, silu_mul_rows
         if self.gated:
             x = silu_mul_rows(x)
         if self.normed:
@@ -199,7 +199,7 @@ class _kernel_case:
 def test_the_products_tiles_check_says_whether_they_agree() -> None:
     """check_tiles records its verdict per device, and tiles_for follows it: LARGE for every call
     where the tiles disagree (here forced by a verdict of False), SMALL for few rows where they agree."""
-    from engines.kernels import invariant_matmul as im
+    from models.kernels import invariant_matmul as im
     dev = torch.device(DEV, 0) if DEV == "cuda" else torch.device("cpu")
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(9)).to(dev, KERNEL_DTYPES[0])
     try:
@@ -223,8 +223,8 @@ def test_paged_attention_kernel_deterministic_decode_row_equals_its_prefill_row(
     decode row (alone, and beside a long decode row and a chunk; split over programs past 128 keys)
     is the bit pattern of its row in a whole prefill and in chunks; `check_query_tiles`, which
     engines run at start, agrees."""
-    from engines.kernels.paged_attention import BLOCK_KEYS, check_query_tiles, paged_attention, query_block
-    from engines.models.paged import query_blocks
+    from models.kernels.paged_attention import BLOCK_KEYS, check_query_tiles, paged_attention, query_block
+    from models.paged import query_blocks
     assert check_query_tiles(4, 2, 16, dtype, torch.device(DEV))
     g = torch.Generator().manual_seed(6)
     heads, kv_heads, d, length = 4, 2, 16, 300  # longer than a default split (256 keys)
@@ -253,8 +253,8 @@ def test_paged_attention_kernel_deterministic_mode_computes_attention() -> None:
     """The kernel as deterministic engines run it (every row's keys in fixed splits, merged in
     order), a prefill beside decode rows: attention's values (interpreter or GPU; the bits are the
     GPU test's above)."""
-    from engines.kernels.paged_attention import BLOCK_KEYS, paged_attention, query_block
-    from engines.models.paged import packed_meta, reference_paged_attention
+    from models.kernels.paged_attention import BLOCK_KEYS, paged_attention, query_block
+    from models.paged import packed_meta, reference_paged_attention
     g = torch.Generator().manual_seed(8)
     heads, kv_heads, d, bs = 4, 2, 16, 16
     cache, tables = paged(g, torch.float16, [300, 280], heads, kv_heads, d, bs=bs)

@@ -1,4 +1,4 @@
-"""A deterministic model (engines/models/invariant_forward.py) on the tiny checkpoint: the keys and
+"""A deterministic model (models/invariant_forward.py) on the tiny checkpoint: the keys and
 values a position writes and the logits it gets are bit-identical whether it is computed in one
 prefill, in prefill chunks of several sizes, by decode steps, packed beside other sequences'
 decode rows and chunks, or after a prefix-cache hit. bfloat16 is the hard case (CPU float32 is
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.models import build_model, read_model_args
-from engines.models.paged import packed_meta
+from models import build_model, read_model_args
+from models.paged import packed_meta
 from daemon.loader import load_checkpoint_into
 
 BS, NUM_BLOCKS, MAX_BLOCKS = 8, 96, 12
@@ -37,7 +37,7 @@ class Seq:
 
 def step(model, work: list[tuple[Seq, int, int]]) -> torch.Tensor:
     """Run positions start..start+n-1 of each (seq, start, n) as one packed step; logits of every row."""
-    from engines.kernels.paged_attention import query_block
+    from models.kernels.paged_attention import query_block
     dev = model.kv_cache.device
     attn = model.model.layers[0].self_attn
     block_q = query_block(attn.heads, attn.kv_heads, max(n for _, _, n in work) == 1, model.deterministic)

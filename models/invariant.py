@@ -5,7 +5,7 @@ threads) by the shape of the call, and with it the order of a row's float sums, 
 gives other bits alone, in a batch of 17 or in a prefill chunk. Here:
 
 - `linear` (RMSNorm of its input or silu(gate) * up, then the product, bias and the residual add):
-  on CUDA the Triton kernels engines/kernels/row_ops.py and invariant_matmul.py (K never split,
+  on CUDA the Triton kernels models/kernels/row_ops.py and invariant_matmul.py (K never split,
   one row's reduction in one program); elsewhere torch on tiles of a fixed TILE rows
   (the rows padded with zeros), one call per tile, so the library always sees the same shape. That
   a row is then summed the same way at every place in its tile is a property of the CPU's BLAS
@@ -15,7 +15,7 @@ gives other bits alone, in a batch of 17 or in a prefill chunk. Here:
 - `rms_norm` (the same fixed tiles) and `silu_mul` (elementwise), for probes and tests (the forward
   folds both into `linear`);
 - `paged_attention`: on CUDA the paged Triton kernel with one query tile for decode and prefill and
-  every row's keys in the same fixed splits, merged in order (engines/models/paged.py), on CPU `chunked_attention` below: every
+  every row's keys in the same fixed splits, merged in order (models/paged.py), on CPU `chunked_attention` below: every
   query row walks the keys from position 0 in fixed KEY_CHUNK chunks with an online softmax, on
   tiles of QUERY_TILE rows. A chunk past a row's last key is all masked and changes nothing (its
   probabilities are exactly 0, the rescale exactly 1), so a row gets the same bits in a decode step
@@ -66,8 +66,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """prologue(x) @ weight^T (+ bias) (+ residual); prologue: RMSNorm (`norm_weight`) or
     silu(gate) * up (`gated`), or none."""
     if x.is_cuda:
-        from engines.kernels.invariant_matmul import invariant_matmul
-        from engines.kernels.row_ops import rms_norm_rows, silu_mul_rows
+        from models.kernels.invariant_matmul import invariant_matmul
+        from models.kernels.row_ops import rms_norm_rows, silu_mul_rows
         x = x.contiguous()
         if gated:
             x = silu_mul_rows(x)
@@ -147,7 +147,7 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
 def chunked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_lens: list[int],
                       seq_lens: list[int], block_tables: torch.Tensor) -> torch.Tensor:
     """Causal attention of the packed queries `q [T, heads, d]` over a paged cache `[num_blocks,
-    block_size, kv_heads, d]` (the contract of engines/models/paged.py), batch-invariant: float32
+    block_size, kv_heads, d]` (the contract of models/paged.py), batch-invariant: float32
     throughout, fixed tiles (see the module docstring). Returns `[T, heads, d]` in q's dtype."""
     block_size, kv_heads, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     heads = q.shape[1]

@@ -70,7 +70,7 @@ class Attention(nn.Module):
             q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)
         if qkv.is_cuda:
-            from engines.kernels.rope_cache import rope_and_cache
+            from models.kernels.rope_cache import rope_and_cache
             q = rope_and_cache(qkv, cos, sin, kv, meta.slot_mapping, self.heads, self.kv_heads)
         else:
             q, k = apply_rope(qkv[:, :self.heads + self.kv_heads], cos, sin).split((self.heads, self.kv_heads), dim=1)

@@ -1,4 +1,4 @@
-"""Batch-1 decode through fused kernels (engines/kernels) on CUDA: five kernels per decoder layer.
+"""Batch-1 decode through fused kernels (models/kernels) on CUDA: five kernels per decoder layer.
 
 Per layer: RMSNorm+qkv, rotary+KV write+attention, o_proj+residual, RMSNorm+gate_up,
 silu*up+down+residual (under tensor parallelism the row-parallel sums come between the product
@@ -48,8 +48,8 @@ def fused_decode_unavailable(model: Decoder) -> str | None:
 
 def fused_decode(model: Decoder, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
     """Logits `[1, vocab]` for one decode token; same contract as `Decoder.forward` for a decode-only step."""
-    from engines.kernels.attention import decode_attention
-    from engines.kernels.gemv import fused_gemv
+    from models.kernels.attention import decode_attention
+    from models.kernels.gemv import fused_gemv
 
     stack, tp = model.model, model.tp_size
     eps = model.args.rms_norm_eps

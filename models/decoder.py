@@ -1,12 +1,12 @@
 """One compact decoder for Llama, Qwen2, Mistral, Qwen3-MoE and Mixtral checkpoints (bf16, fp32 or FP8),
 tensor parallel, KV-cache aware: its modules, weights, KV cache and eager forward
-(engines/models/causal_lm.py picks the forward).
+(models/causal_lm.py picks the forward).
 
 Module and parameter names match the HF checkpoints, so a checkpoint key *is* a parameter name.
 
 Forward API (`CausalLM.forward(input_ids, positions, meta)`): one flat batch of `T` rows from any
 number of sequences (decode rows and prefill chunks alike), `positions[t]` the row's position in
-its sequence, `meta` an `AttnMeta` (engines/models/paged.py) saying where each row's keys and
+its sequence, `meta` an `AttnMeta` (models/paged.py) saying where each row's keys and
 values go in the paged KV cache and which positions each sequence has. Returns the logits of the
 rows `meta.logit_rows` (every row when None) `[S, vocab]`. A decode-only step is shape-static
 given its batch size, so it can be captured in a CUDA graph.
@@ -78,8 +78,8 @@ class Decoder(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_cache: torch.Tensor | None = None
-        self.use_fused_decode = False  # decode batches up to FUSED_MAX_BATCH through engines/kernels (CUDA)
-        self.deterministic = False  # batch-invariant ops (engines/models/invariant_forward.py)
+        self.use_fused_decode = False  # decode batches up to FUSED_MAX_BATCH through models/kernels (CUDA)
+        self.deterministic = False  # batch-invariant ops (models/invariant_forward.py)
 
     # ---- weights -------------------------------------------------------------------------
     def checkpoint_targets(self) -> dict[str, ShardSpec]:

@@ -1,4 +1,4 @@
-"""CausalLM: the decoder (engines/models/decoder.py) with the forward a step takes: batch-invariant
+"""CausalLM: the decoder (models/decoder.py) with the forward a step takes: batch-invariant
 in a deterministic engine, the fused batch-1 kernels for a small decode step, else the eager one."""
 from __future__ import annotations
 

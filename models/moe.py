@@ -6,7 +6,7 @@ H]`, `down_proj [E, H, I]`, and with block-wise FP8 their scales), whatever the 
 of per-expert tensors (48 layers x 128 experts x 3 = 18,432 of them in Qwen3-30B-A3B): the arena
 holds a few tensors per layer and an attach makes a few views. Under tensor parallelism every rank
 holds every expert's slice of the FFN width (its outputs are summed across ranks, as a dense MLP's).
-On CUDA the step is one fused routing pass and two grouped Triton products (engines/kernels/moe.py);
+On CUDA the step is one fused routing pass and two grouped Triton products (models/kernels/moe.py);
 elsewhere a loop over the experts that have tokens (CPU, tests).
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of `sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, `[T, H]` in x's dtype."""
         if x.is_cuda:
-            from engines.kernels.moe import fused_experts
+            from models.kernels.moe import fused_experts
             scales = (self.gate_up_scale, self.down_scale) if self.scheme else None
             return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, scales,
                                  self.scheme.block if self.scheme else None)

@@ -1,4 +1,4 @@
-"""The fused decode kernels (engines/kernels) against plain torch: on a GPU natively, on CPU
+"""The fused decode kernels (models/kernels) against plain torch: on a GPU natively, on CPU
 through Triton's interpreter (needs triton installed; the test install adds it on x86-64 Linux)."""
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ if not torch.cuda.is_available():
     # of later tests inherit it, and on CPU they never run the kernels).
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-from engines.kernels.attention import decode_attention  # noqa: E402
-from engines.kernels.gemv import fused_gemv  # noqa: E402
-from engines.kernels.paged_attention import paged_attention, query_block, split_keys  # noqa: E402
-from engines.models import AttnMeta, build_model, read_model_args  # noqa: E402
-from engines.models.fused_decode import fused_decode  # noqa: E402
-from engines.models.paged import query_blocks, reference_paged_attention, sequence_meta  # noqa: E402
-from engines.models.rope import apply_rope, rope_factors  # noqa: E402
+from models.kernels.attention import decode_attention  # noqa: E402
+from models.kernels.gemv import fused_gemv  # noqa: E402
+from models.kernels.paged_attention import paged_attention, query_block, split_keys  # noqa: E402
+from models import AttnMeta, build_model, read_model_args  # noqa: E402
+from models.fused_decode import fused_decode  # noqa: E402
+from models.paged import query_blocks, reference_paged_attention, sequence_meta  # noqa: E402
+from models.rope import apply_rope, rope_factors  # noqa: E402
 
 # `pytest -m gpu` runs them on a GPU (natively, bfloat16 too); without one they still run, in Triton's
 # interpreter: marked gpu, never skipped.
@@ -148,8 +148,8 @@ def test_paged_attention_kernel_matches_the_reference(dtype: torch.dtype, heads:
 def test_rope_and_cache_write_the_rows_as_rope_then_write_kv(dtype: torch.dtype, heads: int, kv_heads: int) -> None:
     """The fused kernel against apply_rope + write_kv: the same rotated queries, the same cache rows
     written (keys rotated, values as they were), every other row untouched."""
-    from engines.kernels.rope_cache import rope_and_cache
-    from engines.models.paged import write_kv
+    from models.kernels.rope_cache import rope_and_cache
+    from models.paged import write_kv
     g = torch.Generator().manual_seed(heads + kv_heads)
     t, d, blocks, bs, positions = 11, 32, 6, 4, 64
     qkv = torch.randn(t, heads + 2 * kv_heads, d, generator=g).to(DEV, dtype)

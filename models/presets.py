@@ -1,4 +1,4 @@
-"""The shapes `make-model` writes (engines/models/make_model.py), and a preset's ModelArgs without making
+"""The shapes `make-model` writes (models/make_model.py), and a preset's ModelArgs without making
 it (no torch: the supervisor's preflight checks the built-in model's KV budget before its first run)."""
 from __future__ import annotations
 

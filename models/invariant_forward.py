@@ -1,11 +1,11 @@
-"""The forward pass of a `deterministic` engine: every op batch-invariant (engines/models/invariant.py).
+"""The forward pass of a `deterministic` engine: every op batch-invariant (models/invariant.py).
 
 Same contract as `Decoder.forward`, for any step (decode rows, prefill chunks, both): a row's
 logits, and the keys and values it writes, depend only on its sequence's tokens up to it, never
 on the other rows of the step, the step's size, the chunking of the prompt, a prefix-cache hit or
 a CUDA graph's padding. Per layer: RMSNorm+qkv, rotary+KV write, attention, o_proj+residual,
 RMSNorm+gate_up, silu*up+down+residual (the prologues and epilogues folded into the products, as
-in engines/models/fused_decode.py); under tensor parallelism the row-parallel sums come between
+in models/fused_decode.py); under tensor parallelism the row-parallel sums come between
 the product and the residual, in a fixed order.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ def invariant_forward(model: Decoder, input_ids: torch.Tensor, positions: torch.
 def check_product_tiles(model: Decoder) -> bool:
     """Whether this GPU gives the product's small-batch and large-batch tiles the same bits on the
     model's weights (layer 0's products and the head: every shape the forward multiplies by);
-    where not, every product from here on takes one tile (engines/kernels/invariant_matmul.py)."""
-    from engines.kernels.invariant_matmul import check_tiles
+    where not, every product from here on takes one tile (models/kernels/invariant_matmul.py)."""
+    from models.kernels.invariant_matmul import check_tiles
     layer = model.model.layers[0]
     return check_tiles([layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
                         layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, model.lm_head.weight])

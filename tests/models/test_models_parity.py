@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines.models import build_model, read_model_args
-from engines.models.paged import sequence_meta
+from models import build_model, read_model_args
+from models.paged import sequence_meta
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,7 +77,7 @@ def test_packed_step_matches_single_sequences(tiny_model: Path) -> None:
     ids = torch.tensor([10, 20] + third[4:])
     pos = torch.tensor([5, 3] + list(range(4, 9)))
     rows = torch.tensor([tables[i, p // BLOCK] * BLOCK + p % BLOCK for i, p in zip([0, 1] + [2] * 5, pos.tolist())])
-    from engines.models import AttnMeta
+    from models import AttnMeta
     meta = AttnMeta(slot_mapping=rows, cu_q=torch.tensor([0, 1, 2, 7]), seq_lens=torch.tensor([6, 4, 9]),
                     block_tables=tables, max_q_len=5, logit_rows=torch.tensor([0, 1, 6]))
     batch = model(ids, pos, meta)

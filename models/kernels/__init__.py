@@ -9,7 +9,7 @@ def preload() -> None:
     """Import the kernels and what Triton imports at a process's first launch, and compute what it
     hashes once per process (its own sources, ~0.3 s, and each kernel's source), without touching
     CUDA: the spawn server calls this before it forks engines, so a restarted engine skips it."""
-    from engines.kernels import attention, gemv, invariant_matmul, paged_attention, rope_cache, row_ops
+    from models.kernels import attention, gemv, invariant_matmul, paged_attention, rope_cache, row_ops
 
     try:
         from triton.runtime.cache import triton_key

@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engines.models import build_model, read_model_args, torch_dtype
-from engines.models.checkpoint_check import SCALES
-from engines.models.presets import PRESETS
+from models import build_model, read_model_args, torch_dtype
+from models.checkpoint_check import SCALES
+from models.presets import PRESETS
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (

@@ -10,7 +10,7 @@
    weight: `[T * k, H]` in float32; the k choices of a token are summed in order (no atomics: the
    same bits on every run).
 bf16 experts, or FP8 block-wise ones (activations quantized per token and group of bk first, each
-product's scales applied at every K block, as engines/kernels/fp8.py does).
+product's scales applied at every K block, as models/kernels/fp8.py does).
 """
 from __future__ import annotations
 
