@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # FP8 and Mixture-of-Experts on a GPU (device tool), one call per part; logs go to $OUT. Usage:
 #   bash bench/gpu_fp8_moe.sh tests  # every GPU-marked test file, and the FP8 products' speed (bench/probes/fp8_gemm.py)
-#   bash bench/gpu_fp8_moe.sh first  # tests, then 1b in bf16 and FP8 (nano offline, logits error, restart)
 #   bash bench/gpu_fp8_moe.sh min    # tests, the FP8 products' speed (a sweep of tiles), the 1b's nano in bf16 and FP8
 #   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart,
 #                                    # the failover of record on the FP8 8b (64 streams, 20 kills)
@@ -47,26 +46,12 @@ gpu_tests() {
 }
 
 case "${1:-tests}" in
-new)  # this tree's new CUDA paths only (FP8, MoE), and the FP8 products' speed
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-  timeout 200 python3 -m pytest -q -rs -s -p no:cacheprovider -m gpu tests/models/test_fp8_moe_gpu.py \
-    tests/models/test_fp8.py tests/models/test_moe.py 2>&1 | tee "$OUT/gpu_tests_new.txt" | tail -30
-  timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
-  ;;
 min)  # the CUDA paths only: every GPU-marked test file, the FP8 products' speed with a sweep of tiles,
   # and the 1b's nano in bf16 and FP8
   gpu_tests 220
   timeout 100 python3 bench/probes/fp8_gemm.py --sweep --budget 70 2>&1 | tee "$OUT/fp8_gemm.txt"
   made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
   for m in m1b m1b-fp8; do NANO_S=60 nano /tmp/$m $m; done
-  ;;
-first)
-  gpu_tests 300
-  timeout 40 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
-  made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
-  timeout 60 python3 bench/probes/fp8_error.py /tmp/m1b-fp8 2>&1 | tee "$OUT/fp8_error_1b.txt" | tail -3
-  for m in m1b m1b-fp8; do NANO_S=50 nano /tmp/$m $m; done
-  timeout 60 $U bench restart /tmp/m1b-fp8 --runs 2 --device cuda 2>&1 | tee "$OUT/restart_1b_fp8.txt" | tail -4
   ;;
 tests)
   gpu_tests 420
