@@ -4,8 +4,8 @@
 #   bash bench/gpu_fp8_moe.sh min    # tests, the FP8 products' speed (a sweep of tiles), the 1b's nano in bf16 and FP8
 #   bash bench/gpu_fp8_moe.sh fp8    # 8b in bf16 and FP8 block-wise: weights, offline nano, logits error, restart,
 #                                    # the failover of record on the FP8 8b (64 streams, 20 kills)
-#   bash bench/gpu_fp8_moe.sh moe    # moe-30b-a3b in FP8: restart, failover (RUNS kills, 6); the 1b's nano in bf16
-#                                    # and FP8; memory
+#   bash bench/gpu_fp8_moe.sh moe    # the FP8 products; moe-30b-a3b in FP8: numerics check, restart, memory;
+#                                    # the 1b's nano in bf16 and FP8
 #   MODEL=moe30|m1b bash bench/gpu_fp8_moe.sh fo  # the failover alone (RUNS kills, 3)
 #   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano
 # Everything under $OUT comes back as one logs.tgz.
@@ -67,15 +67,20 @@ fp8)
   timeout 240 $U bench restart /tmp/m8b-fp8 --runs 3 --device cuda 2>&1 | tee "$OUT/restart_8b_fp8.txt" | tail -5
   failover_on /tmp/m8b-fp8 8b_fp8
   ;;
-moe)  # most telling first: restart (the numerics check at 128 experts), the failover, then the 1b's nano in
-  # bf16 and FP8 (this tree's FP8 product), memory last
+moe)  # most telling first: the FP8 products (ours and cuBLAS's block-scaled), moe-30b-a3b in FP8: the
+  # numerics check's cost, restart (with its engines' logs), memory; the 1b's nano in bf16 and FP8
+  timeout 90 python3 bench/probes/fp8_gemm.py 2>&1 | tee "$OUT/fp8_gemm.txt"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k cublas tests/models/test_fp8_moe_gpu.py \
+    tests/models/test_fp8.py 2>&1 | tee "$OUT/gpu_tests_cublas.txt" | tail -3
   made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
-  du -sh /tmp/moe30 | tee "$OUT/sizes.txt"
-  timeout 130 $U bench restart /tmp/moe30 --runs 2 --device cuda 2>&1 | tee "$OUT/restart_moe30.txt" | tail -8
-  RUNS=${RUNS:-6} FAILOVER_S=150 failover_on /tmp/moe30 moe30_fp8
-  made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
-  for m in m1b m1b-fp8; do NANO_S=45 nano /tmp/$m $m; done
+  timeout 80 python3 bench/probes/numerics_cost.py /tmp/moe30 2>&1 | tee "$OUT/numerics_cost.txt" | cut -c1-150
+  timeout 130 $U bench restart /tmp/moe30 --runs 2 --device cuda --work-dir /tmp/rs 2>&1 | tee "$OUT/restart_moe30.txt" | tail -4
+  grep -h "numerics against\|allocator holds" /tmp/rs/*.log | cut -c1-400 > "$OUT/restart_engine_lines.txt"
   timeout 100 bash -c "$(declare -f memory_on); memory_on /tmp/moe30 moe30"
+  grep -rh "allocator holds" ${XDG_RUNTIME_DIR:-/nonexistent}/understudy /tmp/understudy-$(id -u) 2>/dev/null | cut -c1-400 \
+    >> "$OUT/memory_moe30.txt"
+  made /tmp/m1b --preset 1b; made /tmp/m1b-fp8 --preset 1b --quant fp8-block
+  for m in m1b m1b-fp8; do NANO_S=60 nano /tmp/$m $m; done
   ;;
 fo)  # the failover alone (RUNS kills, 3) on $MODEL (moe30: moe-30b-a3b in FP8; m1b: the 1b in bf16)
   case "${MODEL:-moe30}" in moe30) made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block;; m1b) made /tmp/m1b --preset 1b;; esac

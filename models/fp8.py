@@ -9,7 +9,8 @@ Parameters, named as the checkpoint names them so that a key is a parameter name
   shared through the daemon like any other weight); static activations: `input_scale [parts]`,
   which the load's processing sets to the largest part's (one quantization of the shared input).
 Forward: on GPUs with FP8 tensor cores (sm_89+) the activations are quantized at run time and one
-Triton product accumulates in float32 (models/kernels/fp8.py); elsewhere (CPU, older GPUs) the
+Triton product accumulates in float32 (models/kernels/fp8.py), or from CUBLAS_ROWS rows up, where it
+runs and agrees with ours, cuBLAS's block-scaled product (128x128 blocks); elsewhere (CPU, older GPUs) the
 weight is dequantized to the compute dtype first (weight-only: the tests' reference path).
 """
 from __future__ import annotations
@@ -60,6 +61,12 @@ class Fp8Linear(nn.Module):
     def scale(self) -> torch.Tensor:
         return getattr(self, self.scheme.scale_name)
 
+    @property
+    def cublas_shape(self) -> bool:
+        """Whether cuBLAS's block-scaled product takes this weight: 128x128 blocks, a multiple of 4 of them
+        along K (its scales' alignment)."""
+        return self.scheme.kind == "block" and self.scheme.block == (128, 128) and self.weight.shape[1] % 512 == 0
+
     @torch.no_grad()
     def process_weights(self) -> None:
         """The load's processing (run once, where the weights are loaded: the daemon): one input
@@ -80,10 +87,15 @@ class Fp8Linear(nn.Module):
         """x @ weight^T on this rank, before any cross-rank sum or bias."""
         if self.scheme.activations == "none" or not has_fp8_cores(x.device):
             return F.linear(x, self.dequantized(x.dtype))
-        from models.kernels.fp8 import fp8_matmul, quantize_rows, quantize_static
+        from models.kernels.fp8 import (CUBLAS_ROWS, block_scaled_mm, cublas_block_scaled, fp8_matmul, quantize_rows,
+                                        quantize_static)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         group = self.scale_cols if self.scheme.kind == "block" else shape[-1]
+        if x.shape[0] >= CUBLAS_ROWS and self.cublas_shape and cublas_block_scaled(x.device):
+            y = block_scaled_mm(*quantize_rows(x, 128, for_cublas=True), self.weight, self.scale, self.out_dtype,
+                                x.shape[0])
+            return y.view(*shape[:-1], y.shape[-1])
         if self.scheme.activations == "static":
             xq, xs = quantize_static(x, self.input_scale)
         else:

@@ -90,16 +90,17 @@ class Experts(nn.Module):
                 out[f"{at}.{down}.{suffix}"] = ShardSpec(f"{module_name}.{d_param}", 1, (h // rn, i * tp // rk), 0, x)
         return out
 
-    def dequantized(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up `[2I, H]`, down `[H, I]`) of one expert in `dtype`."""
+    def dequantized(self, experts: int | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up `[2I, H]`, down `[H, I]`) of one expert in `dtype`; of a tensor of ids, both stacked
+        (`[E, 2I, H]`, `[E, H, I]`)."""
         if self.scheme is None:
-            return self.gate_up_proj[expert].to(dtype), self.down_proj[expert].to(dtype)
+            return self.gate_up_proj[experts].to(dtype), self.down_proj[experts].to(dtype)
         bn, bk = self.scheme.block
 
         def deq(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-            return (w.float() * s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)).to(dtype)
-        return deq(self.gate_up_proj[expert], self.gate_up_scale[expert]), deq(self.down_proj[expert],
-                                                                               self.down_scale[expert])
+            return (w.float() * s.repeat_interleave(bn, -2).repeat_interleave(bk, -1)).to(dtype)
+        return deq(self.gate_up_proj[experts], self.gate_up_scale[experts]), deq(self.down_proj[experts],
+                                                                                 self.down_scale[experts])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of `sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, `[T, H]` in x's dtype."""

@@ -11,7 +11,8 @@ as a relative RMS error. A MoE block is checked in two parts, so that every toke
 often experts nearly tie (with 128 experts and top-8, about half the tokens of random weights have a
 k-th and (k+1)-th expert within 2%): the engine's picks, each of which must be among float32's top k
 up to that margin, and the experts' weighted sum on the engine's picks with float32's weights for
-them. What it catches: scales ignored
+them. On FP8 tensor cores, layer 0's q/k/v product runs once more at 128 rows, where a product may
+take another kernel (cuBLAS's block-scaled one). What it catches: scales ignored
 or misapplied, a wrong layout or transpose, a kernel that computes wrongly on this device. What it
 cannot: weights that are wrong in the arena itself (the fingerprint's content digest and the
 canary's golden answer cover those), and faults at other batch sizes than the one it runs.
@@ -34,9 +35,11 @@ from .parallel import all_gather_last_dim, all_reduce
 from .rope import cos_sin_table, rope_factors
 
 TOKENS = 16
+MANY_ROWS = 128  # an FP8 product checked apart at this many rows (from models.kernels.fp8.CUBLAS_ROWS: cuBLAS's)
 # Relative RMS error allowed, by how the engine computes (measured margins: bench/RESULTS.md)
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 FP8_TOLERANCE = 1e-1  # activations quantized to float8 per token group at run time
+EXPERT_BYTES = 256 << 20  # float32 expert weights the reference dequantizes at once
 NEAR_TIE = 2e-2  # routing logits this close (relative to the largest) may rank either way in bfloat16
 
 
@@ -109,6 +112,7 @@ def check_numerics(model: Decoder, device: torch.device) -> NumericsCheck:
             parts.append(Part(f"layer {i} MLP", _relative(got, _reference_mlp(layer.ffn, m.float(), tp)), tol))
         else:
             parts += _moe_parts(layer.ffn, m, tp, f"layer {i}", tol)
+    parts += _many_rows(stack.layers[0].self_attn.qkv_proj, g, device, model.dtype, tol)
     x = _hidden(g, TOKENS, args.hidden_size, device, model.dtype)
     got = all_gather_last_dim(model.lm_head(stack.norm(x)), tp).float()
     want = all_gather_last_dim(_reference_linear(model.lm_head, _rms(x.float(), stack.norm.weight, stack.norm.eps)), tp)
@@ -116,6 +120,16 @@ def check_numerics(model: Decoder, device: torch.device) -> NumericsCheck:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return NumericsCheck(parts, time.perf_counter() - t0)
+
+
+def _many_rows(linear: torch.nn.Module, g: torch.Generator, device: torch.device, dtype: torch.dtype,
+               tol: float) -> list[Part]:
+    """An FP8 product at MANY_ROWS rows, on its own: past CUBLAS_ROWS it may run another kernel (cuBLAS's)."""
+    if not (isinstance(linear, Fp8Linear) and tol == FP8_TOLERANCE):
+        return []
+    x = _hidden(g, MANY_ROWS, linear.weight.shape[1], device, dtype)
+    got = linear.product(x).float()
+    return [Part(f"layer 0 q/k/v product at {MANY_ROWS} rows", _relative(got, x.float() @ _weight(linear).T), tol)]
 
 
 def _hidden(g: torch.Generator, rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -200,14 +214,18 @@ def _moe_parts(moe: SparseMoE, x: torch.Tensor, tp: int, at: str, tol: float) ->
 
 def _reference_experts(moe: SparseMoE, x: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
                        tp: int) -> torch.Tensor:
-    """The experts `ids` picked, summed in float32 with float32's routing weights for them."""
+    """The experts `ids` picked, summed in float32 with float32's routing weights for them: every
+    token through every picked expert, a few experts' weights dequantized at a time (one launch per
+    product and no host sync per expert: 128 experts cost what 8 do)."""
     weights = torch.softmax(logits, -1).gather(-1, ids)
     if moe.renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in ids.unique().tolist():
-        tokens, slot = (ids == expert).nonzero(as_tuple=True)
-        gate_up, down = moe.experts.dequantized(expert, torch.float32)
-        gate, up = (x[tokens].float() @ gate_up.T).chunk(2, dim=-1)
-        out.index_add_(0, tokens, ((F.silu(gate) * up) @ down.T) * weights[tokens, slot, None])
+    mix = torch.zeros_like(logits).scatter_add_(-1, ids.long(), weights)  # [T, experts]: each token's weight on each
+    xf, out = x.float(), torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    _, two_i, h = moe.experts.gate_up_proj.shape
+    for chunk in ids.unique().split(max(1, EXPERT_BYTES // (3 * two_i * h * 2))):  # (fp32: 4 bytes, 1.5 matrices)
+        gate_up, down = moe.experts.dequantized(chunk, torch.float32)
+        gate, up = torch.einsum("th,eih->eti", xf, gate_up).chunk(2, dim=-1)
+        y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
+        out += torch.einsum("te,eth->th", mix[:, chunk], y)
     return all_reduce(out, tp)

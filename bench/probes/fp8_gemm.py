@@ -1,7 +1,8 @@
 """FP8 products against bf16 at the 8B shape's linears (GPU): quantize + Triton FP8 product
 (models/kernels/fp8.py, block-wise 128x128) beside torch's bf16 F.linear, by row count, each timed
 as 20 calls replayed from one CUDA graph (as the engine's decode runs them: no launch gaps).
-Columns: quantize alone, quantize + product; with --sweep, every candidate tile of the product too,
+Columns: quantize alone, quantize + product, quantize + cuBLAS's block-scaled product (where it runs,
+models/kernels/fp8.py), each product's speed against bf16's; with --sweep, every candidate tile of the product too,
 and the best per (shape, rows) (and any tile that gives other bits than the default's).
     python3 bench/probes/fp8_gemm.py [--sweep]"""
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models.kernels.fp8 import fp8_matmul, quantize_rows, tiles
+from models.kernels.fp8 import block_scaled_mm, cublas_block_scaled, fp8_matmul, quantize_rows, tiles
 from models.make_model import quantize_fp8
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -54,7 +55,9 @@ def candidates(m: int) -> list[tuple[int, int, int, int]]:
 def main() -> None:
     sweep = "--sweep" in sys.argv
     budget = time.monotonic() + float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 1e18
-    print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'quant us':>8} {'fp8 us':>8} {'ratio':>6}" +
+    cublas = cublas_block_scaled(torch.device("cuda"))
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}: cuBLAS block-scaled product {'runs' if cublas else 'no'}")
+    print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'quant us':>8} {'fp8 us':>8} {'ratio':>6} {'cublas':>8} {'ratio':>6}" +
           (f" {'best us':>8} {'ratio':>6}  best tile (BM,BN,warps,stages)" if sweep else ""), flush=True)
     weights = {}
     for name, (n, k) in SHAPES.items():
@@ -71,7 +74,9 @@ def main() -> None:
             tb = graphed_us(lambda: F.linear(x, wb))
             tq = graphed_us(lambda: quantize_rows(x, 128))
             tf = graphed_us(fp8)
-            line = f"{name:8} {m:5} {tb:8.1f} {tq:8.1f} {tf:8.1f} {tb / tf:6.2f}"
+            tc = graphed_us(lambda: block_scaled_mm(*quantize_rows(x, 128, for_cublas=True), wq, ws, torch.bfloat16,
+                                                    m)) if cublas else float("nan")
+            line = f"{name:8} {m:5} {tb:8.1f} {tq:8.1f} {tf:8.1f} {tb / tf:6.2f} {tc:8.1f} {tb / tc:6.2f}"
             if sweep and time.monotonic() < budget:
                 ref = fp8_matmul(xq, xs, wq, ws, 128, 128, 128, torch.float32)
                 best = (graphed_us(fp8, calls=10, reps=5), tiles(m, n))

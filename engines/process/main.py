@@ -224,13 +224,16 @@ def run_engine(cfg: EngineConfig) -> int:
             numerics = check_numerics(weights.model, device)
             log.info("numerics against float32 PyTorch: %s", numerics.summary())
             numerics.raise_if_failed()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # its float32 references (an LM head, experts) are not the graphs' to keep
         with timer.phase("graph_capture"):
             if use_graphs:
                 runner.capture_graphs()
         log.info("KV cache: %d blocks of %d tokens (%s; max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
-                 "fused decode kernels: %s; deterministic: %s", runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml,
-                 runner.max_rows, runner.graph_sizes if use_graphs else "off", runner.fused_decode_status,
-                 runner.deterministic_status)
+                 "fused decode kernels: %s; deterministic: %s; torch's allocator holds %s",
+                 runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml, runner.max_rows,
+                 runner.graph_sizes if use_graphs else "off", runner.fused_decode_status, runner.deterministic_status,
+                 f"{torch.cuda.memory_reserved(device) / 2**20:.0f} MiB" if device.type == "cuda" else "nothing on a GPU")
         if pool:
             heap.keep_freed_memory()  # (before the pool's first read: a promotion then touches no new page)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,

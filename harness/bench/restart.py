@@ -101,7 +101,8 @@ def bench_restart(model_dir: str, device: str, dtype: str | None, runs: int, kv_
     try:
         start(["-m", "daemon", "--model", model_dir, "--rank", "0", "--device", device, "--dtype", dtype,
                "--runtime-dir", str(rt)], "daemon.log")
-        start(["-m", "engines.process.spawn_server", "--socket", str(work / "spawn.sock")], "spawn-server.log")
+        start(["-m", "engines.process.spawn_server", "--socket", str(work / "spawn.sock"), "--tokenizer", model_dir],
+              "spawn-server.log")  # (as the supervisor starts it)
         _wait_for_path(daemon_socket_path(rt, 0), work / "daemon.log")
         _wait_for_path(work / "spawn.sock", work / "spawn-server.log")
         # The first engine waits for the daemon's cold load; it is not timed.

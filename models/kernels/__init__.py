@@ -1,7 +1,8 @@
-"""Triton kernels for batch-1 decode (CUDA; imported only where they run, and by the spawn server).
+"""Triton kernels (CUDA; imported only where they run, and by the spawn server), among them:
 
 - `gemv.fused_gemv`: matrix-vector product with RMSNorm / silu-gate prologue and bias / residual epilogue.
 - `attention.decode_attention`: rotary + KV-cache write + GQA decode attention in one kernel.
+- `fp8`: FP8 products with activations quantized at run time; `moe`: the fused experts' step.
 """
 
 
@@ -9,7 +10,7 @@ def preload() -> None:
     """Import the kernels and what Triton imports at a process's first launch, and compute what it
     hashes once per process (its own sources, ~0.3 s, and each kernel's source), without touching
     CUDA: the spawn server calls this before it forks engines, so a restarted engine skips it."""
-    from models.kernels import attention, gemv, invariant_matmul, paged_attention, rope_cache, row_ops
+    from models.kernels import attention, fp8, gemv, invariant_matmul, moe, paged_attention, rope_cache, row_ops
 
     try:
         from triton.runtime.cache import triton_key
@@ -20,7 +21,7 @@ def preload() -> None:
         import triton.experimental.gluon.language  # noqa: F401  its sources compiled there each time)
     except ImportError:
         pass
-    for module in (attention, gemv, invariant_matmul, paged_attention, rope_cache, row_ops):
+    for module in (attention, fp8, gemv, invariant_matmul, moe, paged_attention, rope_cache, row_ops):
         for kernel in vars(module).values():
             if type(kernel).__name__ == "JITFunction":
                 getattr(kernel, "cache_key", None)  # a cached property (none in interpreter mode)

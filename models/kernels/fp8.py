@@ -19,14 +19,15 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
 @triton.jit
-def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_sg, GROUP: tl.constexpr,
+                   BLOCK: tl.constexpr):
     row, g = tl.program_id(0), tl.program_id(1)
     cols = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0
     tl.store(q_ptr + row * stride_q + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale)
+    tl.store(s_ptr + row * stride_s + g * stride_sg, scale)
 
 
 @triton.jit
@@ -39,14 +40,17 @@ def _quantize_static(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.const
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x [M, K]` -> (float8 `[M, K]`, float32 scales `[M, ceil(K / group)]`)."""
+def quantize_rows(x: torch.Tensor, group: int, for_cublas: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` -> (float8 `[M, K]`, float32 scales `[M, ceil(K / group)]`). `for_cublas`: as cuBLAS's
+    block-scaled product reads them: rows padded to a multiple of 4 (their values undefined), the
+    scales column-major."""
     m, k = x.shape
-    groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    groups, rows = triton.cdiv(k, group), -(-m // 4) * 4 if for_cublas else m
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t() if for_cublas else \
+        torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
+        _quantize_rows[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=group,
                                     BLOCK=triton.next_power_of_2(group))
     return q, s
 
@@ -138,3 +142,39 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Te
                       ws.stride(1), A_GROUP=group, W_ROWS=scale_rows, W_COLS=scale_cols, SCALE_EACH_K=each_k,
                       HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
+
+
+CUBLAS_ROWS = 64  # from this many rows up, cuBLAS's block-scaled product where it runs (bench/RESULTS.md)
+_cublas: dict[torch.device, bool] = {}
+
+
+def cublas_block_scaled(device: torch.device) -> bool:
+    """Whether torch's block-scaled FP8 product (cuBLAS 12.9+, Hopper: 1x128 activation scales,
+    128x128 weight scales) runs on `device` and agrees with ours (relative 1e-3) on a 128-row product.
+    Decided once, outside a CUDA graph's capture (inside one, before that: no)."""
+    known = _cublas.get(device)
+    if known is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        known = _cublas[device] = _agrees_with_ours(device)
+    return known
+
+
+def _agrees_with_ours(device: torch.device) -> bool:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(128, 512, generator=g, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(256, 512, generator=g, device=device) / 16).to(torch.float8_e4m3fn)
+    ws = torch.rand(2, 4, generator=g, device=device) + 0.5
+    want = fp8_matmul(*quantize_rows(x, 128), w, ws, 128, 128, 128, torch.float32)
+    try:
+        got = block_scaled_mm(*quantize_rows(x, 128, for_cublas=True), w, ws, torch.float32, 128)
+    except (RuntimeError, TypeError, ValueError):  # an older torch or cuBLAS, another GPU
+        return False
+    return bool(((got - want).norm() / want.norm()) < 1e-3)
+
+
+def block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype,
+                    rows: int) -> torch.Tensor:
+    """cuBLAS's block-scaled product of `quantize_rows(x, 128, for_cublas=True)` and a 128x128-block
+    weight `w [N, K]` (scales `ws [N / 128, K / 128]`): `[rows, N]` in `out_dtype`."""
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=out_dtype)[:rows]

@@ -235,3 +235,15 @@ def test_the_fp8_product_kernel_computes_the_product_of_what_it_quantized(kind, 
     assert ((got - want).norm() / want.norm()).item() <= (1e-5 if dev == "cpu" else 1e-3)
     # and near the unquantized product (FP8's rounding; the interpreter's float8 cast truncates)
     assert ((got - x @ w.T).norm() / (x @ w.T).norm()).item() <= 0.2
+
+
+@pytest.mark.gpu  # (a kernel: natively on a GPU, through Triton's interpreter on CPU)
+def test_activations_quantized_for_cublas_are_ours_in_its_layout() -> None:
+    """quantize_rows(for_cublas=True): the same values, rows padded to a multiple of 4 and the scales
+    column-major, as cuBLAS's block-scaled product reads them."""
+    from models.kernels.fp8 import quantize_rows
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7)).to(dev)
+    (q, s), (cq, cs) = quantize_rows(x, 128), quantize_rows(x, 128, for_cublas=True)
+    assert cq.shape == (8, 512) and cs.shape == (8, 4) and cs.stride() == (1, 8)
+    assert torch.equal(cq[:7].view(torch.uint8), q.view(torch.uint8)) and torch.equal(cs[:7], s)

@@ -69,3 +69,32 @@ def test_an_engine_serves_an_fp8_moe_checkpoint_on_the_gpu(models, tmp_path) -> 
             == first
     finally:
         assert proc.stop() == 0
+
+
+@pytest.mark.parametrize("m", [64, 130, 256])
+def test_cublas_block_scaled_products_agree_with_ours_eager_and_in_a_graph(m) -> None:
+    """From CUBLAS_ROWS rows an Fp8Linear of 128x128 blocks takes cuBLAS's block-scaled product where
+    it runs: its result is ours (to the tensor cores' accumulation), in eager and in a CUDA graph."""
+    from models.kernels.fp8 import CUBLAS_ROWS, cublas_block_scaled, fp8_matmul, quantize_rows
+    from models.make_model import quantize_fp8
+    from models.quant import Fp8Scheme
+    dev = torch.device("cuda")
+    if not cublas_block_scaled(dev):
+        pytest.skip(f"cuBLAS's block-scaled product does not run here (torch {torch.__version__}, CUDA "
+                    f"{torch.version.cuda}): products stay Triton's")
+    assert m >= CUBLAS_ROWS
+    g = torch.Generator().manual_seed(m)
+    linear = Fp8Linear(1024, 384, False, 0, 1, torch.bfloat16, dev, Fp8Scheme(kind="block", block=(128, 128)))
+    wq, ws = quantize_fp8(torch.randn(384, 1024, generator=g).to(dev), (128, 128))
+    linear.weight.copy_(wq)
+    linear.scale.copy_(ws)
+    assert linear.cublas_shape
+    x = torch.randn(m, 1024, generator=g).to(dev, torch.bfloat16)
+    ours = fp8_matmul(*quantize_rows(x, 128), wq, ws, 128, 128, 128, torch.bfloat16).float()
+    eager = linear.product(x).float()
+    assert ((eager - ours).norm() / ours.norm()).item() <= 1e-2
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = linear.product(x)
+    graph.replay()
+    assert torch.equal(out.float(), eager)
