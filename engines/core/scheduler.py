@@ -14,7 +14,7 @@ an error or a truncation for it, only a later token.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from itertools import islice
 
@@ -39,12 +39,16 @@ class Scheduled:
 class FairQueue:
     """Waiting sequences, taken round-robin across requests (FIFO inside a request); before them the
     preempted ones, then continued ones (a stream another engine began: its client is waiting
-    mid-answer, so it never queues behind a request that arrived during the failover)."""
+    mid-answer, so it never queues behind a request that arrived during the failover). One request
+    (a failover's batch is one) has at most `ahead` continued sequences waiting ahead of the others at
+    a time, the engine's slots: a failover's continuations all fit, a flood of continuations from
+    inside the node takes its turns with everyone (issue 52)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ahead: int) -> None:
         self._groups: OrderedDict[int, deque[Sequence]] = OrderedDict()
         self._front: deque[Sequence] = deque()  # preempted: served before anyone else
         self._continued: deque[Sequence] = deque()  # then continuations, in arrival order
+        self._ahead, self._ahead_by_group = ahead, Counter()  # (what each request has in `_continued`)
 
     def __len__(self) -> int:
         return len(self._front) + len(self._continued) + sum(len(q) for q in self._groups.values())
@@ -56,7 +60,8 @@ class FairQueue:
             yield from q
 
     def push(self, seq: Sequence) -> None:
-        if seq.replayed:
+        if seq.replayed and self._ahead_by_group[seq.group] < self._ahead:
+            self._ahead_by_group[seq.group] += 1
             self._continued.append(seq)
         else:
             self._groups.setdefault(seq.group, deque()).append(seq)
@@ -86,7 +91,7 @@ class FairQueue:
         if self._front:
             return self._front.popleft()
         if self._continued:
-            return self._continued.popleft()
+            return self._left_continued(self._continued.popleft())
         group, q = next(iter(self._groups.items()))
         seq = q.popleft()
         del self._groups[group]
@@ -95,10 +100,13 @@ class FairQueue:
         return seq
 
     def remove(self, seq: Sequence) -> bool:
-        for line in (self._front, self._continued):
-            if seq in line:
-                line.remove(seq)
-                return True
+        if seq in self._front:
+            self._front.remove(seq)
+            return True
+        if seq in self._continued:
+            self._continued.remove(seq)
+            self._left_continued(seq)
+            return True
         q = self._groups.get(seq.group)
         if q is None or seq not in q:
             return False
@@ -106,6 +114,13 @@ class FairQueue:
         if not q:
             del self._groups[seq.group]
         return True
+
+
+    def _left_continued(self, seq: Sequence) -> Sequence:
+        self._ahead_by_group[seq.group] -= 1
+        if not self._ahead_by_group[seq.group]:
+            del self._ahead_by_group[seq.group]
+        return seq
 
 
 class _PrefillCap:
@@ -132,7 +147,7 @@ class Scheduler:
         self.max_running = max_num_seqs
         self.budget = max_num_batched_tokens
         self.prefill_cap = prefill_cap  # prefill tokens beside decode rows per step (None: the budget)
-        self.waiting = FairQueue()
+        self.waiting = FairQueue(max_num_seqs)
         self.running: list[Sequence] = []
         self.preemptions = 0
 
@@ -233,7 +248,7 @@ class Scheduler:
     def take_all(self) -> list[Sequence]:
         """Remove every sequence, running or waiting, freeing their blocks (a handoff)."""
         seqs = self.running + list(self.waiting)
-        self.running, self.waiting = [], FairQueue()
+        self.running, self.waiting = [], FairQueue(self.max_running)
         for s in seqs:
             self.blocks.release(s, handed_off=True)
         return seqs

@@ -20,6 +20,7 @@ every member stops."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -41,6 +42,9 @@ log = logging.getLogger("engines.frontend.continuation_batch")
 # of CPU on the dev VM and ~0.3 on the H200 hosts, in groups of 64 the first reached the core ~20 ms
 # later than one by one (bench/RESULTS.md, sixth session); with its ids raw it takes ~0.1 and ~0.2
 # (twelfth session): 16 a group keep the first member's wait to a few ms.
+# The fairness group of the sequences started while a batch starts its members: the batch's own, so
+# that the core takes a batch as one request (engines/core/scheduler.py FairQueue), not thousands.
+BATCH_GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar("batch_group", default=None)
 GROUP = 16
 
 
@@ -179,6 +183,7 @@ class Batch:
         back to back, the started members' frames only after the last: relaying the first ones'
         outputs between groups held the last group back (on the dev VM, 256 members reached the core
         in 17-20 ms so, in 23-63 ms with the frames relayed between groups; H100 logs: 20-38 ms)."""
+        BATCH_GROUP.set(id(self))  # (this task's context only)
         try:
             for first in range(0, len(self.requests), GROUP):
                 with self.together():

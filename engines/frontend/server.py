@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from .continuation_batch import Batch, BodyTiming, abort_member, serve_batch
+from .continuation_batch import BATCH_GROUP, Batch, BodyTiming, abort_member, serve_batch
 from .engine_client import EngineClient
 from wire import request_body
 from wire.limits import LimitError, RequestLimits, check_body
@@ -128,7 +128,7 @@ class OpenAIServer:
     def _start(self, jobs: list[Job]) -> Running:
         """Hand every (prompt, params, replayed, block keys) job to the core now."""
         running = Running(self.engine, len(jobs), self.first_output.submitted(), self.first_output)
-        group = id(running)  # the request's sequences take turns with other requests
+        group = BATCH_GROUP.get() or id(running)  # the request's (its batch's) sequences take turns with other requests
         running.keys = [self.engine.submit(p, sp, lambda out, i=i: running.emit(i, out), group, r, keys)
                         for i, (p, sp, r, keys) in enumerate(jobs)]
         return running

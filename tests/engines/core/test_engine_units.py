@@ -314,7 +314,7 @@ def test_a_continued_sequence_waits_behind_preempted_ones_only(tok: Tokenizer) -
     """A stream another engine began never queues behind a request that arrived during the
     failover: the waiting order is preempted, continued (in arrival order), then the fair queue."""
     from engines.core.scheduler import FairQueue
-    q = FairQueue()
+    q = FairQueue(ahead=8)
     new = [Sequence([1, 2], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None) for _ in range(2)]
     cont = [Sequence([1, 2, 3], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None, replayed=1)
             for _ in range(2)]
@@ -325,6 +325,23 @@ def test_a_continued_sequence_waits_behind_preempted_ones_only(tok: Tokenizer) -
     assert list(q) == [preempted, *cont, *new] and len(q) == 5
     assert q.remove(cont[1]) and not q.remove(cont[1])
     assert [q.pop() for _ in range(4)] == [preempted, cont[0], *new] and q.peek() is None
+
+
+def test_one_requests_continuations_ahead_of_the_others_are_bounded_by_the_slots(tok: Tokenizer) -> None:
+    """A request (a batch) puts at most `ahead` continued sequences ahead of the others at a time; the
+    rest take turns with the other requests, and one taken makes room ahead again."""
+    from engines.core.scheduler import FairQueue
+    q = FairQueue(ahead=2)
+    flood = [Sequence([1, 2, 3], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None, group=7, replayed=1)
+             for _ in range(5)]
+    other = Sequence([4, 5], SamplingParams(max_tokens=2), tok, set(), 64, lambda o: None)
+    for s in flood[:4]:
+        q.push(s)
+    q.push(other)
+    assert [q.queue_of(s) for s in flood[:4]] == ["continued", "continued", "new", "new"]
+    assert [q.pop() for _ in range(3)] == [flood[0], flood[1], flood[2]]
+    q.push(flood[4])  # (room ahead again: the first two were taken)
+    assert [q.pop() for _ in range(3)] == [flood[4], other, flood[3]] and q.peek() is None
 
 
 def test_sequences_put_later_start_in_one_step_and_an_abort_among_them_holds(tiny_model) -> None:

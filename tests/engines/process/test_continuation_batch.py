@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from array import array
 
@@ -197,6 +198,39 @@ def test_an_abort_out_of_range_or_malformed_is_refused(engine, tiny_model):
     assert r1.status_code == 400 and "no index 3" in r1.json()["error"]["message"]
     assert r2.status_code == 400
     wait_idle(engine)  # (the client left: every member stopped)
+
+
+def test_a_flood_of_continuations_takes_its_turns_with_other_requests(engine, tiny_model):
+    """Issue 52: a batch of 8x the slots' continuations, straight to the engine, puts at most the
+    slots' worth ahead of everyone (a failover's all fit); its other members take turns with other
+    requests as one request does, so another client is answered while most of the flood still waits."""
+    model = tiny_model.name
+    flood = as_batch(*(continued(model, [5 + i % 50, 6, 7], [8], 40) for i in range(64)))
+    ends: list[float] = []  # when each member's last frame came
+
+    def read_flood() -> None:
+        raw = b""
+        with httpx.Client(timeout=120) as c, c.stream("POST", engine.url + "/v1/continuations", content=flood) as r:
+            for chunk in r.iter_bytes():
+                raw += chunk
+                while (head_end := raw.find(b"\n")) >= 0:  # (whole frames only: "index status length\n" payload)
+                    _, status, length = (int(x) for x in raw[:head_end].split(b" "))
+                    if len(raw) < head_end + 1 + length:
+                        break
+                    if status == length == 0:
+                        ends.append(time.monotonic())
+                    raw = raw[head_end + 1 + length:]
+    reader = threading.Thread(target=read_flood)
+    reader.start()
+    while running(engine) < 8:
+        time.sleep(0.005)
+    other = httpx.post(engine.url + "/v1/completions", timeout=120,
+                       json={"model": model, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})
+    answered = time.monotonic()
+    reader.join()
+    assert other.status_code == 200 and len(ends) == 64
+    before = sum(t < answered for t in ends)
+    assert before <= 24, f"{before} of the flood's 64 members ended before another client's 2 tokens"
 
 
 def generated(engine) -> int:
