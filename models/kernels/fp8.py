@@ -19,15 +19,17 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
 @triton.jit
-def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, stride_sg, GROUP: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    row, g = tl.program_id(0), tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+def _quantize_rows(x_ptr, q_ptr, s_ptr, K, GROUPS, stride_x, stride_q, stride_s, stride_sg, GROUP: tl.constexpr,
+                   BLOCK: tl.constexpr, PER: tl.constexpr):
+    row, first = tl.program_id(0), tl.program_id(1) * PER  # (PER groups of a row a program)
+    groups = first + tl.arange(0, PER)
+    inner = tl.arange(0, BLOCK)
+    cols = groups[:, None] * GROUP + inner[None, :]
+    mask = (inner[None, :] < GROUP) & (cols < K) & (groups[:, None] < GROUPS)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0
-    tl.store(q_ptr + row * stride_q + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g * stride_sg, scale)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+    tl.store(q_ptr + row * stride_q + cols, (x / scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + groups * stride_sg, scale, mask=groups < GROUPS)
 
 
 @triton.jit
@@ -49,9 +51,11 @@ def quantize_rows(x: torch.Tensor, group: int, for_cublas: bool = False) -> tupl
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t() if for_cublas else \
         torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(group)
+    per = max(1, min(triton.next_power_of_2(groups), 4096 // block))  # (one program: up to 4096 columns)
     if m:
-        _quantize_rows[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=group,
-                                    BLOCK=triton.next_power_of_2(group))
+        _quantize_rows[(m, triton.cdiv(groups, per))](x, q, s, k, groups, x.stride(0), q.stride(0), s.stride(0),
+                                                       s.stride(1), GROUP=group, BLOCK=block, PER=per)
     return q, s
 
 

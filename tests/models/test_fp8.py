@@ -247,3 +247,17 @@ def test_activations_quantized_for_cublas_are_ours_in_its_layout() -> None:
     (q, s), (cq, cs) = quantize_rows(x, 128), quantize_rows(x, 128, for_cublas=True)
     assert cq.shape == (8, 512) and cs.shape == (8, 4) and cs.stride() == (1, 8)
     assert torch.equal(cq[:7].view(torch.uint8), q.view(torch.uint8)) and torch.equal(cs[:7], s)
+
+
+@pytest.mark.gpu  # (a kernel: natively on a GPU, through Triton's interpreter on CPU)
+@pytest.mark.parametrize("k", [1000, 4096 + 128])  # (a part group last; more groups than one program takes)
+def test_activation_scales_are_each_groups_amax_over_448(k) -> None:
+    from models.kernels.fp8 import quantize_rows
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dev)
+    q, s = quantize_rows(x, 128)
+    padded = torch.nn.functional.pad(x, (0, -k % 128))
+    want = padded.view(5, -1, 128).abs().amax(-1).clamp(min=1e-12) / 448.0
+    assert s.shape == want.shape and torch.allclose(s, want, rtol=1e-6)
+    back = q.float() * s.repeat_interleave(128, 1)[:, :k]
+    assert ((back - x).norm() / x.norm()).item() < 0.08  # (float8 rounding; the interpreter truncates)
