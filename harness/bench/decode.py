@@ -40,16 +40,24 @@ def local_weights(model_dir: str, device: str = "cpu", dtype: str | None = None,
         return load_rank_weights(cfg, args, 0, dev), cfg, dev
 
 
+KV_HEADROOM = 6 << 30  # GPU memory left beside a default KV cache: activations, graphs, the numerics' float32
+
+
 def local_engine(model_dir: str, device: str = "cpu", dtype: str | None = None, max_num_seqs: int = 32,
                  max_len: int = 512, cuda_graphs: bool = True, fused_kernels: bool = True,
                  kv_cache_bytes: int | None = None, block_size: int = 16, max_num_batched_tokens: int | None = None,
                  prefix_caching: bool = True, deterministic: bool = False) -> LLMEngine:
     """An engine without HTTP or control channel, weights from disk (`off`), for benchmarks and tests.
-    Without `kv_cache_bytes`, the cache holds max_num_seqs sequences of max_len tokens."""
+    Without `kv_cache_bytes`, the cache holds max_num_seqs sequences of max_len tokens, or on a GPU what
+    its free memory holds beside KV_HEADROOM (sequences beyond it wait or are preempted)."""
     weights, cfg, dev = local_weights(model_dir, device, dtype, max_num_seqs, max_len)
     runner = ModelRunner(weights.model, dev, fused_kernels=fused_kernels, deterministic=deterministic)
-    runner.allocate_kv_cache(kv_cache_bytes or runner_kv_bytes(weights.model, max_len, max_num_seqs, block_size),
-                             block_size, max_len, max_num_seqs, max_num_batched_tokens or step_token_budget(cfg))
+    if kv_cache_bytes is None:
+        kv_cache_bytes = runner_kv_bytes(weights.model, max_len, max_num_seqs, block_size)
+        if dev.type == "cuda":
+            kv_cache_bytes = min(kv_cache_bytes, torch.cuda.mem_get_info(dev)[0] - KV_HEADROOM)
+    runner.allocate_kv_cache(kv_cache_bytes, block_size, max_len, max_num_seqs,
+                             max_num_batched_tokens or step_token_budget(cfg))
     if cuda_graphs and dev.type == "cuda":
         runner.capture_graphs()
     engine = LLMEngine(runner, Tokenizer(model_dir), max_len, max_num_seqs, prefix_caching=prefix_caching)
