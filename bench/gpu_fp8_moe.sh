@@ -6,6 +6,7 @@
 #                                    # (FO8B=1: and the failover of record on the FP8 8b, 64 streams, 20 kills)
 #   bash bench/gpu_fp8_moe.sh moe    # the FP8 products; moe-30b-a3b in FP8: numerics check, restart, memory;
 #                                    # the 1b's nano in bf16 and FP8
+#   bash bench/gpu_fp8_moe.sh graphs # the FP8 and MoE tests of graphs against eager and of the numerics check
 #   bash bench/gpu_fp8_moe.sh nano8b # the 8b's nano in bf16 and FP8
 #   MODEL=moe30|m1b bash bench/gpu_fp8_moe.sh fo  # the failover alone (RUNS kills, 3)
 #   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano
@@ -88,6 +89,10 @@ fo)  # the failover alone (RUNS kills, 3) on $MODEL (moe30: moe-30b-a3b in FP8; 
   case "${MODEL:-moe30}" in moe30) made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block;; m1b) made /tmp/m1b --preset 1b;; esac
   RUNS=${RUNS:-3} FAILOVER_S=${FAILOVER_S:-110} failover_on /tmp/${MODEL:-moe30} ${MODEL:-moe30}
   rm -rf /tmp/moe30  # (the disk: 8b and its FP8 twin may come next)
+  ;;
+graphs)  # the FP8 and MoE tests of CUDA graphs against eager, and of the numerics check
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "graphs or numerics" tests/models/test_fp8_moe_gpu.py \
+    2>&1 | tee "$OUT/gpu_tests_graphs.txt" | tail -4
   ;;
 nano8b)  # the 8b's nano in bf16 and FP8 block-wise, one call
   made /tmp/m8b --preset 8b; made /tmp/m8b-fp8 --preset 8b --quant fp8-block

@@ -5,8 +5,8 @@ product with float32 accumulation and the scales fused.
 per (row, group) (amax / 448); `quantize_static(x, scale)`: every row with one given scale.
 `fp8_matmul(xq, xs, w, ws, scale_rows, scale_cols)`: `(xq * xs) @ (w * ws)^T` where `xs[m, k //
 group]` scales the activations and `ws[n // scale_rows, k // scale_cols]` the weight: block-wise
-weights (DeepSeek-V3's `weight_scale_inv`, scales applied at every K block) or per-row ones (one
-scale per output row, applied once at the end). (Quantizing the activations inside the product, one
+weights (DeepSeek-V3's `weight_scale_inv`) or per-row ones (one scale per output row), the scales
+applied to each K block's product in float32 (bits that do not depend on the tile). (Quantizing the activations inside the product, one
 launch instead of two, was measured slower at every row count on an H100: bench/RESULTS.md.)
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
 @triton.jit
 def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                 stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
-                A_GROUP: tl.constexpr, W_ROWS: tl.constexpr, W_COLS: tl.constexpr, SCALE_EACH_K: tl.constexpr,
+                A_GROUP: tl.constexpr, W_ROWS: tl.constexpr, W_COLS: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -92,21 +92,15 @@ def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        # each K block's product added in float32 here (FP8 tensor cores accumulate inside one product
-        # in less precision, and how depends on the tile: a chained accumulator would make a row's bits
-        # depend on the row count, and a CUDA graph's padded rows on its tokens)
-        if SCALE_EACH_K:
-            a_s = tl.load(as_ptr + offs_m * stride_asm + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
-            b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn + (k0 // W_COLS) * stride_bsk, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        else:
-            acc += tl.dot(a, b)
+        # each K block's product scaled and added in float32 here, per-row scales too (FP8 tensor cores
+        # accumulate inside one product in less precision, and how depends on the tile: a chained
+        # accumulator made a row's bits depend on the row count, and a CUDA graph's padded rows part
+        # per-tensor FP8's graph tokens from eager ones)
+        a_s = tl.load(as_ptr + offs_m * stride_asm + (k0 // A_GROUP) * stride_ask, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn + (k0 // W_COLS) * stride_bsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BK
         b_ptrs += BK
-    if not SCALE_EACH_K:
-        a_s = tl.load(as_ptr + offs_m * stride_asm, mask=m_ok, other=0.0)
-        b_s = tl.load(bs_ptr + (offs_n // W_ROWS) * stride_bsn, mask=n_ok, other=0.0)
-        acc = acc * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
@@ -137,13 +131,12 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Te
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    each_k = scale_cols < k
-    bk = min(128, scale_cols, group) if each_k else 128
+    bk = min(128, scale_cols, group) if min(scale_cols, group) < k else 128  # (a K block under one scale)
     bm, bn, warps, stages = tile or tiles(m, n)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_matmul[grid](xq, xs, w, ws, bias if bias is not None else out, out, m, n, k,
                       xq.stride(0), w.stride(0), out.stride(0), xs.stride(0), xs.stride(1), ws.stride(0),
-                      ws.stride(1), A_GROUP=group, W_ROWS=scale_rows, W_COLS=scale_cols, SCALE_EACH_K=each_k,
+                      ws.stride(1), A_GROUP=group, W_ROWS=scale_rows, W_COLS=scale_cols,
                       HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
 
