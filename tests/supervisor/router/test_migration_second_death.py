@@ -82,3 +82,26 @@ def test_requests_only_queued_on_the_second_dead_engine_are_continued_not_quaran
     assert "Exception in ASGI application" not in sup.log.read_text()
     r = httpx.post(sup.router_url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_two_sigkills_a_tenth_of_a_second_apart_fail_no_request(sup):
+    """Issue 52's case: 32 streams in flight, the primary SIGKILLed and the engine promoted for it 0.11 s
+    later (its promotion and the continuations' admission under way, or just done): every stream is
+    continued on the replacements with the uninterrupted text; none is failed or quarantined."""
+    sup.wait_all_ready()
+    body = LONG  # (long enough that all 32 are in flight before the first ends)
+    ref = Stream(sup.router_url, "/v1/completions", body).result(120)
+    first, second = sup.primary(), sup.standby()
+    mark = len(sup.events)
+    streams = [Stream(sup.router_url, "/v1/completions", body) for _ in range(32)]
+    busy = lambda h: h["running"] == SEQS and sum(s.in_flight for s in streams) == 32  # noqa: E731
+    wait_health(sup, first["url"], busy, f"the 32 streams in flight, {first['name']} running {SEQS}")
+    os.killpg(first["pid"], signal.SIGKILL)
+    time.sleep(0.11)
+    os.killpg(second["pid"], signal.SIGKILL)
+    for s in streams:
+        s.result(120)
+    for s in streams:
+        check_same(s, ref)
+    results = [e["result"] for e in migrations(sup, mark)]
+    assert "quarantined" not in results and "failed" not in results, results
