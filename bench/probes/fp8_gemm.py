@@ -56,7 +56,8 @@ def main() -> None:
     sweep = "--sweep" in sys.argv
     budget = time.monotonic() + float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 1e18
     cublas = cublas_block_scaled(torch.device("cuda"))
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}: cuBLAS block-scaled product {'runs' if cublas else 'no'}")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}: cuBLAS block-scaled product "
+          f"{'runs' if cublas else 'no'}")
     print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'quant us':>8} {'fp8 us':>8} {'ratio':>6} {'cublas':>8} {'ratio':>6}" +
           (f" {'best us':>8} {'ratio':>6}  best tile (BM,BN,warps,stages)" if sweep else ""), flush=True)
     weights = {}

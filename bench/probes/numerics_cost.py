@@ -25,7 +25,8 @@ def main() -> None:
     print(f"loaded in {time.perf_counter() - t0:.1f} s; allocator {base / 2**20:.0f} MiB")
     for i in range(3):
         check = check_numerics(model, dev)
-        print(f"check {i + 1}: {check.seconds * 1e3:.0f} ms; allocator +{(torch.cuda.memory_reserved(dev) - base) / 2**20:.0f}"
+        held = (torch.cuda.memory_reserved(dev) - base) / 2**20
+        print(f"check {i + 1}: {check.seconds * 1e3:.0f} ms; allocator +{held:.0f}"
               f" MiB; {check.summary()}", flush=True)
     torch.cuda.empty_cache()
     print(f"after empty_cache: allocator +{(torch.cuda.memory_reserved(dev) - base) / 2**20:.0f} MiB")

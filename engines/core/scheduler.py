@@ -115,7 +115,6 @@ class FairQueue:
             del self._groups[seq.group]
         return True
 
-
     def _left_continued(self, seq: Sequence) -> Sequence:
         self._ahead_by_group[seq.group] -= 1
         if not self._ahead_by_group[seq.group]:

@@ -128,7 +128,7 @@ class OpenAIServer:
     def _start(self, jobs: list[Job]) -> Running:
         """Hand every (prompt, params, replayed, block keys) job to the core now."""
         running = Running(self.engine, len(jobs), self.first_output.submitted(), self.first_output)
-        group = BATCH_GROUP.get() or id(running)  # the request's (its batch's) sequences take turns with other requests
+        group = BATCH_GROUP.get() or id(running)  # its sequences (its batch's) take turns with other requests
         running.keys = [self.engine.submit(p, sp, lambda out, i=i: running.emit(i, out), group, r, keys)
                         for i, (p, sp, r, keys) in enumerate(jobs)]
         return running

@@ -233,7 +233,7 @@ def run_engine(cfg: EngineConfig) -> int:
                  "fused decode kernels: %s; deterministic: %s; torch's allocator holds %s",
                  runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml, runner.max_rows,
                  runner.graph_sizes if use_graphs else "off", runner.fused_decode_status, runner.deterministic_status,
-                 f"{torch.cuda.memory_reserved(device) / 2**20:.0f} MiB" if device.type == "cuda" else "nothing on a GPU")
+                 f"{torch.cuda.memory_reserved(device) / 2**20:.0f} MiB" if device.type == "cuda" else "none on a GPU")
         if pool:
             heap.keep_freed_memory()  # (before the pool's first read: a promotion then touches no new page)
         engine = LLMEngine(runner, tokenizer, mml, cfg.max_num_seqs, control, cfg.heartbeat_interval_s,

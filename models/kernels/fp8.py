@@ -6,8 +6,9 @@ per (row, group) (amax / 448); `quantize_static(x, scale)`: every row with one g
 `fp8_matmul(xq, xs, w, ws, scale_rows, scale_cols)`: `(xq * xs) @ (w * ws)^T` where `xs[m, k //
 group]` scales the activations and `ws[n // scale_rows, k // scale_cols]` the weight: block-wise
 weights (DeepSeek-V3's `weight_scale_inv`) or per-row ones (one scale per output row), the scales
-applied to each K block's product in float32 (bits that do not depend on the tile). (Quantizing the activations inside the product, one
-launch instead of two, was measured slower at every row count on an H100: bench/RESULTS.md.)
+applied to each K block's product in float32 (bits that do not depend on the tile). (Quantizing the
+activations inside the product, one launch instead of two, was measured slower at every row count on
+an H100: bench/RESULTS.md.)
 """
 from __future__ import annotations
 
