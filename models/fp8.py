@@ -87,22 +87,21 @@ class Fp8Linear(nn.Module):
         """x @ weight^T on this rank, before any cross-rank sum or bias."""
         if self.scheme.activations == "none" or not has_fp8_cores(x.device):
             return F.linear(x, self.dequantized(x.dtype))
+        y = self._product_rows(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _product_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`product` of `x [M, K]` on FP8 tensor cores: the activations quantized here, then cuBLAS's
+        block-scaled product from CUBLAS_ROWS rows where it takes this weight, else ours."""
         from models.kernels.fp8 import (CUBLAS_ROWS, block_scaled_mm, cublas_block_scaled, fp8_matmul, quantize_rows,
                                         quantize_static)
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        group = self.scale_cols if self.scheme.kind == "block" else shape[-1]
         if x.shape[0] >= CUBLAS_ROWS and self.cublas_shape and cublas_block_scaled(x.device):
-            y = block_scaled_mm(*quantize_rows(x, 128, for_cublas=True), self.weight, self.scale, self.out_dtype,
-                                x.shape[0])
-            return y.view(*shape[:-1], y.shape[-1])
-        if self.scheme.activations == "static":
-            xq, xs = quantize_static(x, self.input_scale)
-        else:
-            xq, xs = quantize_rows(x, group)
-        y = fp8_matmul(xq, xs, self.weight, self.scale.view(self.scale.shape[0], -1), self.scale_rows,
-                       self.scale_cols, group, self.out_dtype)
-        return y.view(*shape[:-1], y.shape[-1])
+            return block_scaled_mm(*quantize_rows(x, 128, for_cublas=True), self.weight, self.scale, self.out_dtype,
+                                   x.shape[0])
+        group = self.scale_cols if self.scheme.kind == "block" else x.shape[-1]
+        xq, xs = quantize_static(x, self.input_scale) if self.scheme.activations == "static" else quantize_rows(x, group)
+        return fp8_matmul(xq, xs, self.weight, self.scale.view(self.scale.shape[0], -1), self.scale_rows,
+                          self.scale_cols, group, self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_dim == 0:
