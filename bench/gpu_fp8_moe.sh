@@ -10,6 +10,7 @@
 #   bash bench/gpu_fp8_moe.sh nano8b # the 8b's nano in bf16 and FP8
 #   MODEL=moe30|m1b bash bench/gpu_fp8_moe.sh fo  # the failover alone (RUNS kills, 3)
 #   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano
+#   bash bench/gpu_fp8_moe.sh profile # moe-30b-a3b's restart with its numerics and graph capture under cProfile
 # Several modes in one call run in turn (`fo fp8`). Everything under $OUT comes back as one logs.tgz.
 # Expects wheels of the packages the GPU image lacks in .whl/ (see README): fastapi, uvicorn, pyzmq, pydantic
 # (+ pydantic-core, annotated-types, typing-inspection), httptools, orjson, starlette, anyio, sniffio, h11, click,
@@ -96,6 +97,15 @@ graphs)  # the FP8 and MoE tests of CUDA graphs against eager, and of the numeri
 nano8b)  # the 8b's nano in bf16 and FP8 block-wise, one call
   made /tmp/m8b --preset 8b; made /tmp/m8b-fp8 --preset 8b --quant fp8-block
   for m in m8b m8b-fp8; do nano /tmp/$m $m; done
+  ;;
+profile)  # where moe-30b-a3b's restart spends its time: numerics and graph capture under cProfile (one spawn
+  # restart, UNDERSTUDY_PROFILE_DIR), each graph's capture time, Triton's version and kernel cache
+  made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
+  UNDERSTUDY_PROFILE_DIR=$OUT/profile timeout 150 $U bench restart /tmp/moe30 --runs 1 --device cuda --work-dir /tmp/rp \
+    2>&1 | tee "$OUT/restart_profiled.txt" | tail -3
+  grep -h "captured\|numerics against" /tmp/rp/*.log | cut -c1-1500 > "$OUT/restart_profiled_lines.txt"
+  python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)" >> "$OUT/restart_profiled.txt"
+  du -sh ~/.triton/cache 2>/dev/null >> "$OUT/restart_profiled.txt"; ls ~/.triton/cache 2>/dev/null | wc -l >> "$OUT/restart_profiled.txt"
   ;;
 moea1b)
   made /tmp/moea1b --preset moe-a1b; made /tmp/moea1b-fp8 --preset moe-a1b --quant fp8-block

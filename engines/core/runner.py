@@ -229,7 +229,7 @@ class ModelRunner:
             return self.graph_sizes
         decode = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_seqs} | {self.max_seqs})
         mixed = sorted({t for t in GRAPH_TOKEN_SIZES if t < self.max_rows} | {self.max_rows})
-        pool, warm_s, capture_s, warmed = None, 0.0, 0.0, set()
+        pool, warm_s, capture_s, warmed, each_ms = None, 0.0, 0.0, set(), []
         for key in [(MIXED, t) for t in reversed(mixed)] + [(DECODE, b) for b in reversed(decode)]:
             t0 = time.perf_counter()
             host = self._hosts[0]
@@ -248,9 +248,12 @@ class ModelRunner:
                 out = self._forward(ids, pos, meta)
             pool = graph.pool()
             self.graphs[key] = (graph, out)
-            warm_s, capture_s = warm_s + t1 - t0, capture_s + time.perf_counter() - t1
+            t2 = time.perf_counter()
+            warm_s, capture_s = warm_s + t1 - t0, capture_s + t2 - t1
+            each_ms.append(f"{'decode' if key[0] == DECODE else 'mixed'} {key[1]} {(t2 - t1) * 1e3:.0f}")
         torch.cuda.synchronize(self.device)
-        log.info("captured %d graphs: warm-up runs %.3f s, captures %.3f s", len(self.graphs), warm_s, capture_s)
+        log.info("captured %d graphs: warm-up runs %.3f s, captures %.3f s (ms each: %s)", len(self.graphs), warm_s,
+                 capture_s, ", ".join(each_ms))
         self._sizes_by_kind = {k: [s for kk, s in sorted(self.graphs) if kk == k] for k in (DECODE, MIXED)}
         return self.graph_sizes
 

@@ -6,6 +6,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from .phase_profile import profiled
+
 PHASES = ("pre_init", "tokenizer", "dist_init", "weights", "kv_cache", "numerics", "graph_capture", "server_ready")
 
 
@@ -46,7 +48,8 @@ class StartupTimer:
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase `name` (the weights phase also records `weights_source`)."""
         t0 = time.perf_counter()
-        yield
+        with profiled(name):
+            yield
         self._record(name, time.perf_counter() - t0, self.weights_source if name == "weights" else None)
 
     @property
