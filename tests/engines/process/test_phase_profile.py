@@ -23,6 +23,7 @@ def test_a_phase_profile_names_what_the_phase_ran(tmp_path, monkeypatch) -> None
     assert "a_costly_warm_up" in report and "cumulative" in report
     assert stat.S_IMODE(out.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert "graph_capture" in timer.phases
+    assert (out / f"{os.getpid()}-memory.txt").read_text().startswith("graph_capture ")
 
 
 def test_no_profile_without_the_variable(tmp_path, monkeypatch) -> None:
