@@ -27,8 +27,10 @@ nano() {  # nano MODEL_DIR LABEL: bench serve's nano workload, offline (the engi
   timeout "${NANO_S:-240}" $U bench serve --offline "$1" --workload nano --device cuda 2>&1 | tee "$OUT/nano_$2.txt" | tail -4
 }
 
-failover_on() {  # failover_on MODEL LABEL: the failover of record (64 streams, 20 SIGKILLs), shared KV
-  M=$1 STREAMS=64 RUNS=${RUNS:-20} COMPARE= FAILOVER_TIMEOUT=${FAILOVER_S:-240} OUT=$OUT/failover_$2 \
+failover_on() {  # failover_on MODEL LABEL: the failover of record (64 streams, 20 SIGKILLs), shared KV; no kill
+  # starts after KILL_FOR s of kills (default: FAILOVER_S less 90: the boot, the last kill, the report), so the streams' side is reported before FAILOVER_S
+  M=$1 STREAMS=64 RUNS=${RUNS:-20} COMPARE= FAILOVER_TIMEOUT=${FAILOVER_S:-240} KILL_FOR=${KILL_FOR:-$((${FAILOVER_S:-240} - 90))} \
+    OUT=$OUT/failover_$2 \
     bash bench/gpu_shared_kv.sh failover 2>&1 | tail -8
 }
 

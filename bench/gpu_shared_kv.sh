@@ -65,7 +65,7 @@ ab() {  # (SHARED_BYTES, OWN_BYTES: the pools' sizes; an 80 GB H100 fits two nod
 failover() {
   config streams 8000 true 34359738368
   timeout ${FAILOVER_TIMEOUT:-580} python3 -m supervisor.cli bench failover -c /tmp/streams.yaml --streams ${STREAMS:-256} \
-    --runs ${RUNS:-20} ${COMPARE---compare} --out $OUT/streams --json > "$OUT/failover_streams.json" \
+    --runs ${RUNS:-20} ${KILL_FOR:+--kill-for $KILL_FOR} ${COMPARE---compare} --out $OUT/streams --json > "$OUT/failover_streams.json" \
     2> "$OUT/failover_streams.log"
   grep -v "^  kill" "$OUT/failover_streams.log" | tail -20
   python3 - "$OUT/failover_streams.json" <<'PY'

@@ -141,8 +141,12 @@ def kill_primaries(args: argparse.Namespace, h: Harness) -> Kills:
     it) and closes before the kill."""
     k = Kills()
     settle = max(args.settle, args.quiet_after + args.gap_window + 0.1)
+    stop = time.monotonic() + args.kill_for if args.kill_for else float("inf")
     for i in range(args.runs):
         h.wait_all_ready(args.boot_timeout)
+        if time.monotonic() > stop:
+            say(args, f"  --kill-for {args.kill_for:g} s passed: {i} of {args.runs} kills, the streams' side follows")
+            break
         k.whole.append(time.monotonic())
         k.quiet.append(k.whole[-1] + args.quiet_after)
         old = h.primary()
@@ -245,7 +249,7 @@ def summarize(args: argparse.Namespace, shared_kv: bool, reports: list[ProcessRe
     failed = [{"sent": g.sent, "end": g.end, "error": g.error} for g in gaps if g.error]
     ms = lambda xs: bench_summary([x * 1000 for x in xs], 2)  # noqa: E731
     return {
-        "shared_kv": shared_kv, "streams": args.streams, "kills": args.runs,
+        "shared_kv": shared_kv, "streams": args.streams, "kills": n, "kills_asked": args.runs,
         "input_len": args.input_len, "output_len": args.output_len,
         "streams_in_flight_per_kill": {"min": min(map(len, across_kill), default=0),
                                        "max": max(map(len, across_kill), default=0)},
@@ -282,6 +286,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(each kill waits at least this long after the node is whole)")
     p.add_argument("--quiet-after", type=float, default=QUIET_AFTER_S,
                    help="seconds after the standby is READY again before a quiet moment's window opens")
+    p.add_argument("--kill-for", type=float, default=0.0,
+                   help="seconds after which no new kill starts (the kills made so far are reported; 0: all --runs)")
     p.add_argument("--compare", action="store_true", help="also run with engines.core.shared_pool: false, beside it")
     p.add_argument("--out", help="keep each node's supervisor and engine logs here (a .tgz per node)")
 

@@ -29,7 +29,9 @@ def _tail(s: dict[str, float]) -> str:
 
 def table(r: dict[str, Any]) -> str:
     """The node's figures as lines of a table, the continuations' timeline and the counts after it."""
-    head = (f"shared_kv={r['shared_kv']}: {r['streams']} streams, {r['kills']} kills; quiet windows "
+    asked = f" (of {r['kills_asked']} asked: --kill-for ended them)" if r.get("kills_asked", r["kills"]) != r["kills"] \
+        else ""
+    head = (f"shared_kv={r['shared_kv']}: {r['streams']} streams, {r['kills']} kills{asked}; quiet windows "
             f"{r['quiet_after_s']:g} s after the standby READY, windows {r['gap_window_s']:g} s")
     lines = [head, f"  {'figure':<48} {'n':>6} {'p50':>9}  tail"]
     for key, label in ROWS:

@@ -30,8 +30,8 @@ def test_the_gap_across_a_kill_is_the_longest_wait_for_tokens_in_the_window_afte
 def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_apart():
     p = argparse.ArgumentParser()
     add_args(p)
-    args = p.parse_args(["--streams", "3", "--window", "1"])
-    args.runs = 1
+    args = p.parse_args(["--streams", "3", "--window", "1", "--kill-for", "30"])
+    args.runs = 4  # (--kill-for ended them after one)
     kills = [20.0]
     results = [stream(19.5, [19.6, 20.05, 20.75, 20.8]),  # in flight: 0.7 s after a token on its way at the kill
                stream(19.8, [19.9, 20.1]),  # in flight: 0.2 s
@@ -40,6 +40,7 @@ def test_summarize_pools_every_stream_in_flight_per_kill_and_keeps_the_others_ap
     report = ProcessReport(start=19.0, end=32.0, cpu_s=1.3, gaps=[Gaps.of(r, kills) for r in results])
     out = summarize(args, True, [report], kills, [0.012], [1.5], [1, 3, 1])
     assert out["streams_in_flight_per_kill"] == {"min": 2, "max": 2}
+    assert out["kills"] == 1 and out["kills_asked"] == 4
     assert out["gap_across_kill_ms"] == bench_summary([700.0, 200.0], 2)
     assert out["longest_gap_other_streams_ms"]["n"] == 1 and out["longest_gap_other_streams_ms"]["max"] == 500.0
     assert out["failover_seconds_ms"]["p50"] == 12.0 and out["recomputed_tokens_per_continuation"]["max"] == 3
