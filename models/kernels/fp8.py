@@ -69,7 +69,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     return q, scale[:1].view(1, 1).expand(m, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel per tile for every row count
 def _fp8_matmul(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                 stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
                 A_GROUP: tl.constexpr, W_ROWS: tl.constexpr, W_COLS: tl.constexpr,

@@ -52,7 +52,7 @@ def _block(rows_ptr, block_expert_ptr, n_rows, BM: tl.constexpr):
     return tl.load(block_expert_ptr + block), rows, rows < n_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one compiled kernel per block size for every batch size
 def _gate_up(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, block_expert_ptr, out_ptr, n_rows, K, I,
              stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
              TOP_K: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
@@ -93,7 +93,7 @@ def _gate_up(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, block_expert_ptr, out_ptr, 
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _down(a_ptr, as_ptr, w_ptr, ws_ptr, route_ptr, rows_ptr, block_expert_ptr, out_ptr, n_rows, K, N,
           stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
           FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
