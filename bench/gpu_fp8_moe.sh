@@ -9,7 +9,7 @@
 #   bash bench/gpu_fp8_moe.sh graphs # the FP8 and MoE tests of graphs against eager and of the numerics check
 #   bash bench/gpu_fp8_moe.sh nano8b # the 8b's nano in bf16 and FP8
 #   MODEL=moe30|m1b bash bench/gpu_fp8_moe.sh fo  # the failover alone (RUNS kills, 3)
-#   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano
+#   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano; transformers' continuous batching (bf16) beside
 #   bash bench/gpu_fp8_moe.sh profile # moe-30b-a3b's restart with its numerics and graph capture under cProfile
 # Several modes in one call run in turn (`fo fp8`). Everything under $OUT comes back as one logs.tgz.
 # Expects wheels of the packages the GPU image lacks in .whl/ (see README): fastapi, uvicorn, pyzmq, pydantic
@@ -114,6 +114,7 @@ profile)  # where moe-30b-a3b's restart spends its time: numerics and graph capt
 moea1b)
   made /tmp/moea1b --preset moe-a1b; made /tmp/moea1b-fp8 --preset moe-a1b --quant fp8-block
   for m in moea1b moea1b-fp8; do NANO_S=150 nano /tmp/$m $m; done
+  timeout ${TF_S:-240} python3 bench/probes/transformers_cb.py /tmp/moea1b 2>&1 | tee "$OUT/transformers_cb_moea1b.txt" | tail -2
   ;;
 esac
 done
