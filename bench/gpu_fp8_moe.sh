@@ -90,7 +90,7 @@ moe)  # most telling first: the FP8 products (ours and cuBLAS's block-scaled), m
 fo)  # the failover alone (RUNS kills, 3) on $MODEL (moe30: moe-30b-a3b in FP8; m1b: the 1b in bf16)
   case "${MODEL:-moe30}" in moe30) made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block;; m1b) made /tmp/m1b --preset 1b;; esac
   RUNS=${RUNS:-3} FAILOVER_S=${FAILOVER_S:-110} failover_on /tmp/${MODEL:-moe30} ${MODEL:-moe30}
-  rm -rf /tmp/moe30  # (the disk: 8b and its FP8 twin may come next)
+  [ -n "${KEEP:-}" ] || rm -rf /tmp/moe30  # (the disk: 8b and its FP8 twin may come next; KEEP=1: profile next)
   ;;
 graphs)  # the FP8 and MoE tests of CUDA graphs against eager, and of the numerics check
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "graphs or numerics" tests/models/test_fp8_moe_gpu.py \
