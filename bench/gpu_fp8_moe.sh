@@ -101,13 +101,14 @@ nano8b)  # the 8b's nano in bf16 and FP8 block-wise, one call
   for m in m8b m8b-fp8; do nano /tmp/$m $m; done
   ;;
 profile)  # where moe-30b-a3b's restart spends its time: numerics and graph capture under cProfile (one spawn
-  # restart, UNDERSTUDY_PROFILE_DIR: also the GPU memory after each phase; then the node's), each graph's capture time, Triton's
+  # restart, UNDERSTUDY_PROFILE_DIR: also the GPU memory after each phase; PROFILE_NODE=1: then the node's), each graph's capture time, Triton's
   # version and kernel cache
   made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
   UNDERSTUDY_PROFILE_DIR=$OUT/profile timeout 150 $U bench restart /tmp/moe30 --runs 1 --device cuda --work-dir /tmp/rp \
     2>&1 | tee "$OUT/restart_profiled.txt" | tail -3
   grep -h "captured\|numerics against" /tmp/rp/*.log | cut -c1-1500 > "$OUT/restart_profiled_lines.txt"
-  UNDERSTUDY_PROFILE_DIR=$OUT/profile_node timeout 100 bash -c "$(declare -f memory_on); memory_on /tmp/moe30 moe30"
+  [ -z "${PROFILE_NODE:-}" ] || UNDERSTUDY_PROFILE_DIR=$OUT/profile_node timeout 100 \
+    bash -c "$(declare -f memory_on); memory_on /tmp/moe30 moe30"
   python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)" >> "$OUT/restart_profiled.txt"
   du -sh ~/.triton/cache 2>/dev/null >> "$OUT/restart_profiled.txt"; ls ~/.triton/cache 2>/dev/null | wc -l >> "$OUT/restart_profiled.txt"
   ;;

@@ -278,6 +278,7 @@ class _Call:
                             await self.send({"type": "http.response.start", "status": 200,
                                              "headers": sse.HEADERS + engine_headers})
                             u.served(up.epoch, 200, now)  # as the client times it: its first chunk
+                            log.warning("TMPDBG first bytes %s after %.2f s (epoch %d, migrations %d)", req.rid, now - req.arrived, up.epoch, self.migrations)
                         await self.send({"type": "http.response.body", "body": out, "more_body": True})
                         self.last_sent = now
                 else:
@@ -292,6 +293,7 @@ class _Call:
     async def _finish(self) -> None:
         """The answer is whole: end the stream, or send the one response."""
         u, req = self.m.u, self.req
+        log.warning("TMPDBG finished %s after %.2f s", req.rid, time.monotonic() - req.arrived)
         if req.client_stream:
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
