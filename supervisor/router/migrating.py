@@ -13,7 +13,10 @@ Rules (DESIGN.md §4, issues 11 and 12):
 - on an external engine, the continuation takes the path the new primary takes (supervisor/router/abilities.py:
   token ids, or a replay by text); one it cannot take ends as the next rule says;
 - a request that cannot be continued ends explicitly: an SSE error event and an aborted connection
-  once bytes went to the client, an HTTP error before. Never a silent truncation.
+  once bytes went to the client, an HTTP error before. Never a silent truncation;
+- a streaming client never waits in silence: one given no byte for KEEP_ALIVE_S gets a comment (the
+  200 head first, if none went), as its request waits behind max_num_seqs others in the engine, or its
+  continuation does; not while it is held for a primary with nothing sent (that answer may be a 503).
 """
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ STREAM_END_WAIT_S = 0.25  # [DONE] -> the end of the engine's chunked body (sent
 # the primary was lost, the continuation was sent to the new one, the engine's response head came, the
 # first new token (or the end) came.
 TIMELINE = ("lost", "sent", "answered", "token")
+# A request queued behind max_num_seqs others waits for its first token as long as they take: the last of
+# 32 streams of 900 tokens at max_num_seqs 2, continued after two SIGKILLs on the CPU test node, ~60 s, and
+# a client's read timeout (httpx's, 60 s there) ended it with nothing received. Checked every third of it.
+KEEP_ALIVE_S = 15.0
+KEEP_ALIVE = b": keep-alive\n\n"
 
 
 class StreamAborted(Exception):
@@ -76,16 +84,30 @@ class Migrator:
         self._results = {r: m.migrations.labels(result=r) for r in
                          ("continued", "failed", "quarantined", "unsupported", "limit")}
         self._live: set[_Call] = set()
+        self._ticker: asyncio.TimerHandle | None = None  # _keep_alive's, while requests are served
         upstreams.table.on_lost.append(self._unregistered)
 
     async def serve(self, req: Tracked, target: bytes, headers: Headers, send: Send) -> None:
         """The whole exchange with our client for one request."""
         call = _Call(self, req, target, headers, send)
         self._live.add(call)
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().call_later(KEEP_ALIVE_S / 3, self._keep_alive)
         try:
             await call.run()
         finally:
             self._live.discard(call)
+
+    def _keep_alive(self) -> None:
+        """Every third of KEEP_ALIVE_S while requests are served: a comment to each streaming client
+        that waited that long (_Call.keep_alive)."""
+        self._ticker = None
+        if not self._live:
+            return
+        now = time.monotonic()
+        for call in self._live:
+            call.keep_alive(now)
+        self._ticker = asyncio.get_running_loop().call_later(KEEP_ALIVE_S / 3, self._keep_alive)
 
     def _unregistered(self, epoch: int, interrupted: set) -> None:
         """A fence of ``epoch``'s primary: the requests with an attempt in flight there whose task it did
@@ -127,6 +149,7 @@ class _Call:
     def __init__(self, m: Migrator, req: Tracked, target: bytes, headers: Headers, send: Send) -> None:
         self.m, self.req, self.target, self.headers, self.send = m, req, target, headers, send
         self.started = False  # the response head went to our client
+        self.began = False  # a data chunk went to our client (its answer began, as it times it)
         self.last_sent = time.monotonic()  # our client's last byte (a non-streaming one: last chunk read)
         self.migrating_since: float | None = None  # last_sent when the current continuation began
         self.failed_epochs: set[int] = set()  # primaries lost running this request, since its last new token
@@ -140,6 +163,10 @@ class _Call:
         self.task = asyncio.current_task()
         self.attempt_on: int | None = None  # the epoch of the attempt in flight (None between attempts: lost)
         self.abilities: Abilities | None = None  # the last attempt's engine's, if external (supervisor/router/abilities.py)
+        self.held = False  # waiting for a primary to send the request to (Attempts.primary)
+        self.sending = False  # a message of ours is on its way to our client (_send)
+        self.keeping: asyncio.Task | None = None  # a keep-alive is (keep_alive)
+        self.kept_at = 0.0  # our client's last keep-alive (time.monotonic)
 
     async def run(self) -> None:
         u = self.m.u
@@ -188,7 +215,11 @@ class _Call:
         if self.early is not None:
             return self.early.sent_to
         self.req.ran = False  # (an attempt fenced before it ran took nothing)
-        return await attempts.primary()
+        self.held = True
+        try:
+            return await attempts.primary()
+        finally:
+            self.held = False
 
     async def _send_early(self, attempts: Attempts) -> None:
         """While no primary serves (a promotion under way), the continuation waits built, and goes with
@@ -273,13 +304,11 @@ class _Call:
                 if req.client_stream:
                     if out:
                         if not self.started:
-                            self.started = True
-                            u.count_status(200)
-                            await self.send({"type": "http.response.start", "status": 200,
-                                             "headers": sse.HEADERS + engine_headers})
+                            await self._head(engine_headers)
+                        if not self.began:
+                            self.began = True
                             u.served(up.epoch, 200, now)  # as the client times it: its first chunk
-                            log.warning("TMPDBG first bytes %s after %.2f s (epoch %d, migrations %d)", req.rid, now - req.arrived, up.epoch, self.migrations)
-                        await self.send({"type": "http.response.body", "body": out, "more_body": True})
+                        await self._send({"type": "http.response.body", "body": out, "more_body": True})
                         self.last_sent = now
                 else:
                     self.last_sent = now
@@ -293,24 +322,58 @@ class _Call:
     async def _finish(self) -> None:
         """The answer is whole: end the stream, or send the one response."""
         u, req = self.m.u, self.req
-        log.warning("TMPDBG finished %s after %.2f s", req.rid, time.monotonic() - req.arrived)
         if req.client_stream:
-            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
             body = req.whole_response()
             u.count_status(200)
-            await self.send({"type": "http.response.start", "status": 200, "headers": [
+            await self._send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 *self.headers_out]})
-            await self.send({"type": "http.response.body", "body": body})
+            await self._send({"type": "http.response.body", "body": body})
             u.served(self.epoch, 200)
 
     async def _body(self, data: bytes) -> None:
         if not self.started:
-            self.started = True
+            await self._head()
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _head(self, headers: Headers = ()) -> None:
+        """The 200 head of our streaming client's answer."""
+        self.started = True
+        self.m.u.count_status(200)
+        await self._send({"type": "http.response.start", "status": 200, "headers": [*sse.HEADERS, *headers]})
+
+    async def _send(self, message: dict) -> None:
+        """A message to our client, after the keep-alive on its way if one is (never beside it)."""
+        if self.keeping is not None:
+            await asyncio.wait((self.keeping,))
+        self.sending = True
+        try:
+            await self.send(message)
+        finally:
+            self.sending = False
+
+    def keep_alive(self, now: float) -> None:
+        """(Migrator's ticker.) A streaming client given no byte for KEEP_ALIVE_S gets a comment, after the
+        200 head if none went; not while it is held for a primary with nothing sent, nor beside a message
+        of ours (_send)."""
+        if not self.req.client_stream or self.sending or self.keeping is not None or (self.held and not self.started) \
+                or now - max(self.last_sent, self.kept_at) < KEEP_ALIVE_S:
+            return
+        head, self.started, self.kept_at = not self.started, True, now
+        if head:
             self.m.u.count_status(200)
+        self.keeping = asyncio.ensure_future(self._keep(head))
+        self.keeping.add_done_callback(self._kept)
+
+    async def _keep(self, head: bool) -> None:
+        if head:
             await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
-        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+        await self.send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
+
+    def _kept(self, _: asyncio.Task) -> None:
+        self.keeping = None
 
     async def _refused(self, r: _Refused, up: Upstream) -> None:
         """The engine refused: before any byte went out (the first attempt, or an external engine's answer to
@@ -321,11 +384,13 @@ class _Call:
             headers = [(k, v) for k, v in r.headers if k not in NOT_RELAYED]
             headers += [(b"x-understudy-engine", up.name.encode()), (b"x-understudy-epoch", str(up.epoch).encode())]
             body = self.req.in_client_terms(r.body) if 400 <= r.status < 500 else r.body
-            await self.send({"type": "http.response.start", "status": r.status, "headers": [
+            await self._send({"type": "http.response.start", "status": r.status, "headers": [
                 *headers, (b"content-length", str(len(body)).encode())]})
-            await self.send({"type": "http.response.body", "body": body})
+            await self._send({"type": "http.response.body", "body": body})
             return
         detail = self.req.in_client_terms(r.body)[:300].decode(errors="replace")
+        if not self.migrations:  # (a keep-alive's head went before the engine answered)
+            return await self._give_up(None, 502, f"the engine refused the request: HTTP {r.status} {detail}")
         await self._give_up("failed", 502, f"the new primary refused the continuation: HTTP {r.status} {detail}")
 
     async def _give_up(self, result: str | None, status: int, message: str) -> None:
@@ -335,13 +400,13 @@ class _Call:
             log.warning("request %s not continued (%s): %s", self.req.rid, result, message)
         type_ = "migration_failed" if result else ("timeout" if status == 504 else "unavailable")
         if self.started:  # bytes went out: say so in the stream, then abort the connection
-            await self.send({"type": "http.response.body", "body": error_event(message, type_, status),
-                             "more_body": True})
+            await self._send({"type": "http.response.body", "body": error_event(message, type_, status),
+                              "more_body": True})
             raise StreamAborted(message)
         self.m.u.count_status(status)
         body = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 503:
             headers.append((b"retry-after", str(self.m.u.retry_after_s).encode()))
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body})
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})

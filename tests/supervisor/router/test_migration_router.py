@@ -4,7 +4,8 @@ sockets): each speaks the engine's stream format with token ids (and its schedul
 continues from `continuation.output_token_ids`, and exits (os._exit) after `die_after` chunks of a
 request: a poison request (die_after 0: it dies having begun running the request, before any
 token) or an engine lost mid-stream; or, with `queued_s`, it answers the request's head, keeps it
-queued (no marker) and dies that much later (another request killed it). The real engine and
+queued (no marker) and dies that much later (another request killed it); with `wait_s`, it keeps it
+queued that long, sending nothing, then runs it (behind others that ran meanwhile). The real engine and
 supervisor are in tests/supervisor/router/test_migration_failover.py and
 tests/supervisor/router/test_migration_second_death.py."""
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 from supervisor.config import MigrationSection
 from supervisor.effects.servers import bind_tcp, make_server
 from supervisor.metrics import Metrics
-from supervisor.router import build_router
+from supervisor.router import build_router, migrating
 from supervisor.router.routing import RoutingTable, Upstream
 from tests.supervisor.router.test_supervisor_router import start_upstream
 
@@ -73,11 +74,14 @@ ENGINE = textwrap.dedent('''
         start = len(cont.get("output_token_ids", []))
         die_after = body.get("die_after", {}).get(sys.argv[2])
         queued_s = body.get("queued_s", {}).get(sys.argv[2])
+        wait_s = body.get("wait_s", {}).get(sys.argv[2])
         async def gen():
             if queued_s is not None:  # never scheduled: no marker, no token
                 yield ": keep-alive\\n\\n"
                 await asyncio.sleep(queued_s)
                 os._exit(1)
+            if wait_s is not None:  # scheduled that late: no byte until then
+                await asyncio.sleep(wait_s)
             yield ": scheduled\\n\\n"
             sent = 0
             for i in range(start, body["max_tokens"]):
@@ -337,6 +341,32 @@ def test_with_migration_off_a_cut_stream_says_continuation_is_off(engines, capfd
     last = json.loads([ln for ln in lines if ln.startswith("data: ")][-1][6:])
     assert "router.migration.enabled is false" in last["error"]["message"], last
     assert error is not None and "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("body", [{"wait_s": {"u1": 1.5}}, {"die_after": {"u1": 0}, "wait_s": {"u2": 1.5}}],
+                         ids=["queued", "continuation-queued"])
+def test_a_streaming_client_whose_request_waits_for_its_first_token_hears_keep_alives(engines, monkeypatch, body):
+    """Issue 52's stream that timed out with nothing received: a request (or its continuation, after its
+    primary died) queued behind others waits for its first token longer than its client's read timeout
+    (the last of 32 streams at max_num_seqs 2: ~60 s on the CPU test node). Its client hears a comment
+    every KEEP_ALIVE_S meanwhile (the 200 head first), and gets the whole answer."""
+    monkeypatch.setattr(migrating, "KEEP_ALIVE_S", 0.2)
+
+    async def go() -> tuple[int, bytes]:
+        table = RoutingTable()
+        app = build_router(table, Metrics(), hold_timeout_s=5, retry_after_s=1, upstream_timeout_s=10,
+                           migration=MigrationSection(batch=BATCH))
+        watcher = asyncio.ensure_future(follow(table, engines))
+        async with on_socket(app) as url, httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(10, read=1)) as c:
+            async with c.stream("POST", "/v1/completions", json={
+                    "model": "m", "prompt": "p", "max_tokens": 3, "stream": True, **body}) as r:
+                raw = b"".join([piece async for piece in r.aiter_bytes()])
+        watcher.cancel()
+        return r.status_code, raw
+    status, raw = asyncio.run(go())
+    assert status == 200 and migrating.KEEP_ALIVE in raw, raw
+    data = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in data) == "t0 t1 t2 " and raw.endswith(b"data: [DONE]\n\n"), raw
 
 
 def closed_loop(url: str, n: int, tail_s: float) -> list[float]:
