@@ -11,8 +11,6 @@ import pstats
 from contextlib import contextmanager
 from typing import Iterator
 
-import torch
-
 PROFILE_DIR_ENV = "UNDERSTUDY_PROFILE_DIR"
 TOP = 45  # functions listed, by cumulative and by own time
 
@@ -24,6 +22,8 @@ def _private_file(out: str, name: str, mode: str):  # noqa: ANN202
 
 
 def _memory_line(phase: str) -> str:
+    import torch  # (only when profiling: the startup timer's importers need not pay for it)
+
     if not torch.cuda.is_initialized():
         return f"{phase:<14} (no CUDA context yet)\n"
     free, total = torch.cuda.mem_get_info()
