@@ -33,15 +33,18 @@ from wire.batch_wire import MAX_MEMBERS, encode_member
 
 
 
-def node_config(workdir: Path) -> str:
-    """The embedded default with a private runtime dir and free ports: nothing else changed."""
+def node_config(workdir: Path, device: str = "cpu", model: str | None = None) -> str:
+    """The embedded default with a private runtime dir and free ports, on `device` (with `model`: that
+    checkpoint instead of the embedded one): nothing else changed."""
     import yaml
     from supervisor.config_load import load_config
     cfg = load_config(None).model_dump()
     cfg["runtime_dir"] = str(workdir / "rt")
     cfg["router"]["port"] = cfg["admin"]["port"] = 0
     cfg["admin"]["token_file"] = None
-    cfg["device"] = "cpu"
+    cfg["device"] = device
+    if model:
+        cfg["model"]["path"] = model
     return yaml.safe_dump(cfg)
 
 
@@ -167,7 +170,7 @@ def unauthenticated(h: Harness, model: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"members": MAX_MEMBERS, "phase_s": args.phase, "clients": args.clients}
-    with running(work, node_config(work), ready_timeout_s=300) as h:
+    with running(work, node_config(work, args.device, args.model), ready_timeout_s=300) as h:
         model = httpx.get(h.router_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         out["no_secret"] = unauthenticated(h, model)
         prim = h.primary()
@@ -222,6 +225,8 @@ def main() -> None:
     p.add_argument("--attack-tokens", type=int, default=20, help="max_tokens of each attacking member (%(default)s)")
     p.add_argument("--kinds", default="plain,continued", help="attack member kinds, in turn (%(default)s)")
     p.add_argument("--drain", type=float, default=120.0, help="seconds to wait for a phase's requests (%(default)s)")
+    p.add_argument("--device", default="cpu", help="the node's device (%(default)s)")
+    p.add_argument("--model", help="a checkpoint folder (default: the embedded default's model)")
     p.add_argument("--out", help="folder for summary.json and supervisor.log")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="batch-flood-") as tmp:
