@@ -27,13 +27,13 @@ _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 def run_frontend(cfg: EngineConfig, tokenizer: Tokenizer, model_names: list[str], max_model_len: int,
                  vocab_size: int, to_core: str, to_frontend: str, parent: int) -> int:
     """The child's body: wait for `serve`, listen, report the port, serve until `stop`."""
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a group signal means "drain": the core decides (first:
+        signal.signal(sig, signal.SIG_IGN)        # a drain asked as we start must not kill us)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the core died before prctl took effect
         return 1
     libc.prctl(_PR_SET_NAME, f"engine-{cfg.name}-http".encode()[:15], 0, 0, 0)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a group signal means "drain": the core decides
-        signal.signal(sig, signal.SIG_IGN)
     return event_loop.run(_serve(cfg, tokenizer, model_names, max_model_len, vocab_size, to_core, to_frontend))
 
 

@@ -128,9 +128,9 @@ def _worker_main(cfg: EngineConfig, rank: int, dist_port: int) -> int:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # rank 0 died before prctl took effect
         return 1
-    _set_process_name(f"engine-{cfg.name}-r{rank}")
     for sig in (signal.SIGTERM, signal.SIGINT):  # a group signal means "drain": rank 0 decides, then says EXIT
         signal.signal(sig, signal.SIG_IGN)
+    _set_process_name(f"engine-{cfg.name}-r{rank}")
     _set_threads(cfg)
     args = read_model_args(cfg.model_path)
     device = bind_rank_device(cfg, rank)
