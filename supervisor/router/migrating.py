@@ -339,10 +339,13 @@ class _Call:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def _head(self, headers: Headers = ()) -> None:
-        """The 200 head of our streaming client's answer."""
+        await self._send(self._head_message(headers))
+
+    def _head_message(self, headers: Headers = ()) -> dict:
+        """The 200 head of our streaming client's answer, counted as sent."""
         self.started = True
         self.m.u.count_status(200)
-        await self._send({"type": "http.response.start", "status": 200, "headers": [*sse.HEADERS, *headers]})
+        return {"type": "http.response.start", "status": 200, "headers": [*sse.HEADERS, *headers]}
 
     async def _send(self, message: dict) -> None:
         """A message to our client, after the keep-alive on its way if one is (never beside it)."""
@@ -361,19 +364,19 @@ class _Call:
         if not self.req.client_stream or self.sending or self.keeping is not None or (self.held and not self.started) \
                 or now - max(self.last_sent, self.kept_at) < KEEP_ALIVE_S:
             return
-        head, self.started, self.kept_at = not self.started, True, now
-        if head:
-            self.m.u.count_status(200)
-        self.keeping = asyncio.ensure_future(self._keep(head))
+        self.kept_at = now
+        self.keeping = asyncio.ensure_future(self._keep(None if self.started else self._head_message()))
         self.keeping.add_done_callback(self._kept)
 
-    async def _keep(self, head: bool) -> None:
-        if head:
-            await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+    async def _keep(self, head: dict | None) -> None:
+        if head is not None:
+            await self.send(head)
         await self.send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
 
-    def _kept(self, _: asyncio.Task) -> None:
+    def _kept(self, task: asyncio.Task) -> None:
         self.keeping = None
+        if not task.cancelled() and task.exception() is not None:  # (retrieved: our next send meets it too)
+            log.warning("request %s: a keep-alive to its client failed: %r", self.req.rid, task.exception())
 
     async def _refused(self, r: _Refused, up: Upstream) -> None:
         """The engine refused: before any byte went out (the first attempt, or an external engine's answer to
