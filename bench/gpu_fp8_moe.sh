@@ -28,7 +28,8 @@ nano() {  # nano MODEL_DIR LABEL: bench serve's nano workload, offline (the engi
 }
 
 failover_on() {  # failover_on MODEL LABEL: the failover of record (64 streams, 20 SIGKILLs), shared KV; no kill
-  # starts after KILL_FOR s of kills (default: FAILOVER_S less 90: the boot, the last kill, the report), so the streams' side is reported before FAILOVER_S
+  # starts after KILL_FOR s of kills (default: FAILOVER_S less 90: the boot, the last kill, the report), so
+  # the streams' side is reported before FAILOVER_S
   M=$1 STREAMS=64 RUNS=${RUNS:-20} COMPARE= FAILOVER_TIMEOUT=${FAILOVER_S:-240} KILL_FOR=${KILL_FOR:-$((${FAILOVER_S:-240} - 90))} \
     OUT=$OUT/failover_$2 \
     bash bench/gpu_shared_kv.sh failover 2>&1 | tail -8
@@ -100,9 +101,9 @@ nano8b)  # the 8b's nano in bf16 and FP8 block-wise, one call
   made /tmp/m8b --preset 8b; made /tmp/m8b-fp8 --preset 8b --quant fp8-block
   for m in m8b m8b-fp8; do nano /tmp/$m $m; done
   ;;
-profile)  # where moe-30b-a3b's restart spends its time: numerics and graph capture under cProfile (one spawn
-  # restart, UNDERSTUDY_PROFILE_DIR: also the GPU memory after each phase; PROFILE_NODE=1: then the node's), each graph's capture time, Triton's
-  # version and kernel cache
+profile)  # where moe-30b-a3b's restart spends its time: each phase under cProfile (one spawn restart,
+  # UNDERSTUDY_PROFILE_DIR: also the GPU memory after each phase; PROFILE_NODE=1: then the node's), each
+  # graph's capture time, Triton's version and kernel cache
   made /tmp/moe30 --preset moe-30b-a3b --quant fp8-block
   UNDERSTUDY_PROFILE_DIR=$OUT/profile timeout 150 $U bench restart /tmp/moe30 --runs 1 --device cuda --work-dir /tmp/rp \
     2>&1 | tee "$OUT/restart_profiled.txt" | tail -3
