@@ -5,7 +5,8 @@ the router for `phase` seconds with no attack, then for `phase` seconds while on
 4096-member batch to the primary (the next as soon as one is answered or refused), once per
 `--members` kind: `plain` (streamed completions with no ids, as a failover re-sends a request
 before its first token) and `continued` (each member a continuation: prompt and output ids framed,
-as a failover's). Other clients' latency (request sent -> answer whole) is reported for each phase
+as a failover's); `outsider` sends the continued batch without the secret, as a local user who is not
+the node's would (every one refused 401 on its head). Other clients' latency (request sent -> answer whole) is reported for each phase
 (p99 over n >= 100, else the max of n); requests still unanswered when a phase ends are waited for
 (up to `--drain`) and counted with their latency. Also checks that a request without the secret is
 refused 401 on every engine.
@@ -183,9 +184,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             time.sleep(args.phase)
             phases.append(("no attack", t, time.monotonic(), None))
             for kind in args.kinds.split(","):
-                body = batch_body(model, kind, MAX_MEMBERS, args.attack_tokens)
+                body = batch_body(model, "continued" if kind == "outsider" else kind, MAX_MEMBERS, args.attack_tokens)
                 t = time.monotonic()
-                with Attacker(url, secret, body) as att:
+                with Attacker(url, {} if kind == "outsider" else secret, body) as att:
                     time.sleep(args.phase)
                     t_end = time.monotonic()
                 phases.append((f"attack: {kind} members ({len(body)} bytes a batch)", t, t_end, att))
@@ -202,8 +203,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             row: dict[str, Any] = {"phase": name, "seconds": round(t1 - t0, 1), **latencies(load, t0, t1),
                                    **poller.during(t0, t1)}
             if att is not None:
-                row["batches"] = [{k: (round(v - t0, 2) if k == "sent" else round(v, 3) if isinstance(v, float) else v)
-                                   for k, v in b.items()} for b in att.batches]
+                statuses = [b.get("status", "error") for b in att.batches]
+                row["batch_statuses"] = {str(x): statuses.count(x) for x in set(statuses)}
+                if len(att.batches) <= 200:  # (an outsider's thousands of 401s: counted only)
+                    row["batches"] = [{k: (round(v - t0, 2) if k == "sent" else round(v, 3) if isinstance(v, float)
+                                       else v) for k, v in b.items()} for b in att.batches]
             out["phases"].append(row)
             print(json.dumps(row), flush=True)
         base = next(p for p in out["phases"] if p["phase"] == "no attack")
@@ -223,7 +227,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4, help="other clients, closed loop through the router (%(default)s)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per other client's request (%(default)s)")
     p.add_argument("--attack-tokens", type=int, default=20, help="max_tokens of each attacking member (%(default)s)")
-    p.add_argument("--kinds", default="plain,continued", help="attack member kinds, in turn (%(default)s)")
+    p.add_argument("--kinds", default="plain,continued", help="attack member kinds, in turn: plain, continued, outsider (%(default)s)")
     p.add_argument("--drain", type=float, default=120.0, help="seconds to wait for a phase's requests (%(default)s)")
     p.add_argument("--device", default="cpu", help="the node's device (%(default)s)")
     p.add_argument("--model", help="a checkpoint folder (default: the embedded default's model)")
