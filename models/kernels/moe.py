@@ -159,7 +159,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
         ia, i_s = quantize_rows(inter, sbk)
     else:
         ia, i_s = inter, inter
-    out = torch.zeros(n_rows, h, dtype=torch.float32, device=x.device)
+    out = torch.empty(n_rows, h, dtype=torch.float32, device=x.device)  # (every row is in one block: all written)
     if blocks:
         _down[(blocks, triton.cdiv(h, bn))](
             ia, i_s, down, d_s, weights.reshape(-1).float(), rows, block_expert, out, n_rows, i, h,
