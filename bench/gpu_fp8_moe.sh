@@ -6,7 +6,8 @@
 #                                    # (FO8B=1: and the failover of record on the FP8 8b, 64 streams, 20 kills)
 #   bash bench/gpu_fp8_moe.sh moe    # the FP8 products; moe-30b-a3b in FP8: restart, memory;
 #                                    # the 1b's nano in bf16 and FP8
-#   bash bench/gpu_fp8_moe.sh graphs # the FP8 and MoE tests of graphs against eager and of the numerics check
+#   bash bench/gpu_fp8_moe.sh graphs # the FP8 and MoE tests of graphs against eager and of the numerics check,
+#                                    # and whether an FP8 product's row bits depend on its tile
 #   bash bench/gpu_fp8_moe.sh nano8b # the 8b's nano in bf16 and FP8
 #   MODEL=moe30|m1b bash bench/gpu_fp8_moe.sh fo  # the failover alone (RUNS kills, 3)
 #   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano; transformers' continuous batching (bf16) beside
@@ -93,9 +94,11 @@ fo)  # the failover alone (RUNS kills, 3) on $MODEL (moe30: moe-30b-a3b in FP8; 
   RUNS=${RUNS:-3} FAILOVER_S=${FAILOVER_S:-110} failover_on /tmp/${MODEL:-moe30} ${MODEL:-moe30}
   [ -n "${KEEP:-}" ] || rm -rf /tmp/moe30  # (the disk: 8b and its FP8 twin may come next; KEEP=1: profile next)
   ;;
-graphs)  # the FP8 and MoE tests of CUDA graphs against eager, and of the numerics check
+graphs)  # the FP8 and MoE tests of CUDA graphs against eager, and of the numerics check; whether an FP8
+  # product's row bits depend on its tile (per-tensor FP8's graph tokens: bench/probes/fp8_tile_bits.py)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "graphs or numerics" tests/models/test_fp8_moe_gpu.py \
     2>&1 | tee "$OUT/gpu_tests_graphs.txt" | tail -4
+  timeout 60 python3 bench/probes/fp8_tile_bits.py 2>&1 | tee "$OUT/fp8_tile_bits.txt"
   ;;
 nano8b)  # the 8b's nano in bf16 and FP8 block-wise, one call
   made /tmp/m8b --preset 8b; made /tmp/m8b-fp8 --preset 8b --quant fp8-block

@@ -28,8 +28,9 @@ def models(tmp_path_factory) -> dict:
 
 
 GRAPHS_UNLIKE_EAGER = pytest.mark.xfail(strict=True, reason=(
-    "per-tensor FP8: on an H100 graph tokens leave eager ones (2026-12-07, twice: before and after b951042 "
-    "applied per-row scales at every K block, so that was not the cause); not explained (bench/RESULTS.md)"))
+    "per-tensor FP8: on an H100 graph tokens leave eager ones (2026-12-07, twice); suspected: a K block of 128 "
+    "chained in wgmma's precision (64-row tiles, the padded graph) against mma.sync's (16 rows, eager), "
+    "bench/probes/fp8_tile_bits.py asks the GPU (bench/RESULTS.md)"))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=GRAPHS_UNLIKE_EAGER) if n == "fp8-tensor" else n
