@@ -7,7 +7,7 @@
 #   bash bench/gpu_fp8_moe.sh moe    # the FP8 products; moe-30b-a3b in FP8: restart, memory;
 #                                    # the 1b's nano in bf16 and FP8
 #   bash bench/gpu_fp8_moe.sh graphs # the FP8 and MoE tests of graphs against eager and of the numerics check,
-#                                    # and whether an FP8 product's row bits depend on its tile
+#                                    # and whether an FP8 product's row bits depend on its tile; the MoE grouping's cost
 #   bash bench/gpu_fp8_moe.sh nano8b # the 8b's nano in bf16 and FP8
 #   MODEL=moe30|m1b bash bench/gpu_fp8_moe.sh fo  # the failover alone (RUNS kills, 3)
 #   bash bench/gpu_fp8_moe.sh moea1b # moe-a1b in bf16 and FP8: nano; transformers' continuous batching (bf16) beside
@@ -99,6 +99,7 @@ graphs)  # the FP8 and MoE tests of CUDA graphs against eager, and of the numeri
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "graphs or numerics" tests/models/test_fp8_moe_gpu.py \
     2>&1 | tee "$OUT/gpu_tests_graphs.txt" | tail -4
   timeout 60 python3 bench/probes/fp8_tile_bits.py 2>&1 | tee "$OUT/fp8_tile_bits.txt"
+  timeout 60 python3 bench/probes/moe_grouping.py 2>&1 | tee "$OUT/moe_grouping.txt"
   ;;
 nano8b)  # the 8b's nano in bf16 and FP8 block-wise, one call
   made /tmp/m8b --preset 8b; made /tmp/m8b-fp8 --preset 8b --quant fp8-block

@@ -1,9 +1,9 @@
 """The Mixture-of-Experts step on the GPU: tokens grouped by expert, then two grouped products.
 
-1. `group_by_expert`: every (token, choice) row sorted by its expert, each expert's rows padded to
-   whole blocks of BM, with the expert of each block (-1: a block past the last). Torch ops of
-   fixed shapes (sort, scatter-add, cumsum, searchsorted), so a decode step is captured in a CUDA
-   graph like any other.
+1. `group_by_expert`: every (token, choice) row in order of its expert, each expert's rows padded to
+   whole blocks of BM, with the expert of each block (-1: a block past the last). Two Triton
+   launches of fixed shapes (it was ~25 torch ops: 0.44 ms of host time per MoE layer in a graph's
+   capture, bench/RESULTS.md), so a decode step is captured in a CUDA graph like any other.
 2. `_gate_up`: per block, its rows' tokens times the block's expert's gate and up weights, with
    silu(gate) * up fused: the intermediate `[T * k, I]`.
 3. `_down`: per block, the intermediate times the expert's down weight, times the row's routing
@@ -25,23 +25,72 @@ def block_rows(rows: int, experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
+GROUP_CHUNK = 128  # (token, choice) rows a program of the grouping places
+GROUP_BLOCKS = 64  # blocks a program of the grouping labels
+
+
+@triton.jit(do_not_specialize=["n"])
+def _count_experts(ids_ptr, counts_ptr, n, EP: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: how many of the rows c * CHUNK.. go to each expert, `counts[c, :]`."""
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + i, mask=i < n, other=EP).to(tl.int32)
+    bins = tl.arange(0, EP)
+    tl.store(counts_ptr + c * EP + bins, tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["n", "chunks", "blocks"])
+def _place_rows(ids_ptr, counts_ptr, rows_ptr, block_expert_ptr, n, chunks, blocks, E,
+                EP: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
+    """Program c: the rows c * CHUNK.. to their places (an expert's rows in their order, from its
+    padded start), and the blocks c * NB..: their expert (-1: past the last) and padding rows (n)."""
+    c = tl.program_id(0)
+    bins = tl.arange(0, EP)
+    total = tl.zeros((EP,), tl.int32)
+    before = tl.zeros((EP,), tl.int32)  # each expert's rows in the chunks before this one
+    for c0 in range(0, chunks, TILE):
+        at = c0 + tl.arange(0, TILE)
+        counts = tl.load(counts_ptr + at[:, None] * EP + bins[None, :], mask=(at < chunks)[:, None], other=0)
+        total += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where((at < c)[:, None], counts, 0), axis=0)
+    padded = (total + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)  # (the experts past E: none; their ends are the last)
+    starts = ends - padded
+    if c < chunks:
+        local = tl.arange(0, CHUNK)
+        i = c * CHUNK + local
+        e = tl.load(ids_ptr + i, mask=i < n, other=EP).to(tl.int32)
+        rank = tl.sum(((e[:, None] == e[None, :]) & (local[None, :] < local[:, None])).to(tl.int32), axis=1)
+        base = tl.sum(tl.where(e[:, None] == bins[None, :], (starts + before)[None, :], 0), axis=1)
+        tl.store(rows_ptr + base + rank, i, mask=i < n)
+    b = c * NB + tl.arange(0, NB)
+    first = b * BM
+    expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)  # E or more: past the last
+    real_end = tl.sum(tl.where(expert[:, None] == bins[None, :], (starts + total)[None, :], 0), axis=1)
+    tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1), mask=b < blocks)
+    pos = first[:, None] + tl.arange(0, BM)[None, :]
+    tl.store(rows_ptr + pos, n, mask=(b < blocks)[:, None] & (pos >= real_end[:, None]))
+
+
 def group_by_expert(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows `[P]` int32: the (token * k + choice) rows sorted by expert, each expert's padded to a
-    multiple of `bm` with T * k; block_expert `[P / bm]` int32, -1 past the last block)."""
-    flat = ids.flatten()
+    """(rows `[P]` int32: the (token * k + choice) rows in order of their expert (each expert's in their
+    own order), each expert's padded to a multiple of `bm` with T * k; block_expert `[P / bm]` int32,
+    -1 past the last block). Two launches whatever the expert count: per chunk of rows, its count for
+    each expert; then each row to its place, and each block labelled."""
+    flat = ids.reshape(-1)
     n = flat.numel()
-    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + bm - 1) // bm * bm
-    ends = padded.cumsum(0)
-    order = flat.sort(stable=True).indices
-    expert = flat[order]
-    rank = torch.arange(n, device=ids.device) - (counts.cumsum(0) - counts)[expert]
     total = -(-(n + min(experts, n) * (bm - 1)) // bm) * bm  # every expert's padding at most bm - 1
-    rows = torch.full((total,), n, dtype=torch.int32, device=ids.device)
-    rows[(ends - padded)[expert] + rank] = order.to(torch.int32)
-    starts = torch.arange(0, total, bm, device=ids.device)
-    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
-    return rows, torch.where(block_expert < experts, block_expert, -1).to(torch.int32)
+    blocks = total // bm
+    rows = torch.empty(total, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    if n:
+        ep, chunks = max(16, triton.next_power_of_2(experts)), triton.cdiv(n, GROUP_CHUNK)
+        counts = torch.empty(chunks, ep, dtype=torch.int32, device=ids.device)
+        _count_experts[(chunks,)](flat, counts, n, EP=ep, CHUNK=GROUP_CHUNK, num_warps=8)
+        _place_rows[(max(chunks, triton.cdiv(blocks, GROUP_BLOCKS)),)](
+            flat, counts, rows, block_expert, n, chunks, blocks, experts,
+            EP=ep, CHUNK=GROUP_CHUNK, BM=bm, NB=GROUP_BLOCKS, TILE=32, num_warps=8)  # (tiles of 16k)
+    return rows, block_expert
 
 
 @triton.jit

@@ -95,6 +95,37 @@ def test_fused_experts_match_the_plain_path(moe, quant, rows) -> None:
     assert err <= (1e-5 if dev == "cpu" else 5e-3), err  # (a GPU multiplies float32 in TF32)
 
 
+def sorted_by_expert(ids: torch.Tensor, experts: int, bm: int) -> tuple[list[int], list[int]]:
+    """group_by_expert's contract in plain torch: the rows by expert (stable), each expert's padded to
+    whole blocks of bm with T * k, then padding blocks to the kernel's fixed size; each block's expert."""
+    flat = ids.flatten()
+    n = flat.numel()
+    rows, labels = [], []
+    for e in range(experts):
+        mine = (flat == e).nonzero().flatten().tolist()
+        mine += [n] * (-len(mine) % bm)
+        rows += mine
+        labels += [e] * (len(mine) // bm)
+    total = -(-(n + min(experts, n) * (bm - 1)) // bm) * bm
+    return rows + [n] * (total - len(rows)), labels + [-1] * (total // bm - len(labels))
+
+
+@pytest.mark.gpu  # (a kernel: natively on a GPU, through Triton's interpreter on CPU)
+@pytest.mark.parametrize("tokens,experts,top_k,bm", [(1, 8, 2, 16), (37, 8, 2, 16), (300, 128, 8, 32),
+                                                     (700, 64, 8, 64), (9, 3, 2, 16)])
+def test_grouping_by_expert_keeps_each_experts_rows_in_order_padded_to_whole_blocks(tokens, experts, top_k,
+                                                                                    bm) -> None:
+    """Against the contract in plain torch, exactly: from one chunk of rows to 5,600 (44 chunks, past
+    one tile of 32 chunks), experts from 3 to 128, with experts that get no row."""
+    from models.kernels.moe import group_by_expert
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[ids == 1] = 0  # (expert 1 gets no row)
+    rows, block_expert = group_by_expert(ids.to(dev), experts, bm)
+    assert (rows.tolist(), block_expert.tolist()) == sorted_by_expert(ids, experts, bm)
+
+
 @pytest.mark.gpu
 def test_grouping_by_expert_pads_each_experts_rows_to_whole_blocks() -> None:
     from models.kernels.moe import group_by_expert
