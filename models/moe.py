@@ -24,7 +24,11 @@ EXPERT_NAMES = {"Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 `[T, k]`, expert ids int64 `[T, k]`): softmax over every expert, the top k,
-    renormalised to sum to 1 if asked (Mixtral's softmax over its top-k logits is the same)."""
+    renormalised to sum to 1 if asked (Mixtral's softmax over its top-k logits is the same). On CUDA
+    one Triton launch (models/kernels/moe.py), elsewhere torch's ops."""
+    if logits.is_cuda:
+        from models.kernels.moe import route_tokens
+        return route_tokens(logits, top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:

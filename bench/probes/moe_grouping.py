@@ -1,5 +1,5 @@
-"""Issue 55: `group_by_expert` in two Triton launches against the ~25 torch ops it replaced (kept here,
-as they were at f18a6e2), at a decode step's and a prefill's row counts of moe-30b-a3b (128 experts,
+"""Issue 55: `group_by_expert` in two Triton launches against the ~25 torch ops it replaced, and the
+routing (`route_tokens`, one launch) against torch's five (both kept here as they were at f18a6e2), at a decode step's and a prefill's row counts of moe-30b-a3b (128 experts,
 top 8): the host time of a call (what a CUDA graph's capture pays, per MoE layer and graph), the GPU
 time of one call replayed in a CUDA graph, and that both give the same rows. GPU only.
 
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from models.kernels.moe import block_rows, group_by_expert
+from models.kernels.moe import block_rows, group_by_expert, route_tokens
 
 
 def torch_ops(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,20 +32,26 @@ def torch_ops(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, t
     return rows, torch.where(block_expert < experts, block_expert, -1).to(torch.int32)
 
 
-def timed(fn, ids: torch.Tensor, experts: int, bm: int) -> tuple[float, float]:
+def torch_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch version of the routing (f18a6e2)."""
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights, ids
+
+
+def timed(fn, *args) -> tuple[float, float]:
     """(host ms of a call, GPU ms of a call replayed in a graph): medians."""
     for _ in range(3):
-        fn(ids, experts, bm)
+        fn(*args)
     torch.cuda.synchronize()
     host = []
     for _ in range(50):
         t0 = time.perf_counter()
-        fn(ids, experts, bm)
+        fn(*args)
         host.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(ids, experts, bm)
+        fn(*args)
     gpu = []
     for _ in range(50):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -66,6 +72,11 @@ def main() -> None:
         same = all(torch.equal(a, b) for a, b in zip(torch_ops(ids, experts, bm), group_by_expert(ids, experts, bm)))
         old, new = timed(torch_ops, ids, experts, bm), timed(group_by_expert, ids, experts, bm)
         print(f"{tokens:>6} {bm:>3}  {old[0]:>12.3f} / {old[1]:>8.4f}  {new[0]:>14.3f} / {new[1]:>8.4f}  {same}")
+    print(f"routing, 128 experts, top 8\n{'tokens':>6}  {'torch ops: host / GPU ms':>26}  {'one launch: host / GPU ms':>26}")
+    for tokens in (1, 64, 256, 2048):
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+        old, new = timed(torch_route, logits, top_k, True), timed(route_tokens, logits, top_k, True)
+        print(f"{tokens:>6}  {old[0]:>12.3f} / {old[1]:>8.4f}  {new[0]:>12.3f} / {new[1]:>8.4f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The Mixture-of-Experts step on the GPU: tokens grouped by expert, then two grouped products.
+"""The Mixture-of-Experts step on the GPU: tokens routed and grouped by expert, then two grouped products.
 
+0. `route_tokens`: each token's softmax over the experts and its top k, one launch (torch: five).
 1. `group_by_expert`: every (token, choice) row in order of its expert, each expert's rows padded to
    whole blocks of BM, with the expert of each block (-1: a block past the last). Two Triton
    launches of fixed shapes (it was ~25 torch ops: 0.44 ms of host time per MoE layer in a graph's
@@ -23,6 +24,41 @@ def block_rows(rows: int, experts: int) -> int:
     """Rows per block: small while each expert gets few rows (decode), larger for prefill."""
     per_expert = rows / experts
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+@triton.jit
+def _route(logits_ptr, weights_ptr, ids_ptr, E, stride, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+           RENORM: tl.constexpr):
+    """Program t: token t's softmax over the experts in float32, its top K (largest first, a tie to the
+    lower id), renormalised to sum to 1 if RENORM."""
+    t = tl.program_id(0)
+    e = tl.arange(0, EP)
+    x = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    slot = tl.arange(0, KP)
+    weights = tl.zeros((KP,), tl.float32)
+    ids = tl.zeros((KP,), tl.int64)
+    for j in tl.static_range(K):
+        best = tl.argmax(p, 0)
+        weights = tl.where(slot == j, tl.max(p, 0), weights)
+        ids = tl.where(slot == j, best.to(tl.int64), ids)
+        p = tl.where(e == best, -1.0, p)
+    if RENORM:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + t * K + slot, weights, mask=slot < K)
+    tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
+
+
+def route_tokens(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """models.moe.route in one launch: (weights float32 `[T, k]`, expert ids int64 `[T, k]`)."""
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        _route[(t,)](logits, weights, ids, e, logits.stride(0), K=top_k, KP=triton.next_power_of_2(top_k),
+                     EP=triton.next_power_of_2(e), RENORM=renormalize, num_warps=1)
+    return weights, ids
 
 
 GROUP_CHUNK = 128  # (token, choice) rows a program of the grouping places

@@ -95,6 +95,25 @@ def test_fused_experts_match_the_plain_path(moe, quant, rows) -> None:
     assert err <= (1e-5 if dev == "cpu" else 5e-3), err  # (a GPU multiplies float32 in TF32)
 
 
+@pytest.mark.gpu  # (a kernel: natively on a GPU, through Triton's interpreter on CPU)
+@pytest.mark.parametrize("experts,top_k,renormalize", [(8, 2, True), (128, 8, False), (60, 4, True)])
+def test_routing_in_one_launch_picks_torchs_top_k_with_its_weights(experts, top_k, renormalize) -> None:
+    from models.kernels.moe import route_tokens
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(37, experts, generator=torch.Generator().manual_seed(experts)).to(torch.bfloat16)
+    want_w, want_ids = route(logits, top_k, renormalize)  # (torch's ops: the logits on CPU)
+    got_w, got_ids = (a.cpu() for a in route_tokens(logits.to(dev), top_k, renormalize))
+
+    def by_id(w: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (bf16 logits tie often;
+        order = ids.argsort(-1)  # torch orders a tie either way)
+        return w.gather(-1, order), ids.gather(-1, order)
+    assert got_ids.dtype == torch.int64 and torch.equal(by_id(got_w, got_ids)[1], by_id(want_w, want_ids)[1])
+    torch.testing.assert_close(by_id(got_w, got_ids)[0], by_id(want_w, want_ids)[0], rtol=1e-6, atol=1e-7)
+    assert (got_w[:, :-1] >= got_w[:, 1:]).all()  # largest first
+    tie = torch.tensor([[0.0, 2.0, 1.0, 2.0]])  # (a tie goes to the lower id)
+    assert route_tokens(tie.to(dev), 2, True)[1].tolist() == [[1, 3]]
+
+
 def sorted_by_expert(ids: torch.Tensor, experts: int, bm: int) -> tuple[list[int], list[int]]:
     """group_by_expert's contract in plain torch: the rows by expert (stable), each expert's padded to
     whole blocks of bm with T * k, then padding blocks to the kernel's fixed size; each block's expert."""
