@@ -57,9 +57,13 @@ class EngineProcess:
         self.pid = self.proc.pid
         self.ready: dict | None = None
 
-    def wait_ready(self, timeout: float = 60.0) -> dict:
-        """Block until the ENGINE_READY line; returns it (`port`, `pid`, `weights_source`)."""
+    def wait_ready(self, timeout: float = 60.0, all_graphs: bool = True) -> dict:
+        """Block until the ENGINE_READY line, and (`all_graphs`) until every CUDA graph the engine left
+        for after ready is captured (so that a test's steps take the graphs of their size); returns the
+        ready line (`port`, `pid`, `weights_source`)."""
         self.ready = wait_for_ready_line(self.log_path, timeout, lambda: self.proc.poll())
+        if all_graphs and "more when the engine has time" in self.log_path.read_text(errors="replace"):
+            all_graphs_line(self.log_path, timeout)
         return self.ready
 
     @property
@@ -97,6 +101,18 @@ def wait_for_ready_line(log_path: str | Path, timeout: float, exited) -> dict:  
             raise EngineStartError(f"engine exited with {rc} before serving; log tail:\n{log_tail(log_path)}")
         time.sleep(0.02)
     raise EngineStartError(f"engine not ready after {timeout:.0f} s; log tail:\n{log_tail(log_path)}")
+
+
+def all_graphs_line(log_path: str | Path, timeout: float = 120.0) -> str:
+    """The engine's line saying every CUDA graph is captured (some after ready: EngineConfig's
+    cuda_graphs_before_ready), once it is in `log_path`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [ln for ln in Path(log_path).read_text(errors="replace").splitlines() if "CUDA graphs: all " in ln]
+        if lines:
+            return lines[0]
+        time.sleep(0.05)
+    raise EngineStartError(f"not every CUDA graph captured after {timeout:.0f} s; log tail:\n{log_tail(log_path)}")
 
 
 def first_completion(url: str, model: str, timeout: float = 30.0) -> list[str]:

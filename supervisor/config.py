@@ -165,6 +165,8 @@ class EnginesSection(_Section):
     kv_block_size: int = Field(default=16, ge=1, le=1024, description="positions per KV block (a power of two)")
     prefix_caching: bool = True
     cuda_graphs: bool = True
+    cuda_graphs_before_ready: Literal["largest", "all"] = Field(
+        default="largest", description="the CUDA graphs captured before the engine says it is ready: `largest`, the largest decode-only and mixed graph (every step fits one; the others are captured when it has time, at once while idle, else one a second, a pause of ~0.1 s: a restarted standby is ready sooner), or `all` (with tp_size > 1, always all)")
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     deterministic: bool = Field(default=False, description="batch-invariant engines: the same request gives the "
                                 "same text under any load and across a failover's continuation, bit for bit")

@@ -55,6 +55,8 @@ class EngineConfig(BaseModel):
     kv_tails: bool = Field(default=False, description="as the shared pools' writer, name every sequence's "
                            "last partial block in the index each step (engines/core/tail_publisher.py)")
     cuda_graphs: bool = True
+    cuda_graphs_before_ready: Literal["largest", "all"] = Field(
+        default="largest", description="the CUDA graphs captured before the engine says it is ready: `largest`, the largest decode-only and mixed graph (every step fits one; the others are captured when it has time, at once while idle, else one a second, a pause of ~0.1 s: a restarted standby is ready sooner), or `all` (with tp_size > 1, always all)")
     fused_kernels: bool = Field(default=True, description="decode small batches through the Triton kernels (CUDA)")
     deterministic: bool = Field(default=False, description="batch-invariant ops: a request's text does not depend "
                                 "on the other requests, prefill chunks or prefix-cache hits (models/invariant.py)")

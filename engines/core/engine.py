@@ -46,6 +46,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("engines.core.engine")
 REHEARSAL_S = 1.0
+GRAPH_CATCHUP_S = 1.0  # with work waiting, a deferred CUDA graph is captured at most once this often
 
 
 class LLMEngine:
@@ -87,6 +88,7 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._last_hb = 0.0
         self._rehearsed = 0.0  # (monotonic) a parked standby's last rehearsal of its promotion
+        self._captured = 0.0  # (monotonic) the last deferred CUDA graph's capture
         self._device = runner.device
         self.deliver: Callable[[list[tuple[Callable[[Output], None], Output]]], None] | None = None
         self._outbox: list[tuple[Callable[[Output], None], Output]] = []  # this step's outputs, in order
@@ -152,6 +154,7 @@ class LLMEngine:
                 "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                 "preemptions": self.scheduler.preemptions, "generated_tokens": self.generated_tokens,
                 "kv_mode": b.mode, "deterministic": self.runner.deterministic, "kv_quarantined_blocks": len(b.quarantined), "continuations": self.continuations,
+                "cuda_graphs_pending": len(self.runner.pending_graphs),
                 "continuation_reused_tokens": self.continuation_reused,
                 "continuation_recomputed_tokens": self.continuation_recomputed,
                 "kv_checked_blocks": b.integrity.checked if b.integrity else 0,
@@ -192,8 +195,8 @@ class LLMEngine:
                 self._heartbeat()
                 self._rehearse()
                 self.stalls.look(self.last_tick, self.steps)
-                block = not self.has_work
-                self._take_inbox(block)
+                self._take_inbox(not self.has_work and not self.runner.pending_graphs)
+                self._capture_deferred()
                 if self.has_work:
                     self.step()
                 elif self.draining:
@@ -372,6 +375,20 @@ class LLMEngine:
                 and now - self._rehearsed >= REHEARSAL_S:
             self._rehearsed = now
             self.pool.rehearse()
+
+    def _capture_deferred(self) -> None:
+        """One of the CUDA graphs the engine left for later to be ready sooner (engines/core/runner.py
+        `capture_graphs`): at once when it has no work, else at most once a GRAPH_CATCHUP_S, after the
+        step in flight is read back (the running streams then wait one capture, ~0.1 s)."""
+        if not self.runner.pending_graphs or self.draining or (
+                self.has_work and time.monotonic() - self._captured < GRAPH_CATCHUP_S):
+            return
+        self._read_back()
+        self._flush()
+        self.runner.capture_next_graph()
+        self._captured = time.monotonic()
+        if not self.runner.pending_graphs:
+            self._last_hb = 0.0  # (the next heartbeat at once: the supervisor and /health see it now)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

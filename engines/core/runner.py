@@ -160,6 +160,8 @@ class ModelRunner:
         self.max_blocks = 0
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._sizes_by_kind: dict[int, list[int]] = {DECODE: [], MIXED: []}  # captured sizes per kind, ascending
+        self.pending_graphs: list[tuple[int, int]] = []  # to capture yet, in order (capture_graphs' `defer`)
+        self._graph_pool, self._warmed = None, set()  # the graphs' one memory pool; forward paths warmed up
         group = triton_pow2(attn.heads // attn.kv_heads)
         # query rows per attention program, decode-only step or not (paged_attention.query_block: a
         # deterministic engine's prefill takes decode's)
@@ -216,9 +218,12 @@ class ModelRunner:
         self.fused_decode_status = f"off ({reason})" if reason else f"on (batches up to {FUSED_MAX_BATCH})"
         return blocks
 
-    def capture_graphs(self) -> dict[str, list[int]]:
+    def capture_graphs(self, defer: bool = False) -> dict[str, list[int]]:
         """Capture decode-only graphs per sequence count up to max_num_seqs, and mixed-step graphs
-        per row count up to the step budget (largest first, one memory pool).
+        per row count up to the step budget (largest first, one memory pool). `defer`: only the largest
+        of each kind now (every step fits one of them), the others left in `pending_graphs` for
+        `capture_next_graph` (the engine's loop: engines/core/engine.py), so that an engine is ready
+        sooner after a restart.
 
         An eager warm-up run (Triton's compiles, NCCL's setup, the BLAS library's first calls) goes
         before the first graph of each forward path only (mixed, decode, fused decode): the
@@ -229,33 +234,44 @@ class ModelRunner:
             return self.graph_sizes
         decode = sorted({b for b in GRAPH_BATCH_SIZES if b < self.max_seqs} | {self.max_seqs})
         mixed = sorted({t for t in GRAPH_TOKEN_SIZES if t < self.max_rows} | {self.max_rows})
-        pool, warm_s, capture_s, warmed, each_ms = None, 0.0, 0.0, set(), []
-        for key in [(MIXED, t) for t in reversed(mixed)] + [(DECODE, b) for b in reversed(decode)]:
-            t0 = time.perf_counter()
-            host = self._hosts[0]
-            step = self._graph_step(key, host)
-            self._pad(host.numpy(), step, 0, 0, 0)
-            self._dev[:step.layout.size].copy_(host[:step.layout.size])
-            ids, pos, meta = self._views(step)
-            path = (key[0], key[0] == DECODE and key[1] <= FUSED_MAX_BATCH and self.model.use_fused_decode)
-            if path not in warmed:
-                warmed.add(path)
-                self._forward(ids, pos, meta)
-                torch.cuda.synchronize(self.device)
-            t1 = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(ids, pos, meta)
-            pool = graph.pool()
-            self.graphs[key] = (graph, out)
-            t2 = time.perf_counter()
-            warm_s, capture_s = warm_s + t1 - t0, capture_s + t2 - t1
-            each_ms.append(f"{'decode' if key[0] == DECODE else 'mixed'} {key[1]} {(t2 - t1) * 1e3:.0f}")
-        torch.cuda.synchronize(self.device)
-        log.info("captured %d graphs: warm-up runs %.3f s, captures %.3f s (ms each: %s)", len(self.graphs), warm_s,
-                 capture_s, ", ".join(each_ms))
-        self._sizes_by_kind = {k: [s for kk, s in sorted(self.graphs) if kk == k] for k in (DECODE, MIXED)}
+        self.pending_graphs = [(MIXED, t) for t in reversed(mixed)] + [(DECODE, b) for b in reversed(decode)]
+        now = [(MIXED, mixed[-1]), (DECODE, decode[-1])] if defer else list(self.pending_graphs)
+        times = [self._capture(key) for key in now]
+        log.info("captured %d graphs: warm-up runs %.3f s, captures %.3f s (ms each: %s)%s", len(times),
+                 sum(t[1] for t in times), sum(t[2] for t in times), ", ".join(t[0] for t in times),
+                 f"; {len(self.pending_graphs)} more when the engine has time" if self.pending_graphs else "")
         return self.graph_sizes
+
+    def capture_next_graph(self) -> None:
+        """Capture the first of `pending_graphs` (with no step in flight)."""
+        self._capture(self.pending_graphs[0])
+        if not self.pending_graphs:
+            log.info("CUDA graphs: all %d captured %s", len(self.graphs), self.graph_sizes)
+
+    def _capture(self, key: tuple[int, int]) -> tuple[str, float, float]:
+        """Capture one graph into the shared pool: (its label and ms, warm-up s, capture s)."""
+        t0 = time.perf_counter()
+        host = self._hosts[0]
+        step = self._graph_step(key, host)
+        self._pad(host.numpy(), step, 0, 0, 0)
+        self._dev[:step.layout.size].copy_(host[:step.layout.size])
+        ids, pos, meta = self._views(step)
+        path = (key[0], key[0] == DECODE and key[1] <= FUSED_MAX_BATCH and self.model.use_fused_decode)
+        if path not in self._warmed:
+            self._warmed.add(path)
+            self._forward(ids, pos, meta)
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._forward(ids, pos, meta)
+        torch.cuda.synchronize(self.device)
+        self._graph_pool = graph.pool()
+        self.graphs[key] = (graph, out)
+        self.pending_graphs.remove(key)
+        self._sizes_by_kind = {k: [s for kk, s in sorted(self.graphs) if kk == k] for k in (DECODE, MIXED)}
+        t2 = time.perf_counter()
+        return f"{'decode' if key[0] == DECODE else 'mixed'} {key[1]} {(t2 - t1) * 1e3:.0f}", t1 - t0, t2 - t1
 
     def replay_graphs(self) -> None:
         """Replay every captured graph once on padding (rows that write only the padding block), as

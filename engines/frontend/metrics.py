@@ -14,6 +14,8 @@ FIGURES = {
                               "Prompt tokens looked up in the prefix cache"),
     "prefix_hit_tokens": ("understudy_prefix_cache_hit_tokens_total", "counter",
                           "Prompt tokens found in the prefix cache"),
+    "cuda_graphs_pending": ("understudy_engine_cuda_graphs_pending", "gauge",
+                            "CUDA graphs left to capture after ready (captured when the engine has time)"),
 }
 
 

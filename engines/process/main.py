@@ -228,11 +228,13 @@ def run_engine(cfg: EngineConfig) -> int:
                 torch.cuda.empty_cache()  # its float32 references (an LM head, experts) are not the graphs' to keep
         with timer.phase("graph_capture"):
             if use_graphs:
-                runner.capture_graphs()
+                runner.capture_graphs(defer=cfg.cuda_graphs_before_ready == "largest" and cfg.tp_size == 1)
         log.info("KV cache: %d blocks of %d tokens (%s; max_model_len %d); step budget %d tokens; CUDA graphs: %s; "
                  "fused decode kernels: %s; deterministic: %s; torch's allocator holds %s",
                  runner.num_blocks, cfg.kv_block_size, timer.kv_source, mml, runner.max_rows,
-                 runner.graph_sizes if use_graphs else "off", runner.fused_decode_status, runner.deterministic_status,
+                 (f"{runner.graph_sizes}" + (f" ({len(runner.pending_graphs)} more when the engine has time)"
+                                             if runner.pending_graphs else "")) if use_graphs else "off",
+                 runner.fused_decode_status, runner.deterministic_status,
                  f"{torch.cuda.memory_reserved(device) / 2**20:.0f} MiB" if device.type == "cuda" else "none on a GPU")
         if pool:
             heap.keep_freed_memory()  # (before the pool's first read: a promotion then touches no new page)

@@ -134,7 +134,10 @@ def format_status(st: dict[str, Any]) -> str:
              f"{', deterministic' if st['model'].get('deterministic') else ''})",
              "", f"{'ENGINE':8} {'ROLE':8} {'STATE':10} {'PID':>8} {'INC':>4}  {'WEIGHTS':18} {'KV':14} REASON"]
     for e in st["engines"]:  # (a reason too long for its column is printed whole below the table)
-        reason = e["reason"] if len(e["reason"]) <= 60 else e["reason"][:57] + "..."
+        reason = e["reason"]
+        if pending := (e.get("heartbeat") or {}).get("cuda_graphs_pending"):
+            reason = f"{pending} CUDA graphs to capture" + (f"; {reason}" if reason else "")
+        reason = reason if len(reason) <= 60 else reason[:57] + "..."
         kv = e.get("kv_mode") or e.get("kv_source") or "-"
         lines.append(f"{e['name']:8} {e['role']:8} {e['state']:10} {e['pid'] or '-':>8} {e['incarnation']:>4}  "
                      f"{(e['weights_source'] or '-')[:18]:18} {kv[:14]:14} {reason}")

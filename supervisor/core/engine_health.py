@@ -24,7 +24,7 @@ HEARTBEAT_FIELDS = ("steps", "running", "waiting", "served", "kv_blocks_used", "
                     "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "generated_tokens", "kv_mode",
                     "kv_quarantined_blocks", "continuations", "continuation_reused_tokens",
                     "continuation_recomputed_tokens", "gpu_reserved_bytes", "deterministic",
-                    "kv_checked_blocks", "kv_corrupt_blocks")
+                    "kv_checked_blocks", "kv_corrupt_blocks", "cuda_graphs_pending")
 
 
 # ---------------------------------------------------------------------------------- control channel

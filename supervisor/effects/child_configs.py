@@ -51,6 +51,7 @@ class ChildConfigs:
             max_prefill_tokens_per_step=e.max_prefill_tokens_per_step,
             kv_block_size=e.kv_block_size, prefix_caching=e.prefix_caching, shared_kv=self.cfg.shares_kv(),
             kv_slot=e.slot_names().index(name), kv_tails=e.kv_tails, cuda_graphs=e.cuda_graphs,
+            cuda_graphs_before_ready=e.cuda_graphs_before_ready,
             fused_kernels=e.fused_kernels, deterministic=e.deterministic, heartbeat_interval_s=e.heartbeat_interval_s,
             dist_port=free_port() if m.tp_size > 1 else 0, served_model_name=self.model_name,
             limits=self.cfg.limits.request_limits(),

@@ -300,3 +300,5 @@ def test_the_status_table_shows_weights_and_kv_sources_and_never_cuts_a_reason()
     assert "WEIGHTS" in header and " KV " in header
     assert "disk:protocol_er" in row and "own:no_daemon" in row and row.endswith("...")
     assert f"b: {long}" in text.splitlines()
+    engine.update(reason="", heartbeat={"cuda_graphs_pending": 9})  # (a restarted engine, READY before its last graphs)
+    assert format_status(st).splitlines()[4].endswith("9 CUDA graphs to capture")
