@@ -25,6 +25,7 @@ class Upstreams:
     def __init__(self, table: RoutingTable, metrics: Metrics, client: Client, *, hold_timeout_s: float,
                  retry_after_s: int, upstream_timeout_s: float) -> None:
         self.table, self.metrics, self.client = table, metrics, client
+        table.on_failover_seconds = metrics.failover_seconds.observe  # failure detected -> new primary serving
         self.hold_timeout_s, self.retry_after_s = hold_timeout_s, retry_after_s
         self.upstream_timeout_s = upstream_timeout_s
         self._by_code: dict[int, Any] = {}  # status -> router_requests child (labels() is not free)
@@ -41,8 +42,8 @@ class Upstreams:
     def served(self, epoch: int, status: int, began_at: float | None = None) -> None:
         """A response succeeded: the first success of a new primary ends its failover clock at the
         moment the response began going to the client (a stream's first chunk: as clients time it)."""
-        if status < 500 and (secs := self.table.first_success(epoch, began_at)) is not None:
-            self.metrics.failover_seconds.observe(secs)  # failure detected -> new primary serving
+        if status < 500:
+            self.table.first_success(epoch, began_at)
 
     def timed_out(self, engine: str) -> str:
         return f"engine {engine} did not answer within router.upstream_timeout_s={self.upstream_timeout_s:g}s"

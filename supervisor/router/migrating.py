@@ -150,6 +150,7 @@ class _Call:
         self.m, self.req, self.target, self.headers, self.send = m, req, target, headers, send
         self.started = False  # the response head went to our client
         self.began = False  # a data chunk went to our client (its answer began, as it times it)
+        self.served_epoch: int | None = None  # the primary that sent our client's last data chunk
         self.last_sent = time.monotonic()  # our client's last byte (a non-streaming one: last chunk read)
         self.migrating_since: float | None = None  # last_sent when the current continuation began
         self.failed_epochs: set[int] = set()  # primaries lost running this request, since its last new token
@@ -305,9 +306,10 @@ class _Call:
                     if out:
                         if not self.started:
                             await self._head(engine_headers)
-                        if not self.began:
-                            self.began = True
-                            u.served(up.epoch, 200, now)  # as the client times it: its first chunk
+                        self.began = True
+                        if self.served_epoch != up.epoch:  # its first chunk from this primary, as the client times
+                            self.served_epoch = up.epoch  # it (a continuation's: maybe a new primary's first success)
+                            u.served(up.epoch, 200, now)
                         await self._send({"type": "http.response.body", "body": out, "more_body": True})
                         self.last_sent = now
                 else:

@@ -44,6 +44,14 @@ class Proxy:
         self.limits, self.body_timeout_s = limits, body_timeout_s
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        table = self.u.table
+        table.requests_in_progress += 1
+        try:
+            await self._handle(scope, receive, send)
+        finally:
+            table.requests_in_progress -= 1
+
+    async def _handle(self, scope: dict, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
         if scope["path"] in ROUTER_ONLY:
             self.u.count_status(404)

@@ -44,7 +44,9 @@ class RoutingTable:
         self.on_change: list[Callable[[], None]] = []
         self.next_primary: str | None = None  # the URL of the engine a failover would promote now
         self.on_next: list[Callable[[], None]] = []  # called when it changes (batching.Batcher keeps it warm)
-        self._failover_clock: tuple[int, float] | None = None  # (new epoch, failure detected at)
+        self._failover_clock: tuple[int, float, float] | None = None  # (new epoch, failure detected at, promoted at)
+        self.on_failover_seconds: Callable[[float], None] = lambda secs: None  # (the metric: attempts.Upstreams)
+        self.requests_in_progress = 0  # received, not yet answered (supervisor/router/proxy.py)
         self._lost: set[int] = set()  # recent epochs whose primary was fenced
         self._evidence: dict[int, bool] = {}  # recent lost epochs: did the primary die of something a request can cause
         self._evidence_waiters: dict[int, list[asyncio.Future[bool]]] = {}
@@ -119,17 +121,26 @@ class RoutingTable:
                 del self._calls[epoch]
 
     def start_failover_clock(self, epoch: int, detected_at: float) -> None:
-        """A failover promoted epoch `epoch`; its clock stops at that epoch's first success."""
-        self._failover_clock = (epoch, detected_at)
-
-    def first_success(self, epoch: int, began_at: float | None = None) -> float | None:
-        """Seconds from failure detection to this success (whose response began going to the client
-        at `began_at`, default now), if it is the new primary's first."""
-        clock = self._failover_clock
-        if clock is None or clock[0] != epoch:
-            return None
+        """A failover promoted epoch `epoch`: its clock stops at that epoch's first success, or at once
+        when no request is in progress (no client waits: the node serves again from now, and a quiet
+        node's idle time is no failover's). A clock still running at the next failover stops at its
+        own promotion (every failover is observed once)."""
+        now = time.monotonic()
+        if self._failover_clock is not None:
+            self.on_failover_seconds(self._failover_clock[2] - self._failover_clock[1])
         self._failover_clock = None
-        return (time.monotonic() if began_at is None else began_at) - clock[1]
+        if self.requests_in_progress:
+            self._failover_clock = (epoch, detected_at, now)
+        else:
+            self.on_failover_seconds(now - detected_at)
+
+    def first_success(self, epoch: int, began_at: float | None = None) -> None:
+        """A response of the primary of `epoch` began going to its client at `began_at` (default now):
+        the end of that epoch's failover clock, if it still runs."""
+        clock = self._failover_clock
+        if clock is not None and clock[0] == epoch:
+            self._failover_clock = None
+            self.on_failover_seconds((time.monotonic() if began_at is None else began_at) - clock[1])
 
     def set_primary(self, up: Upstream | None, reason: str = "") -> None:
         """Switch traffic (None = hold requests); wakes every waiting request."""

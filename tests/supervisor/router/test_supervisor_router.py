@@ -432,6 +432,41 @@ def test_failover_clock_stops_when_a_stream_first_reaches_the_client_not_when_it
     run(go())
 
 
+def failover_observations(metrics) -> tuple[float, float]:
+    text = metrics.render().decode()
+    return (float(text.split("understudy_failover_seconds_count ")[1].split()[0]),
+            float(text.split("understudy_failover_seconds_sum ")[1].split()[0]))
+
+
+def test_a_quiet_nodes_failover_clock_stops_at_the_promotion_and_every_failover_is_observed_once(upstreams):
+    """An operator's review: a promotion on an idle node was observed when the next request came (+20 s of
+    idle time), and a failover no request ended before the next one was never observed. Now with no
+    request in progress the clock stops at the promotion; one still running at the next failover stops at
+    its own promotion (here a stream in progress on epoch 2 while epochs 3 and 4 are promoted)."""
+    async def go():
+        table, metrics, c = make()
+        table.set_primary(Upstream(upstreams[0], "a", 1))
+        start = time.monotonic()
+        table.start_failover_clock(1, start)  # (nothing in progress)
+        promoted = time.monotonic() - start
+        await asyncio.sleep(0.3)
+        assert (await c.post("/v1/completions", json={})).status_code == 200
+        count, seconds = failover_observations(metrics)
+        assert count == 1 and seconds <= promoted < 0.3, (seconds, promoted)
+        table.set_primary(Upstream(upstreams[0], "a", 2))
+        stream = asyncio.create_task(c.post("/v1/completions", json={"stream": True, "n": 10, "delay": 0.05}))
+        while not table.requests_in_progress:
+            await asyncio.sleep(0.005)
+        table.start_failover_clock(3, time.monotonic())  # (a stream in progress: the clock runs)
+        await asyncio.sleep(0.2)
+        assert failover_observations(metrics)[0] == 1
+        table.start_failover_clock(4, time.monotonic())
+        count, total = failover_observations(metrics)
+        assert count == 2 and total - seconds < 0.05  # epoch 3's, stopped at its promotion
+        assert (await stream).status_code == 200 and table.requests_in_progress == 0
+    run(go())
+
+
 def test_message_lists_over_the_limits_are_refused_by_the_router_before_any_engine(upstreams):
     """Issue 23: the router bounds a chat body's messages and their characters on the parsed JSON
     (wire/limits.py check_body), as the engines do, so a huge list costs one parse and no engine
