@@ -45,3 +45,5 @@ def test_every_series_the_rules_read_is_one_the_supervisor_exports() -> None:
         for series in set(re.findall(r"understudy_[a-z_]+", rule["expr"])):
             base = re.sub(r"_(bucket|count|sum|total)$", "", series)
             assert series in names or base in names, f"{rule['alert']} reads {series}, which /metrics does not export"
+        for series, le in re.findall(r'(understudy_[a-z_]+_bucket)\{le="([^"]+)"\}', rule["expr"]):
+            assert f'{series}{{le="{le}"}}' in exported, f"{rule['alert']} reads a bucket le={le!r} /metrics does not have"
