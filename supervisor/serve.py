@@ -51,7 +51,9 @@ def check_only(config_path: str | None, port: int | None, admin_port: int | None
         return 2
     model = plan.model_path or f"the built-in {cfg.model.preset} model (made on first run)"
     print(f"config OK: data plane {cfg.router.host}:{cfg.router.port}, admin {cfg.admin.host}:{cfg.admin.port}, "
-          f"{cfg.engines.count} engines of {model} on {plan.device}")
+          f"{cfg.engines.count} engines of {model} on {plan.device} (whether the two ports are free is not "
+          "checked: a running node or systemd's socket may hold them; serve binds them first and exits 2 naming "
+          "one in use)")
     return 0
 
 
