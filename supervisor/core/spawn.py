@@ -45,7 +45,15 @@ def check(node: Node, s: SpawnServer) -> None:
 
 
 def pinged(node: Node, s: SpawnServer, ev: Pinged) -> None:
+    """A starting one's ping; or a READY one that did not answer a spawn: hung (stopped, stuck), it is
+    killed and replaced, so that the request it holds never forks an engine nobody tracks."""
     s.checking = False
+    if s.state == State.READY and s.pid is not None and not ev.ok:
+        log.warning("spawn server (pid %d) %s: killed and replaced (a spawn it holds could fork an engine nobody "
+                    "tracks); engines start directly until a new one answers", s.pid, ev.error)
+        lifecycle.transition(node, s, State.FAILED, ev.error)
+        node.emit(Fence(s.name, s.pid))
+        return
     if s.state != State.STARTING or s.pid is None:
         return
     if not ev.ok:

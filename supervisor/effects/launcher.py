@@ -12,11 +12,11 @@ from pathlib import Path
 from daemon.framing import FrameError
 from wire.loopback import free_port
 from supervisor.core.actions import Attach, Start
-from supervisor.core.events import Event, Exited, Launched, LaunchFailed
+from supervisor.core.events import Event, Exited, Launched, LaunchFailed, Pinged
 from supervisor.effects.child_configs import ChildConfigs
 from supervisor.effects.pidwatch import watch_exit
-from supervisor.effects.processes import (AdoptedHandle, PopenHandle, ProcHandle, SpawnClient, SpawnedHandle,
-                                          child_env, python_argv, rotate_log)
+from supervisor.effects.processes import (SPAWN_TIMEOUT_S, AdoptedHandle, PopenHandle, ProcHandle, SpawnClient,
+                                          SpawnedHandle, child_env, python_argv, rotate_log)
 
 log = logging.getLogger("understudy")
 
@@ -36,6 +36,7 @@ class Launcher:
         self.rd = configs.rd
         self.spawn_client = SpawnClient(self.rd / "spawn.sock")
         self.handles: dict[int, ProcHandle] = {}
+        self.spawn_server: tuple[str, int] | None = None  # (name, incarnation) of the latest one started or adopted
 
     async def start(self, a: Start) -> Event | None:
         """Launched is recorded before the exit watch starts: a process that dies at once is seen
@@ -55,6 +56,8 @@ class Launcher:
             if a.kind == "daemon" and self.configs.external:  # (its command line is the operator's: name the key)
                 why = f"engines.external.daemon_command: cannot run it: {why}"
             return LaunchFailed(a.name, a.incarnation, why)
+        if a.kind == "spawn_server":
+            self.spawn_server = (a.name, a.incarnation)
         self.record(Launched(a.name, a.incarnation, handle.pid, url, port, spawned=isinstance(handle, SpawnedHandle)))
         self.watch(a.name, a.incarnation, handle)
         return None
@@ -76,12 +79,17 @@ class Launcher:
                 return await self.spawn_client.spawn(ec.model_dump(), logf), url, port
             except (OSError, FrameError) as e:  # it went away meanwhile (rollout, crash): not this engine's fault
                 log.warning("%s: spawn server unavailable (%s); starting the engine directly", a.name, e)
+                if isinstance(e, TimeoutError) and self.spawn_server is not None:  # hung: the request it holds could
+                    self.record(Pinged(*self.spawn_server, ok=False,  # still fork an engine nobody tracks
+                                       error=f"did not answer a spawn within {SPAWN_TIMEOUT_S:g}s"))
         return PopenHandle(python_argv("engines", "--config-json", ec.model_dump_json()), logf, child_env()), url, port
 
     def attach(self, a: Attach) -> None:
         """A child re-adopted from a previous supervisor: not ours (its exit status is unknown) unless
         the adopted spawn server forked it."""
         handle = SpawnedHandle(a.pid, self.spawn_client) if a.spawned else AdoptedHandle(a.pid)
+        if a.kind == "spawn_server":
+            self.spawn_server = (a.name, a.incarnation)
         self.watch(a.name, a.incarnation, handle)
 
     def watch(self, name: str, incarnation: int, handle: ProcHandle) -> None:

@@ -93,6 +93,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
+SPAWN_TIMEOUT_S = 10.0  # a READY spawn server forks in milliseconds: one silent this long is hung (stopped, stuck)
+WAIT_TIMEOUT_S = 2.0  # for an exit status it already has or has not
+
+
 class SpawnClient:
     """Client of the engine spawn server (frames as daemon/framing.py, one connection per call)."""
 
@@ -100,8 +104,8 @@ class SpawnClient:
         self.path = path
         self.timeout_s = timeout_s
 
-    async def call(self, obj: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(framing.request, self.path, obj, self.timeout_s)
+    async def call(self, obj: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(framing.request, self.path, obj, timeout_s or self.timeout_s)
 
     async def wait_ready(self, timeout_s: float, alive: "PopenHandle") -> None:
         """Ping until the server answers; raise RuntimeError if it exits or times out."""
@@ -119,7 +123,7 @@ class SpawnClient:
         raise RuntimeError(f"spawn server did not answer within {timeout_s:.0f}s ({last})")
 
     async def spawn(self, config_json: dict[str, Any], log_path: Path) -> "SpawnedHandle":
-        reply = await self.call({"op": "spawn", "config": config_json, "log_path": str(log_path)})
+        reply = await self.call({"op": "spawn", "config": config_json, "log_path": str(log_path)}, SPAWN_TIMEOUT_S)
         if not reply.get("ok"):
             raise RuntimeError(f"spawn server refused: {reply.get('error', reply)}")
         return SpawnedHandle(int(reply["pid"]), self)
@@ -140,7 +144,7 @@ class SpawnedHandle:
         while time.monotonic() < deadline:
             claimed = False
             try:
-                reply = await self.client.call({"op": "wait", "pid": self.pid})
+                reply = await self.client.call({"op": "wait", "pid": self.pid}, WAIT_TIMEOUT_S)
                 if reply.get("ok") and reply.get("returncode") is not None:
                     return int(reply["returncode"])
                 claimed = bool(reply.get("ok"))
