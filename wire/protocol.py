@@ -64,6 +64,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, fail_fast=True)
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: prompt ids and each choice's new ids
+    response_format: dict | None = None  # only {"type": "text"}: structured output is refused, never ignored
     continuation: Continuation | None = None
 
     @field_validator("stop")
@@ -75,6 +76,13 @@ class _SamplingFields(BaseModel):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty strings")
         return stops
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"type {v.get('type')!r} is not supported (structured output); only 'text' is")
+        return v
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -36,6 +36,10 @@ def loads(body: bytes) -> Any:
         return orjson.loads(body)
     except ValueError as e:  # not JSON (JSONDecodeError says where), or not text at all
         where = f"{e.msg} (at character {e.pos})" if isinstance(e, json.JSONDecodeError) else str(e)
+        try:
+            body.decode()
+        except UnicodeDecodeError as u:  # (orjson's message names surrogates and character 0 for any bad byte)
+            where = f"not UTF-8: byte {body[u.start]:#04x} at offset {u.start}"
         raise BodyError(f"request body is not valid JSON: {where}", code="invalid_json") from None
     finally:
         if paused:
@@ -62,8 +66,10 @@ def describe(errors: list[dict]) -> tuple[str, str | None, str | None]:
     msgs = list(dict.fromkeys(e["msg"] for e in chosen))
     code = "invalid_type" if all(e["type"].endswith("_type") for e in chosen) else None
     where = ".".join(str(p) for p in best) or "body"
-    return f"{where}: {' or '.join(msgs)} (got {preview(chosen[0].get('input'))})", \
-        (str(field[0]) if field else None), code
+    got = chosen[0].get("input")
+    beyond = isinstance(got, float) and got.is_integer() and abs(got) >= 2**63  # (JSON's integers past 64 bits
+    return f"{where}: {' or '.join(msgs)} (got {preview(got)}{': an integer past 64 bits' if beyond else ''})", \
+        (str(field[0]) if field else None), code  # come as floats)
 
 
 def _where(loc: tuple) -> tuple:

@@ -174,6 +174,11 @@ BAD_REQUESTS = [
      400, "messages", "only text parts"),
     ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_LEN},
      400, "max_tokens", "exceeds the context"),
+    ("chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "json_object"}}, 400, "response_format",
+     "type 'json_object' is not supported (structured output)"),
+    ("completions", b'{"model": "M", "prompt": "\xff\xfe"}', 400, None, "not UTF-8: byte 0xff at offset 26"),
+    ("completions", {"model": "M", "prompt": "x", "seed": 10**23}, 400, "seed", "an integer past 64 bits"),
     # strict JSON types, as OpenAI (issue 23): no string for a number, no number for a boolean
     ("completions", {"model": "M", "prompt": "x", "max_tokens": "4"}, 400, "max_tokens", "valid integer (got '4')"),
     ("completions", {"model": "M", "prompt": "x", "max_tokens": 4.0}, 400, "max_tokens", "valid integer (got 4.0)"),
@@ -203,7 +208,7 @@ def test_bad_input_gets_openai_error_and_engine_keeps_serving(engine, client, mo
                                                                message) -> None:
     if isinstance(body, dict) and body.get("model") == "M":
         body = {**body, "model": model_name}
-    content = body if isinstance(body, str) else json.dumps(body)
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     r = httpx.post(f"{engine.url}/v1/{path}", content=content, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
