@@ -29,21 +29,27 @@ def config_path_for_cli(config_path: str | None) -> str | None:
     return SYSTEM_CONFIG if Path(SYSTEM_CONFIG).is_file() else None
 
 
-def find_state(cfg: UnderstudyConfig) -> tuple[Path, dict[str, Any] | None]:
-    """The runtime dir of the running supervisor and its state.json (None if none runs). With
-    ``runtime_dir: null`` the supervisor's dir depends on ITS environment ($XDG_RUNTIME_DIR, e.g.
-    /run under systemd), so the caller's own default and the systemd one are both looked at."""
+def find_state(cfg: UnderstudyConfig) -> tuple[Path, dict[str, Any] | None, str | None]:
+    """The runtime dir of the running supervisor and its state.json (None if none runs), and if none
+    runs, what the last one's state.json says of it. With ``runtime_dir: null`` the supervisor's dir
+    depends on ITS environment ($XDG_RUNTIME_DIR, e.g. /run under systemd), so the caller's own default
+    and the systemd one are both looked at."""
     dirs = [cfg.resolved_runtime_dir()]
     if not cfg.runtime_dir:
         dirs += [Path(SYSTEM_RUNTIME_DIR), Path(f"/tmp/understudy-{os.getuid()}")]
+    last = None
     for rd in dict.fromkeys(dirs):
         try:
             st = json.loads((rd / "state.json").read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(st, dict) and not st.get("stopped") and _alive(st.get("pid")):
-            return rd, st
-    return dirs[0], None
+        if not isinstance(st, dict):
+            continue
+        if not st.get("stopped") and _alive(st.get("pid")):
+            return rd, st, None
+        last = last or (f"the last supervisor of {rd} (pid {st.get('pid')}, admin {st.get('admin_url')}) "
+                        f"{'stopped' if st.get('stopped') else 'is gone'}")
+    return dirs[0], None, last
 
 
 def admin_endpoint(config_path: str | None) -> tuple[str, str]:
@@ -53,7 +59,9 @@ def admin_endpoint(config_path: str | None) -> tuple[str, str]:
         cfg = load_config(config_path_for_cli(config_path))
     except ConfigError as e:
         raise ClientError(f"invalid config: {e}") from None
-    rd, st = find_state(cfg)
+    rd, st, last = find_state(cfg)
+    if last is not None:
+        raise ClientError(f"no supervisor is running here: {last}; start one with `understudy serve`")
     url = f"http://{cfg.admin.host}:{cfg.admin.port}"
     if st is not None and st.get("admin_url"):
         url = st["admin_url"]

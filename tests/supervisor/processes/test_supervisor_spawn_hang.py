@@ -2,11 +2,14 @@
 engine's spawn request past the supervisor's timeout, the engine was started directly, and when it
 was continued it forked a second engine nobody tracked, which outlived the supervisor. Now a spawn it
 does not answer within SPAWN_TIMEOUT_S marks it hung: it is killed (its queued request with it) and
-replaced, and the engine starts directly meanwhile."""
+replaced, and the engine starts directly meanwhile. Once that node stopped, `understudy status` says so
+(it blamed the config's admin port)."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -62,3 +65,6 @@ def test_a_spawn_server_that_does_not_answer_is_replaced_and_forks_no_untracked_
         if stopped is not None and psutil.pid_exists(stopped):
             os.kill(stopped, signal.SIGCONT)
         h.stop()
+    r = subprocess.run([sys.executable, "-m", "supervisor", "status", "-c", str(h.config)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and f"the last supervisor of {rt}" in r.stderr and "stopped" in r.stderr, r.stderr
