@@ -7,10 +7,18 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
 
 from supervisor.admin.gate import UNAUTHORIZED, bearer_ok
 from supervisor.errors import AdminError
 from supervisor.admin.status_page import StatusPage
+
+
+class RestartBody(BaseModel):
+    """An engine restart's JSON body, as an alternative to its `force` query parameter."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    force: bool = False
 
 
 class AdminTarget(Protocol):
@@ -76,8 +84,8 @@ def build_admin(target: AdminTarget, token: str) -> FastAPI:
         return await target.admin_set_drained(False)
 
     @app.post("/admin/engines/{name}/restart")
-    async def restart(name: str, force: bool = False) -> dict:
-        return await target.admin_restart(name, force)
+    async def restart(name: str, force: bool = False, body: RestartBody | None = None) -> dict:
+        return await target.admin_restart(name, force or (body is not None and body.force))
 
     @app.post("/admin/rollout")
     async def rollout() -> dict:

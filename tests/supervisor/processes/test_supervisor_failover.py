@@ -89,6 +89,11 @@ def test_admin_needs_the_token_and_reports_bad_requests(sup):
     r = sup.admin("POST", "/admin/engines/" + "x" * 10_000 + "/restart")  # issue 23: not echoed whole
     assert r.status_code == 404 and r.json()["error"].startswith("unknown engine 'xxx") and len(r.text) < 300, r.text[:500]
     assert "(10000 characters)" in r.json()["error"]
+    for body, said in (({"force": "yes"}, "body.force: Input should be a valid boolean"),
+                       ({"force": True, "now": 1}, "body.now: Extra inputs are not permitted")):
+        r = httpx.post(sup.admin_url + "/admin/engines/zzz/restart", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {sup.token}"})  # (force in a JSON body: read, not ignored)
+        assert r.status_code == 400 and said in r.json()["error"], r.text
 
 
 def test_a_second_supervisor_on_the_same_runtime_dir_is_refused(sup):
