@@ -77,6 +77,7 @@ class DaemonInfo(_Msg):
     error: str | None = None
     weights_finite: bool | None = None  # every tensor was checked finite after loading (None: not yet)
     kv_pool: KVLayout | None = None  # the shared KV pool, once allocated (None: this daemon has none)
+    kv_pool_id: str | None = None  # its identity, hex (KVPoolHandle.pool_id: what an engine that maps it reports)
 
 
 class ArenaHandle(_Msg):

@@ -252,7 +252,8 @@ class WeightDaemon:
                           fingerprint=self.fingerprint, resident_bytes=self.arena.size if self.state == "ready" else 0,
                           tensors=len(self.manifest.names) if self.manifest else 0, progress=self.progress,
                           load_seconds=self.load_seconds, attaches=self.attaches, error=self.error,
-                          weights_finite=self.weights_finite, kv_pool=self.kv_pool.layout if self.kv_pool else None)
+                          weights_finite=self.weights_finite, kv_pool=self.kv_pool.layout if self.kv_pool else None,
+                          kv_pool_id=self.kv_pool.pool_id.hex() if self.kv_pool else None)
 
     # ---- filling the arena -----------------------------------------------------------------
     def _fill_arena(self) -> None:

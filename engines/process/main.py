@@ -220,6 +220,7 @@ def run_engine(cfg: EngineConfig) -> int:
         use_graphs = cfg.cuda_graphs and device.type == "cuda"
         with timer.phase("kv_cache"):
             pool, timer.kv_source = allocate_kv_cache(runner, cfg, mml, weights, 0, group)
+            timer.kv_pool_id = pool.pool_id if pool else None
         with timer.phase("numerics"):
             numerics = check_numerics(weights.model, device)
             log.info("numerics against float32 PyTorch: %s", numerics.summary())

@@ -34,6 +34,7 @@ class StartupTimer:
         self.phases: dict[str, float] = {}
         self.weights_source = "unknown"
         self.kv_source = "own"  # `shared` (the ranks' daemon pools), `own`, `own:<why no pool>`
+        self.kv_pool_id: str | None = None  # rank 0's shared pool, as its daemon names it
         self.on_phase = on_phase
         self._record("pre_init", process_age_s())
 
@@ -59,7 +60,7 @@ class StartupTimer:
     def summary(self) -> dict:
         """The body of GET /startup."""
         return {"phases": dict(self.phases), "weights_source": self.weights_source, "kv_source": self.kv_source,
-                "total_s": round(self.total_s, 6)}
+                "kv_pool_id": self.kv_pool_id, "total_s": round(self.total_s, 6)}
 
     def table(self) -> str:
         """A fixed-width table, one row per phase, like the reference breakdown."""

@@ -146,7 +146,7 @@ def format_status(st: dict[str, Any]) -> str:
         if pending := (e.get("heartbeat") or {}).get("cuda_graphs_pending"):
             reason = f"{pending} CUDA graphs to capture" + (f"; {reason}" if reason else "")
         reason = reason if len(reason) <= 60 else reason[:57] + "..."
-        kv = e.get("kv_mode") or e.get("kv_source") or "-"
+        kv = "stale pool" if e.get("kv_pool_stale") else e.get("kv_mode") or e.get("kv_source") or "-"
         lines.append(f"{e['name']:8} {e['role']:8} {e['state']:10} {e['pid'] or '-':>8} {e['incarnation']:>4}  "
                      f"{(e['weights_source'] or '-')[:18]:18} {kv[:14]:14} {reason}")
     for d in st["daemons"]:

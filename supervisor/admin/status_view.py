@@ -7,6 +7,7 @@ from typing import Any
 
 from supervisor.core.model import Engine, Node
 from supervisor.core.states import State
+from supervisor.core.healing import stale_pool
 from supervisor.core.why import not_ready_reason
 
 
@@ -17,10 +18,10 @@ def status_view(node: Node, fixed: dict[str, Any], now: float) -> dict[str, Any]
         "pid": os.getpid(), "epoch": node.epoch, "primary": node.primary,
         "drained": node.drained, "stopping": node.stopping, "stopped": node.finished,
         **fixed,
-        "engines": [engine_view(s, now) for s in node.engines.values()],
+        "engines": [{**engine_view(s, now), "kv_pool_stale": stale_pool(node, s)} for s in node.engines.values()],
         "daemons": [{"name": d.name, "rank": d.rank, "state": d.state.value, "pid": d.pid,
                      "resident_bytes": d.resident_bytes, "fingerprint": d.fingerprint,
-                     "weights_finite": d.weights_finite, "kv_pool": d.kv_pool,
+                     "weights_finite": d.weights_finite, "kv_pool": d.kv_pool, "kv_pool_id": d.kv_pool_id,
                      "socket": d.socket_path, "reason": d.reason, "last_exit": d.last_exit}
                     for d in node.daemons],
         "spawn_server": {"pid": sp.pid} if sp is not None and sp.pid and sp.state == State.READY else None,
@@ -47,6 +48,7 @@ def engine_view(s: Engine, now: float) -> dict[str, Any]:
             "incarnation": s.incarnation, "url": s.url or None,
             "weights_source": s.weights_source, "startup_phases": s.phases,
             "kv_source": s.kv_source, "kv_mode": s.heartbeat.get("kv_mode"), "kv_writer": s.kv_writer,
+            "kv_pool_id": s.kv_pool_id,
             "deterministic": s.heartbeat.get("deterministic"),
             "state_for_s": round(now - s.state_since, 3),
             "heartbeat_age_s": round(now - s.last_heartbeat, 3) if s.last_heartbeat else None,

@@ -86,6 +86,7 @@ def ready(node: Node, d: Daemon, info: dict[str, Any]) -> None:
     d.fingerprint = info.get("fingerprint")
     d.weights_finite = info.get("weights_finite")
     d.kv_pool = info.get("kv_pool")
+    d.kv_pool_id = info.get("kv_pool_id") if isinstance(info.get("kv_pool_id"), str) else None
     d.ever_ready = True
     d.policy.record_success()
     d.last_check = node.now

@@ -54,7 +54,7 @@ def said(node: Node, e: Engine, ev: Said) -> None:
     elif ev.type == "startup":
         record_startup(node, e, {"phases": ev.fields.get("phases") or {},
                                  "weights_source": ev.fields.get("weights_source"),
-                                 "kv_source": ev.fields.get("kv_source")})
+                                 "kv_source": ev.fields.get("kv_source"), "kv_pool_id": ev.fields.get("kv_pool_id")})
     elif ev.type in kv_handover.ANSWERS:
         kv_handover.said(node, e, ev)
     elif ev.type == "adopted":
@@ -77,6 +77,7 @@ def record_startup(node: Node, e: Engine, data: dict[str, Any]) -> None:
     e.phases = {str(k): float(v) for k, v in (data.get("phases") or {}).items()}
     e.weights_source = data.get("weights_source") or e.weights_source
     e.kv_source = data.get("kv_source") or e.kv_source
+    e.kv_pool_id = data.get("kv_pool_id") if isinstance(data.get("kv_pool_id"), str) else None
     e.startup_counted = True
     node.dirty = True
     node.emit(Measure("startup", e.name, {"phases": dict(e.phases), "weights_source": e.weights_source}))

@@ -32,7 +32,7 @@ def start(node: Node, e: Engine) -> None:
     e.drain_fenced = False
     e.last_heartbeat, e.heartbeat, e.engine_state = None, {}, ""
     e.weights_source, e.phases, e.startup_counted, e.unanswered = None, {}, False, 0
-    e.kv_source, e.kv_writer = None, False
+    e.kv_source, e.kv_writer, e.kv_pool_id = None, False, None
     e.role, e.url, e.port = Role.STANDBY, "", 0
     if lifecycle.begin(node, e):
         launch_if_due(node, e)

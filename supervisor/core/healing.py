@@ -1,12 +1,15 @@
 """Self-healing: a standby that came up degraded while the daemons were away (weights read from disk,
 a KV cache of its own: on a GPU a second copy of the weights and a second `kv_cache_bytes`) is
-replaced, once every daemon is READY again, by one on the daemons' weights and pool. One at a time,
-only while a primary serves, never during a rollout or a promotion."""
+replaced, once every daemon is READY again, by one on the daemons' weights and pool. A primary that
+maps the pool of a daemon since restarted (a failover to a standby on the new pool would recompute
+every stream; on a GPU the old pool's memory stays held too) hands over to a READY standby on the
+daemon's pool, and restarts. One at a time, only while a primary serves, never during a rollout or a
+promotion."""
 from __future__ import annotations
 
 import logging
 
-from supervisor.core import engines
+from supervisor.core import admin, engines
 from supervisor.core.actions import Publish
 from supervisor.core.model import Engine, Node
 from supervisor.core.states import Role, State
@@ -22,7 +25,16 @@ def degraded(node: Node, e: Engine) -> str | None:
         return f"weights {e.weights_source}"
     if node.settings.shared_kv and e.kv_source and e.kv_source.startswith("own"):
         return f"KV {e.kv_source}"
-    return None
+    return stale_pool(node, e)
+
+
+def stale_pool(node: Node, e: Engine) -> str | None:
+    """How ``e`` maps a KV pool its rank-0 daemon no longer holds (it started before that daemon's
+    restart), or None."""
+    d = next((d for d in node.daemons if d.rank == 0), None)
+    if not node.settings.shared_kv or d is None or d.kv_pool_id is None or e.kv_pool_id in (None, d.kv_pool_id):
+        return None
+    return f"the KV pool {e.kv_pool_id[:8]} of daemon-rank0 before its restart (it holds {d.kv_pool_id[:8]} now)"
 
 
 def heal(node: Node) -> None:
@@ -42,3 +54,10 @@ def heal(node: Node) -> None:
             node.emit(Publish({"type": "healing", "engine": e.name, "degraded": why}))
             engines.stop(node, e, restart=True)
             return
+    primary, standby = node.primary_engine(), node.ready_standby()
+    if primary is not None and standby is not None and primary.state == State.READY \
+            and (why := stale_pool(node, primary)) is not None and standby.kv_pool_id == node.daemons[0].kv_pool_id:
+        log.warning("%s: the primary maps %s: a switchover to %s, on the daemon's pool, then %s restarts",
+                    primary.name, why, standby.name, primary.name)
+        node.emit(Publish({"type": "healing", "engine": primary.name, "degraded": why}))
+        admin.switch_over(node)

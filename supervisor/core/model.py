@@ -73,6 +73,7 @@ class Engine(Child):
     engine_state: str = ""             # the last state the engine reported
     unanswered: int = 0                # canaries not answered yet in this start
     kv_source: str | None = None       # shared | own | own:<why no pool> (its startup summary)
+    kv_pool_id: str | None = None      # the shared pool it maps (rank 0's), as the daemon names it
     kv_writer: bool = False            # it holds the shared KV pool's writer role (it said `promoted`)
     fatal_retries: int = 0             # slow retries of this FATAL slot since it was last READY
     retrying_fatal: bool = False       # this incarnation is such a retry: failing again is FATAL again
@@ -98,6 +99,7 @@ class Daemon(Child):
     fingerprint: dict[str, Any] | None = None
     weights_finite: bool | None = None  # the daemon checked every tensor of its arena finite
     kv_pool: dict[str, Any] | None = None  # its shared KV pool's layout (None: it holds none)
+    kv_pool_id: str | None = None      # that pool's identity (a restarted daemon holds another pool)
     load_bytes: int | None = None       # the load's progress at the last status answer
     load_pct: int = -1
 

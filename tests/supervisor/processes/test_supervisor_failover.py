@@ -194,20 +194,37 @@ def test_both_engines_killed_requests_wait_for_the_first_replacement(sup):
     sup.wait_all_ready()
 
 
-def test_kill_daemon_engines_keep_serving_and_daemon_returns(sup):
+def on_the_daemons_pool(sup, old_pool: str | None = None) -> dict:
+    """The status once every engine is READY on the (restarted) daemon's KV pool, not `old_pool`."""
+    return sup.wait_for(lambda s: s["daemons"][0]["kv_pool_id"] not in (None, old_pool)
+                        and all(e["state"] == "READY" and e["kv_pool_id"] == s["daemons"][0]["kv_pool_id"]
+                                for e in s["engines"]), 90, "both engines on the daemon's pool")
+
+
+def test_kill_daemon_engines_keep_serving_and_the_node_moves_onto_the_new_daemons_pool(sup):
+    """The engines serve on while the daemon is away; the restarted daemon holds a new KV pool (and
+    arena), which the engines started before do not map (an operator's review: the next failover then
+    recomputed every stream, ~237 tokens each, and nothing said so; on a GPU the old pool stays held
+    too). The supervisor heals: the standby restarts onto the new pool, the primary hands over to it and
+    restarts too; no request fails. (Without the pool check in supervisor/core/healing.py the engines stay
+    on the old pool and this fails.)"""
     st = sup.wait_all_ready()
     d = st["daemons"][0]
+    assert {e["kv_pool_id"] for e in st["engines"]} == {d["kv_pool_id"]} and d["kv_pool_id"]
     mark = len(sup.events)
     with Load(sup.router_url, "model", threads=2) as load:
         time.sleep(0.3)
         os.kill(d["pid"], signal.SIGKILL)
         sup.wait_event(lambda e: e["engine"] == "daemon-rank0" and e["to"] == "READY", since=mark, timeout_s=60)
+        st2 = on_the_daemons_pool(sup, d["kv_pool_id"])
         time.sleep(0.3)
-    assert load.failures == [] and len(load.results) > 2
-    st2 = sup.wait_all_ready()
+    assert load.failures == [] and len(load.results) > 2, load.failures[:3]
     assert st2["daemons"][0]["pid"] != d["pid"] and st2["daemons"][0]["resident_bytes"] == d["resident_bytes"]
-    assert st2["epoch"] == st["epoch"]
-    assert [e["pid"] for e in st2["engines"]] == [e["pid"] for e in st["engines"]]
+    assert not any(e["kv_pool_stale"] for e in st2["engines"])
+    healed = [e["engine"] for e in sup.events[mark:] if e["type"] == "healing"]
+    assert sorted(healed) == sorted(e["name"] for e in st["engines"]), healed  # each once: standby, then primary
+    assert st2["primary"] != st["primary"] and all(f["reason"] == "promote" for f in sup.events[mark:]
+                                                   if f["type"] == "failover")
 
 
 def test_spawn_server_death_is_survived_and_it_is_replaced(sup):
@@ -234,8 +251,9 @@ def test_sigstop_daemon_is_detected_and_replaced_while_engines_serve(sup):
         sup.wait_event(lambda e: e["engine"] == "daemon-rank0" and e["to"] == "READY", since=mark, timeout_s=60)
     assert ev["reason"].startswith("hang: 3 status requests unanswered")
     assert load.failures == [] and len(load.results) > 2
-    st2 = sup.wait_all_ready()
-    assert st2["daemons"][0]["pid"] != d["pid"] and st2["epoch"] == st["epoch"]
+    st2 = on_the_daemons_pool(sup)
+    assert st2["daemons"][0]["pid"] != d["pid"]
+    assert all(f["reason"] == "promote" for f in sup.events[mark:] if f["type"] == "failover")  # (healing's only)
 
 
 def test_a_standby_that_came_up_while_the_daemon_hung_is_healed_onto_its_weights_and_pool(sup):
@@ -263,7 +281,8 @@ def test_a_standby_that_came_up_while_the_daemon_hung_is_healed_onto_its_weights
         t_back = time.monotonic()
         time.sleep(0.5)
     assert heal["engine"] == standby["name"] and heal["degraded"].startswith(("weights disk:", "KV own")), heal
-    assert back["primary"] != standby["name"] and back["epoch"] == st["epoch"]  # no failover on the way
+    assert not [f for f in sup.events[mark:] if f["type"] == "failover" and f["reason"] != "promote"]  # (the
+    # primary, on the daemon's pool of before its restart, may hand over by then: supervisor/core/healing.py)
     assert load.failures == [] and len(load.results) > 5, load.failures[:5]
     assert t_back - t0 < 30, (t_daemon - t0, t_back - t0)
     print(f"\nself-heal: daemon READY {t_daemon - t0:.2f} s after its SIGSTOP; standby back on its weights and pool "
