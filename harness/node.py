@@ -126,9 +126,11 @@ class Harness:
                            f"\nlog:\n{self.tail()}")
 
     def wait_all_ready(self, timeout_s: float = 60.0) -> dict:
-        """A primary serving, every engine READY with no pending stop, every daemon READY."""
+        """A primary serving, every engine READY with its CUDA graphs all captured (some come after
+        READY: EngineConfig.cuda_graphs_before_ready), every daemon READY: the node in its steady state."""
         return self.wait_for(lambda st: st["primary"] is not None
-                             and all(e["state"] == "READY" for e in st["engines"])
+                             and all(e["state"] == "READY" and not (e.get("heartbeat") or {}).get("cuda_graphs_pending")
+                                     for e in st["engines"])
                              and sum(e["role"] == "primary" for e in st["engines"]) == 1
                              and all(d["state"] == "READY" for d in st["daemons"]), timeout_s, "all READY")
 
