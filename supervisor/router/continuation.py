@@ -71,8 +71,9 @@ def _kept_prompt(req: dict) -> None:
 
 
 def _as_json(value: Any) -> Any:
-    """A Fragment back as what it holds (to show a body as the client sent it)."""
-    return orjson.loads(value.contents) if isinstance(value, orjson.Fragment) else value
+    """A Fragment back as what it holds (to show a body as the client sent it; a Fragment's bytes are
+    not readable back but through dumps)."""
+    return orjson.loads(orjson.dumps(value)) if isinstance(value, orjson.Fragment) else value
 
 
 def parse_request(path: str, body: bytes) -> Any:

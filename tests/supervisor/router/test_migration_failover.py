@@ -287,6 +287,11 @@ def test_a_refusal_shows_the_body_the_client_sent_not_what_the_router_added(sup)
         r = httpx.post(sup.router_url + "/v1/completions", json={**GREEDY, field: value}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert r.json()["error"]["code"] == "invalid_type" and f"(got '{value}')" in r.json()["error"]["message"]
+    ids = list(range(5, 25))  # (a prompt of over 16 ids is kept pre-serialised: the refusal shows it as sent)
+    r = httpx.post(sup.router_url + "/v1/completions", json={**GREEDY, "prompt": ids, "temperature": -1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text  # (was a bare 500)
+    r = httpx.post(sup.router_url + "/v1/completions", json={"model": "no-such", "prompt": ids}, timeout=30)
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"], r.text
     assert whole_stream(sup, "/v1/completions", {**GREEDY, "max_tokens": 3}).done
 
 
