@@ -9,7 +9,7 @@ Event tuples (``name`` is a child: "a", "b", "daemon-rank0", "spawn-server"):
     ("broken", name, why)        the engine says it cannot serve       ("health", name, problem | None)
     ("health not made", name, problem), ("ping not made", name): the supervisor was out of descriptors
     ("heartbeat", name, served)  ("stepping", name, steps): heartbeats of full slots, nothing finished  ("said", name, type, fields): e.g. a shared-KV answer "promoted"
-    ("daemon ready", name)       ("daemon loading", name)             ("ping", name, ok)
+    ("daemon ready", name[, kv_pool_id])  ("daemon loading", name)      ("ping", name, ok)
     ("ask", intent[, engine[, force]])                                ("stop", why)
     ("wait", seconds)            nothing but time passing
     ("surveyed", {pid: start time | None}[, spawn children])          ("survey failed", why)
@@ -93,7 +93,7 @@ class Play:
             "said": lambda: ev.Said(name, inc, args[1], args[2]),
             "daemon ready": lambda: ev.DaemonAnswered(name, inc, {"type": "ok", "daemon": {
                 "state": "ready", "resident_bytes": 1000, "weights_finite": True,
-                "fingerprint": {"content_digest": "d"}}}),
+                "fingerprint": {"content_digest": "d"}, "kv_pool_id": args[1] if len(args) > 1 else None}}),
             "daemon loading": lambda: ev.DaemonAnswered(name, inc, None, "ConnectionRefusedError"),
             "ping": lambda: ev.Pinged(name, inc, args[1], "" if args[1] else "timed out"),
             "ping not made": lambda: ev.Pinged(name, inc, False, "[Errno 24] Too many open files", local=True),

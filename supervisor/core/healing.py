@@ -40,7 +40,8 @@ def stale_pool(node: Node, e: Engine) -> str | None:
 def heal(node: Node) -> None:
     if not node.daemons or any(d.state != State.READY for d in node.daemons):
         return
-    if node.primary is None or node.rollout is not None or node.promoting is not None or node.demoting is not None:
+    if node.primary is None or (node.rollout is not None and node.rollout.running) or node.promoting is not None \
+            or node.demoting is not None:
         return
     if any(e.stop_requested for e in node.engines.values()):
         return  # (one at a time)
@@ -49,8 +50,8 @@ def heal(node: Node) -> None:
         # (one started after the daemons were READY again would come up the same way: it is left as it is)
         if e.role == Role.STANDBY and e.state == State.READY and e.started_at < daemons_back \
                 and (why := degraded(node, e)) is not None:
-            log.warning("%s: came up degraded (%s) while the daemons were away; every daemon is READY again: "
-                        "replacing it with a standby on the daemons' weights and pool", e.name, why)
+            log.warning("%s: runs without the daemons' weights or pool (%s); every daemon is READY again: "
+                        "replacing it with a standby on them", e.name, why)
             node.emit(Publish({"type": "healing", "engine": e.name, "degraded": why}))
             engines.stop(node, e, restart=True)
             return

@@ -367,3 +367,21 @@ def test_a_fatal_slot_says_when_it_is_tried_again_in_status_and_why() -> None:
     assert engine_view(b, p.now)["fatal_retries"] == 1 and p.published("fatal_retry")[-1]["attempt"] == 1
     p.play(("ready", "b"))
     assert engine_view(b, p.now)["fatal_retries"] == 0  # READY again: counted afresh
+
+
+def test_engines_on_a_restarted_daemons_old_pool_move_onto_its_new_one_a_finished_rollout_or_not() -> None:
+    """The standby on the old pool restarts onto the new one, then the primary hands over to it (a planned
+    switchover) and restarts. A finished rollout stays on the node (its view in status): it blocked every
+    healing after it (a second operator's review)."""
+    from supervisor.core.model import Rollout
+    p = serving(shared_kv=True)
+    on = lambda pool: {"phases": {}, "weights_source": "cache_hit", "kv_source": "shared", "kv_pool_id": pool}  # noqa: E731
+    p.play(("said", "a", "startup", on("p1")), ("said", "b", "startup", on("p1")))
+    p.node.rollout = Rollout(0, [], started=0.0, running=False)
+    got = p.play(("exit", "daemon-rank0"), ("exit read", "daemon-rank0", -9), ("wait", 0.3),
+                 ("launched", "daemon-rank0"), ("wait", 0.2), ("daemon ready", "daemon-rank0", "p2"), ("wait", 0.2))
+    assert in_order(got, ["publish daemon-rank0 READY", "publish healing", "drain b"]), got
+    got = p.play(("exit", "b"), ("exit read", "b", 0), ("launched", "b"), ("ready", "b"),
+                 ("said", "b", "startup", on("p2")), ("wait", 0.2))
+    assert "tell a demote" in got, got
+    assert [e["engine"] for e in p.published("healing")] == ["b", "a"]
