@@ -14,7 +14,7 @@ from wire.engine_config import EngineConfig
 from models import CausalLM
 from .weights import engine_source, gather_sources
 
-log = logging.getLogger("engines.core.shared_pool")
+log = logging.getLogger("engines.process.pool_attach")
 
 ATTACH_WAIT_S = 60.0  # a daemon still loading answers `loading` meanwhile
 

@@ -2,13 +2,15 @@
 router (nano-like lengths, from enough client processes that the client is never the bottleneck: each
 reports its own CPU), SIGKILL of the primary `--runs` times; per kill, the gap every stream in flight
 saw across it, the supervisor's failover_seconds, tokens recomputed per continued stream, the standby
-back; `--compare` runs the same with `engines.core.shared_pool: false` beside it (a node of its own)."""
+back; `--compare` runs the same with `engines.shared_kv: false` beside it (a node of its own)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from harness.bench.failover_table import table
 from harness.bench.private_node import bench_config, say
 from harness.load.jobs import Gaps, Job, ProcessReport, TokenPrompts
 from harness.load.processes import ClientProcesses, split
+from harness.load.prompts import Lengths
 from harness.load.result import GAP_WINDOW_S
 from harness.prometheus import MetricsSnapshot
 from harness.stats import bench_summary
@@ -39,6 +42,10 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="understudy-bench-streams-"))
     cfg = yaml.safe_load(bench_config(args.config, workdir, args))
     cfg["engines"]["shared_kv"] = shared_kv
+    if problem := too_long(args, cfg["engines"]["max_model_len"]):
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"understudy bench failover: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     h = Harness(workdir, yaml.safe_dump(cfg), notify=False)
     try:
         h.wait_booted(args.boot_timeout)
@@ -72,6 +79,17 @@ def run_node(args: argparse.Namespace, shared_kv: bool) -> dict[str, Any]:
         h.stop()
         if args.out:  # the supervisor's and every engine's log, for what the figures do not say
             keep_logs(workdir, Path(args.out) / f"logs-shared_kv-{str(shared_kv).lower()}.tgz")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def too_long(args: argparse.Namespace, max_model_len: int) -> str | None:
+    """Why the streams' longest prompt and answer do not fit the node's context, if they do not (each
+    would be refused: a run of errors, not a failover figure)."""
+    inp, out = Lengths.parse(args.input_len, "--input-len"), Lengths.parse(args.output_len, "--output-len")
+    if inp.hi + out.hi <= max_model_len:
+        return None
+    return (f"--input-len up to {inp.hi} + --output-len up to {out.hi} = {inp.hi + out.hi} tokens exceeds "
+            f"engines.max_model_len {max_model_len} of the node's config: lower them, or raise it (-c FILE)")
 
 
 def gc_pauses_between(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, dict[str, float]]:
@@ -288,7 +306,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds after the standby is READY again before a quiet moment's window opens")
     p.add_argument("--kill-for", type=float, default=0.0,
                    help="seconds after which no new kill starts (the kills made so far are reported; 0: all --runs)")
-    p.add_argument("--compare", action="store_true", help="also run with engines.core.shared_pool: false, beside it")
+    p.add_argument("--compare", action="store_true", help="also run with engines.shared_kv: false, beside it")
     p.add_argument("--out", help="keep each node's supervisor and engine logs here (a .tgz per node)")
 
 
