@@ -13,6 +13,19 @@ GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 RECOMPUTED_BUCKETS = (0, 1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536)
 
 
+# (metric name after understudy_engine_, heartbeat field, help): an engine's gauges on the node's /metrics
+ENGINE_FIGURES = (
+    ("running_seqs", "running", "Sequences running"), ("waiting_seqs", "waiting", "Sequences waiting"),
+    ("kv_blocks_used", "kv_blocks_used", "KV cache blocks in use"), ("kv_blocks_total", "kv_blocks_total", "KV cache blocks"),
+    ("preemptions", "preemptions", "Sequences preempted since the engine started"),
+    ("kv_quarantined_blocks", "kv_quarantined_blocks",
+     "Shared KV blocks a dead writer left unfinished, not reused until its processes are gone"),
+    ("gpu_reserved_bytes", "gpu_reserved_bytes",
+     "GPU memory the engine's allocator holds (graphs included; not the CUDA context, weights or shared pool)"),
+    ("cuda_graphs_pending", "cuda_graphs_pending",
+     "CUDA graphs left to capture after READY (engines.cuda_graphs_before_ready: captured when it has time)"))
+
+
 class Metrics:
     """All supervisor metrics; ``render()`` is the /metrics body."""
 
@@ -58,15 +71,8 @@ class Metrics:
         self.fatal_retries = Counter("understudy_fatal_retries", "Slow retries of FATAL engine slots "
                                      "(failover.fatal_retry_s)", ["engine"], registry=r)
         serving = "engine's serving figures, from its heartbeats"
-        self.engine_figures = {
-            key: Gauge(f"understudy_engine_{key}", f"{help_} ({serving})", ["engine"], registry=r)
-            for key, help_ in (("running_seqs", "Sequences running"), ("waiting_seqs", "Sequences waiting"),
-                               ("kv_blocks_used", "KV cache blocks in use"), ("kv_blocks_total", "KV cache blocks"),
-                               ("preemptions", "Sequences preempted since the engine started"),
-                               ("kv_quarantined_blocks", "Shared KV blocks a dead writer left unfinished, "
-                                                         "not reused until its processes are gone"),
-                               ("gpu_reserved_bytes", "GPU memory the engine's allocator holds (graphs "
-                                                      "included; not the CUDA context, weights or shared pool)"))}
+        self.engine_figures = {field: Gauge(f"understudy_engine_{key}", f"{help_} ({serving})", ["engine"], registry=r)
+                               for key, field, help_ in ENGINE_FIGURES}
         self.prefix_queried = Counter("understudy_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the engines' prefix caches", registry=r)
         self.prefix_hit = Counter("understudy_prefix_cache_hit_tokens",
@@ -106,12 +112,9 @@ class Metrics:
         """An engine's serving figures; its cumulative token counts add their growth since its
         previous heartbeat (a new incarnation starts from zero), and an interval it was busy
         throughout gives its mean step time (``now``: when ``hb`` came, monotonic; default: now)."""
-        names = {"running_seqs": "running", "waiting_seqs": "waiting", "kv_blocks_used": "kv_blocks_used",
-                 "kv_blocks_total": "kv_blocks_total", "preemptions": "preemptions",
-                 "kv_quarantined_blocks": "kv_quarantined_blocks", "gpu_reserved_bytes": "gpu_reserved_bytes"}
-        for key, field in names.items():
+        for field, gauge in self.engine_figures.items():
             if isinstance(hb.get(field), (int, float)):
-                self.engine_figures[key].labels(engine=engine).set(hb[field])
+                gauge.labels(engine=engine).set(hb[field])
         for counter, field in ((self.prefix_queried, "prefix_queried_tokens"), (self.prefix_hit, "prefix_hit_tokens"),
                                (self.generated_tokens, "generated_tokens"), (self.kv_checked, "kv_checked_blocks"),
                                (self.kv_corrupt, "kv_corrupt_blocks")):

@@ -49,3 +49,14 @@ def test_kv_blocks_checked_and_found_changed_are_node_wide_counters():
     m.record_heartbeat("b", {"kv_checked_blocks": 4, "kv_corrupt_blocks": 1}, {}, now=1.0)  # the next primary
     s = samples(m)
     assert s["understudy_kv_checked_blocks_total"] == 54 and s["understudy_kv_corrupt_blocks_total"] == 3
+
+
+def test_an_engines_heartbeat_gauges_reach_the_nodes_metrics_cuda_graphs_pending_too():
+    """A second operator's review: understudy_engine_cuda_graphs_pending was only on the engine's own
+    (secret-gated) /metrics, never scraped; the node's carries every heartbeat gauge, per engine."""
+    m = Metrics()
+    m.record_heartbeat("a", {**beat(5, 2, 0), "kv_blocks_used": 7, "cuda_graphs_pending": 9}, {}, now=0.0)
+    m.record_heartbeat("a", {**beat(6, 2, 0), "kv_blocks_used": 8, "cuda_graphs_pending": 0}, {}, now=1.0)
+    text = m.render().decode()
+    assert 'understudy_engine_cuda_graphs_pending{engine="a"} 0.0' in text
+    assert 'understudy_engine_running_seqs{engine="a"} 2.0' in text and 'understudy_engine_kv_blocks_used{engine="a"} 8.0' in text
