@@ -51,8 +51,10 @@ def honest_metrics(before: MetricsSnapshot | None, after: MetricsSnapshot | None
     fo = [o.failover_s - o.detection_s for o in report.faults
           if o.failover_s is not None and o.detection_s is not None]
     out += _histogram("failover_seconds", before, after, fo, tol, floor_s,
-                      "supervisor: failure detected -> the new primary's first success (router); client: "
-                      "fault -> first success served by the new primary, minus fault -> detection")
+                      "supervisor: failure detected -> the new primary's first success (router), or -> its "
+                      "promotion when no request was in progress (a quiet node's idle time is no failover's); "
+                      "client: fault -> first success served by the new primary, minus fault -> detection, "
+                      "which counts the wait for its next request too", comparable=False)
     engine = [o for o in report.faults if o.kind not in ("promote", "rollout")
               and o.target_role in ("primary", "standby") and o.recovery_s is not None]
     out.append(compare("recoveries (count)", delta(f"{P}recovery_seconds_count"), float(len(engine)), tol,
