@@ -90,7 +90,8 @@ def _describe(e: dict[str, Any], loc: list) -> str:
     if kind == "value_error":
         return str(e.get("ctx", {}).get("error", e["msg"]))
     want = _expected(UnderstudyConfig, loc)
-    return f"expected {want or e['msg']}, got {got!r}"
+    shown = "null" if got is None else "true" if got is True else "false" if got is False else repr(got)  # (as YAML)
+    return f"expected {want or e['msg']}, got {shown}"
 
 
 def _field_owner(model: type[BaseModel], loc: list) -> type[BaseModel] | None:

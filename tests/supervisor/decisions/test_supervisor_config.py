@@ -43,6 +43,8 @@ EXT = "engines:\n  kind: external\n  external:\n    command: vllm serve {model} 
     ("gpu_ids: [0, x]\n", "config.yaml: gpu_ids.1: expected an integer, got 'x'"),
     ("canary:\n  prompt: ''\n", "config.yaml: canary.prompt: expected a non-empty string, got ''"),
     ("model: 3\n", "config.yaml: model: expected a mapping, got 3"),
+    ("engines:\n  cuda_graphs_before_ready: null\n",  # (YAML's words, not Python's None)
+     "config.yaml: engines.cuda_graphs_before_ready: expected one of 'largest', 'all', got null"),
     ("engines:\n  kind: external\n", "config.yaml: engines.external: required when kind is 'external'"),
     ("engines:\n  names: [x]\n", "config.yaml: engines.names: expected 2 names (engines.count), got 1"),
     ("engines:\n  kind: external\n  external: {command: 'vllm serve {modle} --port {port}'}\n",
