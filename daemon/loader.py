@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from models import CheckpointError
-from models.checkpoint_check import SCALES
+from models.checkpoint.check import SCALES
 
 from .protocol import Progress
 from .safetensors_index import TensorLocation, locate

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from models import CheckpointError
-from models.safetensors_header import raw_header, tensor_entries
+from models.checkpoint.header import raw_header, tensor_entries
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

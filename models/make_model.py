@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models import build_model, read_model_args, torch_dtype
-from models.checkpoint_check import SCALES
+from models.checkpoint.check import SCALES
 from models.presets import PRESETS
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"

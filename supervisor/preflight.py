@@ -108,7 +108,7 @@ def _model_fits(cfg: UnderstudyConfig, model_path: Path, problems: list[str]) ->
     starts, without torch: a restarted supervisor serves again the sooner)."""
     from models import CheckpointError, UnknownArchError, read_model_args
     from models.args import block_problem
-    from models.checkpoint_check import quant_problem
+    from models.checkpoint.check import quant_problem
     try:
         args = read_model_args(model_path)
     except (CheckpointError, UnknownArchError, ValueError) as e:

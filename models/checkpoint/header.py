@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from models.errors import CheckpointError
 
 MAX_HEADER = 100 << 20
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .args import ModelArgs
-from .safetensors_header import tensor_entries
+from models.args import ModelArgs
+from .header import tensor_entries
 
 FP8 = ("F8_E4M3", "F8_E5M2")
 FLOATS = ("F32", "BF16", "F16")
