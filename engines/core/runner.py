@@ -254,6 +254,7 @@ class ModelRunner:
         host = self._hosts[0]
         step = self._graph_step(key, host)
         self._pad(host.numpy(), step, 0, 0, 0)
+        self._tables_written[0].clear()  # (that padding may overlie rows of block tables a step wrote there)
         self._dev[:step.layout.size].copy_(host[:step.layout.size])
         ids, pos, meta = self._views(step)
         path = (key[0], key[0] == DECODE and key[1] <= FUSED_MAX_BATCH and self.model.use_fused_decode)

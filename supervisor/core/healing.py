@@ -28,13 +28,19 @@ def degraded(node: Node, e: Engine) -> str | None:
     return stale_pool(node, e)
 
 
+def daemon_pool(node: Node) -> str | None:
+    """The KV pool rank 0's daemon holds now (None: none known, or no shared KV)."""
+    d = next((d for d in node.daemons if d.rank == 0), None)
+    return d.kv_pool_id if d is not None and node.settings.shared_kv else None
+
+
 def stale_pool(node: Node, e: Engine) -> str | None:
     """How ``e`` maps a KV pool its rank-0 daemon no longer holds (it started before that daemon's
     restart), or None."""
-    d = next((d for d in node.daemons if d.rank == 0), None)
-    if not node.settings.shared_kv or d is None or d.kv_pool_id is None or e.kv_pool_id in (None, d.kv_pool_id):
+    pool = daemon_pool(node)
+    if pool is None or e.kv_pool_id in (None, pool):
         return None
-    return f"the KV pool {e.kv_pool_id[:8]} of daemon-rank0 before its restart (it holds {d.kv_pool_id[:8]} now)"
+    return f"the KV pool {e.kv_pool_id[:8]} of daemon-rank0 before its restart (it holds {pool[:8]} now)"
 
 
 def heal(node: Node) -> None:
@@ -57,7 +63,7 @@ def heal(node: Node) -> None:
             return
     primary, standby = node.primary_engine(), node.ready_standby()
     if primary is not None and standby is not None and primary.state == State.READY \
-            and (why := stale_pool(node, primary)) is not None and standby.kv_pool_id == node.daemons[0].kv_pool_id:
+            and (why := stale_pool(node, primary)) is not None and standby.kv_pool_id == daemon_pool(node):
         log.warning("%s: the primary maps %s: a switchover to %s, on the daemon's pool, then %s restarts",
                     primary.name, why, standby.name, primary.name)
         node.emit(Publish({"type": "healing", "engine": primary.name, "degraded": why}))
