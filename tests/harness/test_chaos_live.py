@@ -43,6 +43,7 @@ def test_wrong_token_is_reported(live: Harness, tmp_path: Path, capsys: pytest.C
 
 def test_sigkills_under_load(live: Harness, tmp_path: Path) -> None:
     out = tmp_path / "r"
+    mark = len(live.events)
     code = main(["-c", str(live.config), "--out", str(out), "--faults", "kill-primary:3,kill-daemon:1",
                  "--rate", "15", "--interval", "1", "--warmup", "1", "--settle", "20", "--duration", "60",
                  "--seed", "1"])
@@ -60,7 +61,9 @@ def test_sigkills_under_load(live: Harness, tmp_path: Path) -> None:
             assert f["target_role"] == "daemon" and f["recovery_s"] is not None
     req = report["requests"]
     assert req["all"]["sent"] > 50 and req["non_streaming"]["failed"] == 0, req
-    assert report["failovers_observed"] == 3 and report["failover"]["n"] == 3
+    # (the daemon's restart moves the node onto its new KV pool: a planned switchover, supervisor/core/healing.py)
+    healed = [e for e in live.events[mark:] if e.get("type") == "failover" and e.get("reason") == "promote"]
+    assert report["failover"]["n"] == 3 and len(healed) <= 1 and report["failovers_observed"] == 3 + len(healed)
     assert not report["active_engines"]["ever_more_than_one"]
     assert report["cache"]["hits"] >= 3 and report["cache"]["misses"] == 0
     honest = {m["name"]: m for m in report["honest_metrics"]}
