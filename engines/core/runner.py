@@ -251,11 +251,7 @@ class ModelRunner:
     def _capture(self, key: tuple[int, int]) -> tuple[str, float, float]:
         """Capture one graph into the shared pool: (its label and ms, warm-up s, capture s)."""
         t0 = time.perf_counter()
-        host = self._hosts[0]
-        step = self._graph_step(key, host)
-        self._pad(host.numpy(), step, 0, 0, 0)
-        self._tables_written[0].clear()  # (that padding may overlie rows of block tables a step wrote there)
-        self._dev[:step.layout.size].copy_(host[:step.layout.size])
+        step = self._padding_step(key)
         ids, pos, meta = self._views(step)
         path = (key[0], key[0] == DECODE and key[1] <= FUSED_MAX_BATCH and self.model.use_fused_decode)
         if path not in self._warmed:
@@ -277,12 +273,20 @@ class ModelRunner:
     def replay_graphs(self) -> None:
         """Replay every captured graph once on padding (rows that write only the padding block), as
         its capture's warm-up ran: a graph's first replay then comes before serving."""
-        host = self._hosts[0]
         for key, (graph, _) in self.graphs.items():
-            step = self._graph_step(key, host)
-            self._pad(host.numpy(), step, 0, 0, 0)
-            self._dev[:step.layout.size].copy_(host[:step.layout.size])
+            self._padding_step(key)
             graph.replay()
+
+    def _padding_step(self, key: tuple[int, int]) -> Step:
+        """Graph `key`'s layout filled with padding only, in host buffer 0 and on the device (a capture's
+        or a replay's input). That padding may overlie rows of block tables a step wrote into buffer 0:
+        its record of them is cleared, so the next step on it rewrites them all."""
+        host = self._hosts[0]
+        step = self._graph_step(key, host)
+        self._pad(host.numpy(), step, 0, 0, 0)
+        self._tables_written[0].clear()
+        self._dev[:step.layout.size].copy_(host[:step.layout.size])
+        return step
 
     def _warm_index_kernels(self) -> None:
         """Copy padding blocks and gather tokens once with one index and once with max_num_seqs (the
